@@ -1,0 +1,106 @@
+"""Typed errors. Each names its culprit (backend, distribution, entry point, index).
+
+Selection errors also subclass :class:`ValueError` so that code written against the
+upstream LMCache registry, which raised ``ValueError``, keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class LMCachePlatformError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class BackendLoadError(LMCachePlatformError, RuntimeError):
+    """A backend could not be loaded or failed validation.
+
+    Carries the backend name, its distribution and version, the entry point and the
+    formatted traceback of the original failure (also chained as ``__cause__``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str,
+        distribution: str | None = None,
+        version: str | None = None,
+        entry_point: str | None = None,
+        traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.distribution = distribution
+        self.version = version
+        self.entry_point = entry_point
+        self.traceback = traceback
+
+
+class ApiVersionError(BackendLoadError):
+    """A backend targets a backend-API major version this core does not speak."""
+
+
+class BackendSelectionError(LMCachePlatformError, ValueError):
+    """No single backend could be chosen for a device type."""
+
+    def __init__(self, message: str, *, device_type: str) -> None:
+        super().__init__(message)
+        self.device_type = device_type
+
+
+class BackendNotFoundError(BackendSelectionError):
+    """No installed or registered backend serves the device type."""
+
+
+class AmbiguousBackendError(BackendSelectionError):
+    """Several usable backends serve the device type and none was chosen explicitly."""
+
+    def __init__(self, message: str, *, device_type: str, candidates: Sequence[str]) -> None:
+        super().__init__(message, device_type=device_type)
+        self.candidates = tuple(candidates)
+
+
+class BackendUnavailableError(BackendSelectionError):
+    """Backends for the device type exist but none can be used (failed or probe said no).
+
+    ``reasons`` maps each backend name to its probe reason or first failure line;
+    ``errors`` holds the underlying :class:`BackendLoadError` objects, if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device_type: str,
+        reasons: dict[str, str],
+        errors: Sequence[BackendLoadError] = (),
+    ) -> None:
+        super().__init__(message, device_type=device_type)
+        self.reasons = dict(reasons)
+        self.errors = tuple(errors)
+
+
+class WrapError(LMCachePlatformError, RuntimeError):
+    """Wrapping one tensor of a batch failed; ``layer`` is its index in the batch."""
+
+    def __init__(self, message: str, *, layer: int) -> None:
+        super().__init__(message)
+        self.layer = layer
+
+
+class LayoutError(LMCachePlatformError, ValueError):
+    """KV tensors have a layout that cannot be understood (or needs a hint)."""
+
+
+class TransferError(LMCachePlatformError, ValueError):
+    """A store or retrieve request is out of range; nothing was written."""
+
+
+class DescriptorError(LMCachePlatformError, ValueError):
+    """An IPC descriptor is malformed or refers to memory it must not reach."""
+
+
+class WireFormatError(LMCachePlatformError, ValueError):
+    """Bytes on the wire are malformed, unknown, truncated or oversized."""

@@ -1,0 +1,249 @@
+"""``DeviceIPCWrapper``: the engine-side descriptor of one device tensor.
+
+A wrapper is a small value: the tensor's layout (dtype, shape, stride, storage
+offset), the identity of its device, and whatever handle the backend needs to
+reopen the memory in another process. Subclasses declare their extra fields as
+primitives in ``wire_fields`` and a stable ``wire_tag``; the base validates every
+field when a wrapper is rebuilt from untrusted data (:meth:`from_fields`), so a
+backend never parses wire input by hand.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ._errors import DescriptorError
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Self
+
+#: dtypes a descriptor may name. Anything else is refused before memory is mapped.
+ALLOWED_DTYPES: tuple[str, ...] = (
+    "float16", "bfloat16", "float32", "float64",
+    "float8_e4m3fn", "float8_e5m2",
+    "int8", "uint8", "int16", "int32", "int64", "bool",
+)  # fmt: skip
+
+MAX_NDIM = 8
+#: Upper bound for any dimension, stride or offset (in elements): 2**48.
+MAX_EXTENT = 1 << 48
+
+Primitive = int | str | bytes | list[int]
+
+
+@dataclass(frozen=True)
+class WireField:
+    """Declares one primitive descriptor field and its bounds.
+
+    ``kind`` is ``int``, ``str``, ``bytes`` or ``list`` (a list of ints). ``lo``/``hi``
+    bound an int or every element of a list; ``max_len`` bounds a str, bytes or list.
+    """
+
+    kind: type
+    lo: int | None = None
+    hi: int | None = None
+    max_len: int | None = None
+
+    def check(self, cls_name: str, name: str, value: object) -> Primitive:
+        """Return ``value`` if it matches this declaration, else raise ``DescriptorError``."""
+        where = f"{cls_name}.{name}"
+        if self.kind is list:
+            if not isinstance(value, (list, tuple)):
+                raise DescriptorError(f"{where}: expected a list of ints, got {type(value).__name__}")
+            items = list(value)
+            if self.max_len is not None and len(items) > self.max_len:
+                raise DescriptorError(f"{where}: {len(items)} items exceed the limit of {self.max_len}")
+            for item in items:
+                self._check_int(where, item)
+            return items
+        if self.kind is int:
+            return self._check_int(where, value)
+        if type(value) is not self.kind:
+            raise DescriptorError(
+                f"{where}: expected {self.kind.__name__}, got {type(value).__name__}"
+            )
+        assert isinstance(value, (str, bytes))
+        if self.max_len is not None and len(value) > self.max_len:
+            raise DescriptorError(f"{where}: length {len(value)} exceeds the limit of {self.max_len}")
+        return value
+
+    def _check_int(self, where: str, value: object) -> int:
+        if type(value) is not int:  # bool is not an int here
+            raise DescriptorError(f"{where}: expected int, got {type(value).__name__}")
+        if self.lo is not None and value < self.lo:
+            raise DescriptorError(f"{where}: {value} is below the minimum {self.lo}")
+        if self.hi is not None and value > self.hi:
+            raise DescriptorError(f"{where}: {value} is above the maximum {self.hi}")
+        return value
+
+
+_DIM = WireField(list, lo=0, hi=MAX_EXTENT, max_len=MAX_NDIM)
+BASE_FIELDS: Mapping[str, WireField] = {
+    "dtype": WireField(str, max_len=32),
+    "shape": _DIM,
+    "stride": _DIM,
+    "storage_offset": WireField(int, lo=0, hi=MAX_EXTENT),
+    "device_uuid": WireField(str, max_len=128),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``; refuses dtypes outside :data:`ALLOWED_DTYPES`."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ALLOWED_DTYPES:
+        raise DescriptorError(f"dtype {dtype} is not supported for IPC")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float16"`` -> ``torch.float16``, only for allowed names."""
+    if name not in ALLOWED_DTYPES:
+        raise DescriptorError(f"dtype {name!r} is not allowed (allowed: {', '.join(ALLOWED_DTYPES)})")
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DescriptorError(f"dtype {name!r} is not available in this torch build")
+    return dtype
+
+
+def required_elements(shape: tuple[int, ...], stride: tuple[int, ...], storage_offset: int) -> int:
+    """Number of elements a strided view needs from its storage's start (0 if empty)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return storage_offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+
+
+class DeviceIPCWrapper(abc.ABC):
+    """Base of every IPC wrapper: a hashable value describing a shareable tensor.
+
+    Subclasses set ``device_type`` and ``wire_tag``, declare extra fields in
+    ``wire_fields`` (their ``__init__`` takes them as keyword arguments next to
+    the base fields) and implement :meth:`wrap` and :meth:`to_tensor`. Override
+    :meth:`_release` to free per-process resources; :meth:`close` calls it once.
+    """
+
+    #: torch device type this wrapper exports (``"cpu"``, ``"cuda"``, ...).
+    device_type: ClassVar[str] = ""
+    #: Stable name on the wire, e.g. ``"cpu.shm/1"``. Never reuse one for another layout.
+    wire_tag: ClassVar[str] = ""
+    #: Extra primitive fields of this class, beyond :data:`BASE_FIELDS`.
+    wire_fields: ClassVar[Mapping[str, WireField]] = {}
+
+    def __init__(
+        self,
+        *,
+        dtype: torch.dtype,
+        shape: tuple[int, ...] | list[int],
+        stride: tuple[int, ...] | list[int],
+        storage_offset: int,
+        device_uuid: str,
+    ) -> None:
+        shape, stride = tuple(shape), tuple(stride)
+        if len(shape) != len(stride):
+            raise DescriptorError(
+                f"{type(self).__name__}: shape {shape} and stride {stride} differ in rank"
+            )
+        dtype_name(dtype)
+        if required_elements(shape, stride, storage_offset) > MAX_EXTENT:
+            raise DescriptorError(f"{type(self).__name__}: view extent overflows")
+        self.dtype = dtype
+        self.shape = shape
+        self.stride = stride
+        self.storage_offset = storage_offset
+        self.device_uuid = device_uuid
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # -- what a backend implements ----------------------------------------------------
+
+    @classmethod
+    @abc.abstractmethod
+    def wrap(cls, tensor: torch.Tensor) -> Self:
+        """Export ``tensor`` (engine side) and return its descriptor."""
+
+    @abc.abstractmethod
+    def to_tensor(self) -> torch.Tensor:
+        """Reopen the memory in this process as a tensor aliasing the producer's."""
+
+    def _release(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Free per-process resources held by this wrapper (mappings, handles)."""
+
+    # -- provided ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what this wrapper holds in this process. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes spanned by the view, from the storage start (0 for an empty tensor)."""
+        import torch
+
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return required_elements(self.shape, self.stride, self.storage_offset) * itemsize
+
+    def fields(self) -> dict[str, Primitive]:
+        """The descriptor as primitives: base fields, then ``wire_fields``."""
+        out: dict[str, Primitive] = {
+            "dtype": dtype_name(self.dtype),
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "storage_offset": self.storage_offset,
+            "device_uuid": self.device_uuid,
+        }
+        for name in self.wire_fields:
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> Self:
+        """Rebuild a wrapper from untrusted primitives, validating every field.
+
+        Raises :class:`DescriptorError` on a missing, extra, mistyped or out-of-range
+        field. Nothing is mapped here; :meth:`to_tensor` does that later.
+        """
+        schema = {**BASE_FIELDS, **cls.wire_fields}
+        if set(fields) != set(schema):
+            missing = sorted(set(schema) - set(fields))
+            extra = sorted(set(fields) - set(schema), key=repr)
+            raise DescriptorError(f"{cls.__name__}: missing fields {missing}, unknown fields {extra}")
+        values = {name: spec.check(cls.__name__, name, fields[name]) for name, spec in schema.items()}
+        assert isinstance(values["dtype"], str)
+        values["dtype"] = dtype_from_name(values["dtype"])  # type: ignore[assignment]
+        values["shape"] = tuple(values["shape"])  # type: ignore[arg-type]
+        values["stride"] = tuple(values["stride"])  # type: ignore[arg-type]
+        return cls(**values)
+
+    def _key(self) -> tuple[Any, ...]:
+        return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.fields().items())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DeviceIPCWrapper):
+            return NotImplemented
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._key()))
+
+    def __repr__(self) -> str:
+        extras = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.wire_fields)
+        return (
+            f"{type(self).__name__}(dtype={self.dtype}, shape={self.shape}, stride={self.stride}, "
+            f"storage_offset={self.storage_offset}, device_uuid={self.device_uuid!r}"
+            + (f", {extras})" if extras else ")")
+        )

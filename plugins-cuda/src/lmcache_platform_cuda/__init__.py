@@ -1,0 +1,1 @@
+"""The CUDA backend of lmcache-platform: KV tensors shared through CUDA IPC."""
