@@ -15,8 +15,24 @@ from ._errors import (
     WireFormatError,
     WrapError,
 )
-from ._hookspecs import hookimpl
+from ._facade import (
+    DEFAULT_BACKEND,
+    create_cache_context,
+    get_kv_wrapper_factory,
+    refresh,
+    register_backend,
+    register_kv_wrapper,
+    reset_for_tests,
+    restore,
+    restore_backends,
+    snapshot,
+    snapshot_backends,
+    unregister_backend,
+    wrap_kv_caches,
+)
+from ._hookspecs import hookimpl, hookspec
 from ._ipc_wrapper import DeviceIPCWrapper, WireField
+from ._registry import BackendInfo, Status, TableState
 from ._types import (
     Availability,
     CacheContextConfig,
@@ -29,6 +45,23 @@ from ._version import API_VERSION, __version__
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_BACKEND",
+    "BackendInfo",
+    "Status",
+    "TableState",
+    "create_cache_context",
+    "get_kv_wrapper_factory",
+    "refresh",
+    "register_backend",
+    "register_kv_wrapper",
+    "reset_for_tests",
+    "restore",
+    "restore_backends",
+    "snapshot",
+    "snapshot_backends",
+    "unregister_backend",
+    "wrap_kv_caches",
+    "hookspec",
     "AmbiguousBackendError",
     "ApiVersionError",
     "Availability",

@@ -1,0 +1,60 @@
+"""``lmcache-platform`` command line: a thin dispatcher over one module per subcommand.
+
+Subcommand modules are imported only when their command runs, so ``--help`` and
+``list`` stay fast and never import torch. Each exposes ``add_arguments(parser)``
+and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from ._version import API_VERSION, __version__
+
+#: command -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "list": ("lmcache_platform._report", "list installed backends and the one selected per device"),
+    "demo": ("lmcache_platform._demo", "run an engine/server KV-cache round trip and time it"),
+    "doctor": ("lmcache_platform._doctor", "diagnose this host: Python, torch, backends, /dev/shm"),
+    "gc": ("lmcache_platform._gc", "reclaim resources left behind by dead producers"),
+    "check": ("lmcache_platform.conformance._cli", "run the conformance suite against a backend"),
+    "bench": ("lmcache_platform._bench", "benchmark hand-off, transfers and dispatch"),
+}
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache-platform",
+        description="Device-platform layer for LLM KV caches: backends, diagnostics, demo.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__} (backend API {API_VERSION})"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:  # import only the module of the command being run
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

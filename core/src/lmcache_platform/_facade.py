@@ -1,0 +1,147 @@
+"""The engine-facing facade, with the upstream LMCache names so ported code runs unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._errors import WrapError
+from ._registry import REGISTRY, TableState, WrapperFactory
+from ._types import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._cache_context import BaseCacheContext
+    from ._ipc_wrapper import DeviceIPCWrapper
+
+#: Device type used when nothing else is known (upstream compatibility).
+DEFAULT_BACKEND = "cpu"
+
+# The hot path reads this dict directly; the registry mutates it in place, never rebinds it.
+_WRAPPER_FACTORIES = REGISTRY.wrappers.entries
+
+
+def get_kv_wrapper_factory(device_type: str) -> WrapperFactory:
+    """Return the callable that wraps a ``device_type`` tensor into an IPC wrapper.
+
+    After the first call for a device type this is a dict lookup.
+    """
+    try:
+        return _WRAPPER_FACTORIES[device_type]
+    except KeyError:
+        return REGISTRY.wrapper_factory(device_type)
+
+
+def register_kv_wrapper(device_type: str, factory: WrapperFactory) -> None:
+    """Use ``factory`` to wrap ``device_type`` tensors in this process, over any backend."""
+    REGISTRY.register_kv_wrapper(device_type, factory)
+
+
+def wrap_kv_caches(tensors: Sequence[torch.Tensor]) -> list[DeviceIPCWrapper]:
+    """Wrap per-layer KV tensors, each with the factory of its device type.
+
+    All or nothing: if layer ``i`` fails, the wrappers already made are closed and
+    :class:`WrapError` names layer ``i`` (the original error is its ``__cause__``).
+    """
+    if isinstance(tensors, Mapping):
+        raise TypeError("wrap_kv_caches takes a sequence of per-layer tensors, not a mapping")
+    wrappers: list[DeviceIPCWrapper] = []
+    for index, tensor in enumerate(tensors):
+        try:
+            wrappers.append(get_kv_wrapper_factory(tensor.device.type)(tensor))
+        except Exception as exc:
+            for made in reversed(wrappers):
+                made.close()
+            raise WrapError(
+                f"wrapping KV-cache layer {index} ({getattr(tensor, 'device', '?')}, "
+                f"shape {tuple(getattr(tensor, 'shape', ()))}) failed: {type(exc).__name__}: {exc}",
+                layer=index,
+            ) from exc
+    return wrappers
+
+
+def _device_type_of(wrapper: DeviceIPCWrapper) -> str:
+    declared = getattr(type(wrapper), "device_type", "")
+    return declared if declared else str(wrapper.to_tensor().device.type)
+
+
+def create_cache_context(
+    kv_caches: Sequence[DeviceIPCWrapper],
+    lmcache_tokens_per_chunk: int = 256,
+    layout_hints: LayoutHints | None = None,
+    engine_group_infos: Sequence[EngineGroupInfo] = (),
+    engine_type: EngineType = EngineType.VLLM,
+    separate_object_groups: bool = True,
+    full_sw_kv: bool = False,
+) -> BaseCacheContext:
+    """Build the cache context for one engine's per-layer wrappers (server side).
+
+    The device type comes from the wrappers' classes; every wrapper must share it.
+    The backend's class receives ``(kv_caches, config)`` with a frozen
+    :class:`CacheContextConfig`.
+    """
+    kv_caches = list(kv_caches)
+    if not kv_caches:
+        raise ValueError("create_cache_context needs a non-empty list of KV-cache wrappers")
+    device_types = sorted({_device_type_of(w) for w in kv_caches})
+    if len(device_types) != 1:
+        raise ValueError(f"all KV-cache wrappers must share one device type, got {device_types}")
+    cls = REGISTRY.cache_context_class(device_types[0])
+    config = CacheContextConfig(
+        lmcache_tokens_per_chunk=lmcache_tokens_per_chunk,
+        layout_hints=layout_hints,
+        engine_group_infos=tuple(engine_group_infos),
+        engine_type=engine_type,
+        separate_object_groups=separate_object_groups,
+        full_sw_kv=full_sw_kv,
+    )
+    return cls(kv_caches, config)
+
+
+def register_backend(
+    plugin: object, name: str, *, distribution: str | None = None, version: str | None = None
+) -> None:
+    """Register a backend plugin object under ``name`` in this process (validated at once)."""
+    REGISTRY.register_backend(plugin, name, distribution=distribution, version=version)
+
+
+def unregister_backend(name: str) -> None:
+    REGISTRY.unregister_backend(name)
+
+
+def refresh() -> None:
+    """Re-read installed metadata on next use (after installing a backend at run time)."""
+    REGISTRY.refresh()
+
+
+# -- test helpers with the upstream semantics ------------------------------------------
+
+
+def snapshot_backends() -> TableState:
+    """Snapshot of the cache-context table (device type -> class) and its discovered flag."""
+    return REGISTRY.contexts.snapshot()
+
+
+def restore_backends(state: TableState | Mapping[str, Any]) -> None:
+    """Restore a :func:`snapshot_backends` state, or install a plain ``{type: class}`` table.
+
+    A plain table counts as discovered, so fakes are not overwritten by a later scan;
+    a snapshot restores its own flag, so one taken before discovery lets it run again.
+    """
+    REGISTRY.contexts.restore(state)
+
+
+def snapshot() -> TableState:
+    """Snapshot of the wrapper-factory table (device type -> factory) and its flag."""
+    return REGISTRY.wrappers.snapshot()
+
+
+def restore(state: TableState | Mapping[str, Any]) -> None:
+    """Restore a :func:`snapshot` state, or install a plain ``{type: factory}`` table."""
+    REGISTRY.wrappers.restore(state)
+
+
+def reset_for_tests() -> None:
+    """Empty the wrapper table and let the next lookup resolve again."""
+    REGISTRY.wrappers.restore(TableState({}, False))

@@ -1,0 +1,373 @@
+"""The reference server's protocol: length-prefixed frames carrying typed messages.
+
+A frame is a 4-byte big-endian length followed by that many bytes, at most
+:data:`MAX_FRAME_BYTES`; a larger announced length is refused before anything is
+read. Each frame holds one envelope (see :mod:`lmcache_platform._codec`) with magic
+``LMCP``: a request map from the engine, or a reply map from the server. Requests
+are checked field by field against :data:`_SCHEMA`; registration embeds the
+wrapper list as a :mod:`lmcache_platform.wire` message, which the server decodes
+with its own allow-list.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _codec, wire
+from ._codec import (
+    expect_bool,
+    expect_bytes,
+    expect_int,
+    expect_int_list,
+    expect_list,
+    expect_map,
+    expect_str,
+)
+from ._errors import WireFormatError
+from ._types import EngineGroupInfo, EngineType, KVFormat, LayoutHints
+
+MAGIC = b"LMCP"
+VERSION = 1
+#: Largest frame either side accepts, length prefix excluded.
+MAX_FRAME_BYTES = 16 << 20
+#: Most chunks in one store or retrieve request.
+MAX_CHUNKS = 4096
+#: Most KV-cache groups per chunk, and block ids per group.
+MAX_GROUPS = 64
+MAX_BLOCKS_PER_GROUP = 1 << 16
+MAX_CHUNK_ID_LEN = 256
+MAX_ID = (1 << 63) - 1
+MAX_LAYERS = wire.MAX_WRAPPERS
+
+OPS = ("register", "store", "retrieve", "unregister", "status", "shutdown")
+
+_PREFIX = struct.Struct(">I")
+_LIMITS = _codec.Limits(
+    max_bytes=MAX_FRAME_BYTES,
+    max_array_len=MAX_BLOCKS_PER_GROUP,
+    max_map_len=256,
+    max_str_len=1 << 20,
+    max_bin_len=wire.MAX_MESSAGE_BYTES,
+)
+
+# -- framing -----------------------------------------------------------------------------
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    """Write one frame (blocking)."""
+    if len(payload) > MAX_FRAME_BYTES:
+        raise WireFormatError(
+            f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME_BYTES}"
+        )
+    sock.sendall(_PREFIX.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """Read one frame; ``None`` on a clean end of stream between frames.
+
+    Raises :class:`WireFormatError` for an oversized length or a stream cut short
+    inside a frame; the connection is then out of sync and must be closed.
+    """
+    head = _recv_exact(sock, _PREFIX.size, at_boundary=True)
+    if head is None:
+        return None
+    (length,) = _PREFIX.unpack(head)
+    if length > MAX_FRAME_BYTES:
+        raise WireFormatError(f"frame of {length} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    body = _recv_exact(sock, length, at_boundary=False)
+    assert body is not None
+    return body
+
+
+def _recv_exact(sock: socket.socket, n: int, *, at_boundary: bool) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0 and at_boundary:
+                return None
+            raise WireFormatError(f"connection closed inside a frame ({got} of {n} bytes)")
+        got += k
+    return bytes(buf)
+
+
+# -- messages ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk to move: its id in server memory and the engine block ids per group."""
+
+    chunk_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request. Fields an operation does not use keep their defaults."""
+
+    op: str
+    request_id: int
+    context: int = 0
+    wrappers: bytes = b""
+    config: dict[str, Any] = field(default_factory=dict)
+    chunks: tuple[Chunk, ...] = ()
+
+
+#: op -> (required keys, optional keys), beyond "op" and "id".
+_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "register": (frozenset({"wrappers", "config"}), frozenset()),
+    "store": (frozenset({"context", "chunks"}), frozenset()),
+    "retrieve": (frozenset({"context", "chunks"}), frozenset()),
+    "unregister": (frozenset({"context"}), frozenset()),
+    "status": (frozenset(), frozenset({"context"})),
+    "shutdown": (frozenset(), frozenset()),
+}
+
+
+def encode_request(
+    op: str,
+    request_id: int,
+    *,
+    context: int | None = None,
+    wrappers: bytes | None = None,
+    config: dict[str, Any] | None = None,
+    chunks: Sequence[Chunk] | None = None,
+) -> bytes:
+    """Build a request frame payload; the same schema as :func:`decode_request` checks."""
+    msg: dict[str, object] = {"op": op, "id": request_id}
+    if context is not None:
+        msg["context"] = context
+    if wrappers is not None:
+        msg["wrappers"] = wrappers
+    if config is not None:
+        msg["config"] = encode_config(**config)
+    if chunks is not None:
+        msg["chunks"] = [[c.chunk_id, [list(g) for g in c.block_ids]] for c in chunks]
+    payload = _codec.pack(MAGIC, VERSION, msg, max_bytes=MAX_FRAME_BYTES, what="request")
+    decode_request(payload)  # refuse to send what the server would refuse
+    return payload
+
+
+def request_id_of(payload: bytes) -> int:
+    """Best-effort request id of a payload that failed validation (0 if unknown)."""
+    try:
+        msg = _codec.unpack(MAGIC, VERSION, payload, _LIMITS, what="request")
+    except WireFormatError:
+        return 0
+    rid = msg.get("id") if isinstance(msg, dict) else None
+    return rid if type(rid) is int and 0 <= rid <= MAX_ID else 0
+
+
+def decode_request(payload: bytes) -> Request:
+    """Parse and validate a request; raise :class:`WireFormatError` naming the culprit."""
+    msg = _codec.unpack(MAGIC, VERSION, payload, _LIMITS, what="request")
+    if not isinstance(msg, dict):
+        raise WireFormatError(f"request: expected a map, got {type(msg).__name__}")
+    op = msg.get("op")
+    if op not in _SCHEMA:
+        raise WireFormatError(f"request: unknown op {_codec.show(op)} (known: {', '.join(OPS)})")
+    assert isinstance(op, str)
+    required, optional = _SCHEMA[op]
+    expect_map(msg, f"{op} request", keys=required | {"op", "id"}, optional=optional)
+    rid = expect_int(msg["id"], f"{op} request id", lo=0, hi=MAX_ID)
+    kwargs: dict[str, Any] = {}
+    if "context" in msg:
+        kwargs["context"] = expect_int(msg["context"], f"{op} context", lo=0, hi=MAX_ID)
+    if "wrappers" in msg:
+        kwargs["wrappers"] = expect_bytes(
+            msg["wrappers"], f"{op} wrappers", max_len=wire.MAX_MESSAGE_BYTES
+        )
+    if "config" in msg:
+        kwargs["config"] = decode_config(msg["config"])
+    if "chunks" in msg:
+        kwargs["chunks"] = _decode_chunks(msg["chunks"], op)
+    return Request(op=op, request_id=rid, **kwargs)
+
+
+def _decode_chunks(value: object, op: str) -> tuple[Chunk, ...]:
+    chunks = []
+    for i, item in enumerate(expect_list(value, f"{op} chunks", max_len=MAX_CHUNKS)):
+        where = f"{op} chunk {i}"
+        pair = expect_list(item, where, max_len=2)
+        if len(pair) != 2:
+            raise WireFormatError(f"{where}: expected [chunk_id, block_ids_per_group]")
+        chunk_id = expect_str(pair[0], f"{where} id", max_len=MAX_CHUNK_ID_LEN)
+        groups = expect_list(pair[1], f"{where} block ids", max_len=MAX_GROUPS)
+        block_ids = tuple(
+            tuple(
+                expect_int_list(
+                    g, f"{where} group {j}", lo=0, hi=MAX_ID, max_len=MAX_BLOCKS_PER_GROUP
+                )
+            )
+            for j, g in enumerate(groups)
+        )
+        chunks.append(Chunk(chunk_id, block_ids))
+    return tuple(chunks)
+
+
+# -- the cache-context config ------------------------------------------------------------
+
+_CONFIG_KEYS = frozenset(
+    {"lmcache_tokens_per_chunk", "layout_hints", "engine_group_infos", "engine_type",
+     "separate_object_groups", "full_sw_kv"}
+)  # fmt: skip
+_HINT_KEYS = frozenset({"kv_format", "per_layer", "block_size", "num_kv_heads"})
+_GROUP_KEYS = frozenset({"layer_indices", "block_size", "sliding_window"})
+_MAX_TOKENS = 1 << 24
+
+
+def encode_config(
+    *,
+    lmcache_tokens_per_chunk: int = 256,
+    layout_hints: LayoutHints | None = None,
+    engine_group_infos: Sequence[EngineGroupInfo] = (),
+    engine_type: EngineType = EngineType.VLLM,
+    separate_object_groups: bool = True,
+    full_sw_kv: bool = False,
+) -> dict[str, object]:
+    """The keyword arguments of ``create_cache_context`` (after the wrappers) as primitives."""
+    hints: dict[str, object] | None = None
+    if layout_hints is not None:
+        hints = {
+            "kv_format": layout_hints.kv_format.value if layout_hints.kv_format else None,
+            "per_layer": [[i, f.value] for i, f in sorted(layout_hints.per_layer.items())],
+            "block_size": layout_hints.block_size,
+            "num_kv_heads": layout_hints.num_kv_heads,
+        }
+    return {
+        "lmcache_tokens_per_chunk": lmcache_tokens_per_chunk,
+        "layout_hints": hints,
+        "engine_group_infos": [
+            {
+                "layer_indices": list(g.layer_indices),
+                "block_size": g.block_size,
+                "sliding_window": g.sliding_window,
+            }
+            for g in engine_group_infos
+        ],
+        "engine_type": engine_type.value,
+        "separate_object_groups": separate_object_groups,
+        "full_sw_kv": full_sw_kv,
+    }
+
+
+def decode_config(value: object) -> dict[str, Any]:
+    """Validate a config map and rebuild the ``create_cache_context`` keyword arguments."""
+    msg = expect_map(value, "config", keys=_CONFIG_KEYS)
+    out: dict[str, Any] = {
+        "lmcache_tokens_per_chunk": expect_int(
+            msg["lmcache_tokens_per_chunk"], "config lmcache_tokens_per_chunk", lo=1, hi=_MAX_TOKENS
+        ),
+        "engine_type": _enum(EngineType, msg["engine_type"], "config engine_type"),
+        "separate_object_groups": expect_bool(
+            msg["separate_object_groups"], "config separate_object_groups"
+        ),
+        "full_sw_kv": expect_bool(msg["full_sw_kv"], "config full_sw_kv"),
+        "layout_hints": None,
+    }
+    if msg["layout_hints"] is not None:
+        hints = expect_map(msg["layout_hints"], "config layout_hints", keys=_HINT_KEYS)
+        per_layer = {}
+        for i, pair in enumerate(expect_list(hints["per_layer"], "per_layer", max_len=MAX_LAYERS)):
+            items = expect_list(pair, f"per_layer[{i}]", max_len=2)
+            if len(items) != 2:
+                raise WireFormatError(f"config per_layer[{i}]: expected [layer, kv_format]")
+            layer = expect_int(items[0], f"config per_layer[{i}] layer", lo=0, hi=MAX_LAYERS)
+            per_layer[layer] = _enum(KVFormat, items[1], f"config per_layer[{i}] kv_format")
+        out["layout_hints"] = LayoutHints(
+            kv_format=_optional(hints["kv_format"], lambda v: _enum(KVFormat, v, "kv_format")),
+            per_layer=per_layer,
+            block_size=_optional(hints["block_size"], lambda v: _count(v, "block_size")),
+            num_kv_heads=_optional(hints["num_kv_heads"], lambda v: _count(v, "num_kv_heads")),
+        )
+    groups = []
+    for i, g in enumerate(expect_list(msg["engine_group_infos"], "groups", max_len=MAX_GROUPS)):
+        where = f"config engine_group_infos[{i}]"
+        info = expect_map(g, where, keys=_GROUP_KEYS)
+        groups.append(
+            EngineGroupInfo(
+                layer_indices=tuple(
+                    expect_int_list(
+                        info["layer_indices"],
+                        f"{where} layer_indices",
+                        lo=0,
+                        hi=MAX_LAYERS,
+                        max_len=MAX_LAYERS,
+                    )
+                ),
+                block_size=_count(info["block_size"], f"{where} block_size"),
+                sliding_window=_optional(
+                    info["sliding_window"], lambda v, w=where: _count(v, f"{w} sliding_window")
+                ),
+            )
+        )
+    out["engine_group_infos"] = tuple(groups)
+    return out
+
+
+def _count(value: object, where: str) -> int:
+    return expect_int(value, where, lo=1, hi=_MAX_TOKENS)
+
+
+def _optional(value: object, parse: Any) -> Any:
+    return None if value is None else parse(value)
+
+
+def _enum(kind: Any, value: object, where: str) -> Any:
+    text = expect_str(value, where, max_len=64)
+    try:
+        return kind(text)
+    except ValueError:
+        known = ", ".join(m.value for m in kind)
+        raise WireFormatError(f"{where}: unknown value {text!r} (known: {known})") from None
+
+
+# -- replies -----------------------------------------------------------------------------
+
+
+def encode_reply(request_id: int, result: dict[str, Any]) -> bytes:
+    """A success reply; ``result`` must hold plain values only."""
+    msg = {"id": request_id, "ok": True, "result": result}
+    return _codec.pack(MAGIC, VERSION, msg, max_bytes=MAX_FRAME_BYTES, what="reply")
+
+
+def encode_error(request_id: int, kind: str, message: str) -> bytes:
+    """An error reply naming the exception class and its message (truncated)."""
+    msg = {"id": request_id, "ok": False, "error": {"type": kind[:128], "message": message[:8192]}}
+    return _codec.pack(MAGIC, VERSION, msg, max_bytes=MAX_FRAME_BYTES, what="reply")
+
+
+@dataclass(frozen=True)
+class Reply:
+    request_id: int
+    ok: bool
+    result: dict[str, Any]
+    error_type: str = ""
+    error_message: str = ""
+
+
+def decode_reply(payload: bytes) -> Reply:
+    """Parse a reply. The server is trusted no more than the client: same limits."""
+    msg = expect_map(
+        _codec.unpack(MAGIC, VERSION, payload, _LIMITS, what="reply"),
+        "reply", keys={"id", "ok"}, optional={"result", "error"},
+    )  # fmt: skip
+    rid = expect_int(msg["id"], "reply id", lo=0, hi=MAX_ID)
+    if expect_bool(msg["ok"], "reply ok"):
+        result = msg.get("result")
+        if not isinstance(result, dict):  # op-specific keys, read by the client by name
+            raise WireFormatError(f"reply result: expected a map, got {type(result).__name__}")
+        return Reply(rid, True, result)
+    error = expect_map(msg.get("error"), "reply error", keys={"type", "message"})
+    return Reply(
+        rid, False, {},
+        expect_str(error["type"], "reply error type", max_len=128),
+        expect_str(error["message"], "reply error message", max_len=8192),
+    )  # fmt: skip

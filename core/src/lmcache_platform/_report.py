@@ -1,0 +1,98 @@
+"""``lmcache-platform list``: what is installed, what loaded, what each device type uses.
+
+The JSON shape (``--json``) is stable; fields are only ever added:
+
+    {"schema": 1, "api_version": 1,
+     "backends": [{"name", "device_type", "distribution", "version", "entry_point",
+                   "status", "reason", "selected"}],
+     "device_types": {"<type>": {"selected": "<backend>" | null, "error": "<message>" | null}}}
+
+``status`` is one of ``ok``, ``failed``, ``disabled``, ``unavailable``, ``not loaded``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ._errors import AmbiguousBackendError, BackendSelectionError
+from ._registry import REGISTRY, Status
+from ._version import API_VERSION
+
+SCHEMA = 1
+
+
+def collect(*, load: bool = True) -> dict[str, Any]:
+    """Build the report. ``load=False`` reads metadata only and imports no backend."""
+    infos = REGISTRY.backends(load=load)
+    device_types: dict[str, dict[str, Any]] = {}
+    selected: set[str] = set()
+    for device_type in sorted({i.device_type for i in infos}):
+        entry: dict[str, Any] = {"selected": None, "error": None, "ambiguous": False}
+        if load:
+            try:
+                chosen = REGISTRY.selected_backend(device_type)
+                entry["selected"] = chosen.name
+                selected.add(chosen.name)
+            except BackendSelectionError as exc:
+                entry["error"] = str(exc)
+                entry["ambiguous"] = isinstance(exc, AmbiguousBackendError)
+        device_types[device_type] = entry
+    backends = [
+        {
+            "name": i.name,
+            "device_type": i.device_type,
+            "distribution": i.distribution,
+            "version": i.version,
+            "entry_point": i.entry_point,
+            "status": i.status.value,
+            "reason": i.reason.splitlines()[0] if i.reason else "",
+            "selected": i.name in selected,
+        }
+        for i in infos
+    ]
+    return {"schema": SCHEMA, "api_version": API_VERSION, "backends": backends,
+            "device_types": device_types}  # fmt: skip
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [("BACKEND", "DEVICE", "DISTRIBUTION", "VERSION", "STATUS", "")]
+    for b in report["backends"]:
+        rows.append((
+            b["name"] + (" *" if b["selected"] else ""), b["device_type"],
+            b["distribution"] or "(manual)", b["version"] or "-", b["status"], b["reason"],
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)).rstrip()
+             + (f"  {r[5]}" if r[5] else "") for r in rows]  # fmt: skip
+    if not report["backends"]:
+        lines.append("(no backends installed: pip install lmcache-platform-cpu)")
+    lines.append("")
+    for device_type, entry in report["device_types"].items():
+        choice = entry["selected"] or f"none: {(entry['error'] or 'not resolved').splitlines()[0]}"
+        lines.append(f"{device_type}: {choice}")
+    lines.append("(* = selected)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the stable JSON report")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="exit 1 if any backend failed to load or a device type is ambiguous",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-load", action="store_true",
+        help="read installed metadata only; import no backend (statuses stay 'not loaded')",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect(load=not args.no_load)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    if args.check:
+        failed = any(b["status"] == Status.FAILED.value for b in report["backends"])
+        ambiguous = any(e["ambiguous"] for e in report["device_types"].values())
+        return 1 if failed or ambiguous else 0
+    return 0

@@ -1,0 +1,163 @@
+"""The wire format for IPC wrappers: typed, versioned, allow-listed, never pickled.
+
+An engine sends its per-layer wrappers to a KV-cache server in another process.
+Upstream LMCache pickled them, so anyone who could reach the server's socket could
+run code in it. Here a message is data only::
+
+    b"LMCW" | version (1 byte) | msgpack [ [device_type, wire_tag, {field: primitive}], ... ]
+
+Each record names the wrapper's device type and the class's stable ``wire_tag``;
+its fields are the primitives from :meth:`DeviceIPCWrapper.fields`. The decoder
+checks the device-type string, looks the tag up in an allow-list (by default the
+wire classes of the backend this process resolved for that device type) and
+rebuilds the wrapper with :meth:`DeviceIPCWrapper.from_fields`, which validates
+every field. Nothing is mapped while decoding; :meth:`~DeviceIPCWrapper.to_tensor`
+does that later.
+
+Every malformed, unknown, truncated or oversized input raises
+:class:`~lmcache_platform.WireFormatError` and nothing else; the original error,
+if any, is its ``__cause__``. See ``docs/wire-format.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+from . import _codec
+from ._errors import LMCachePlatformError, WireFormatError
+from ._ipc_wrapper import DeviceIPCWrapper
+
+#: First bytes of every encoded wrapper list.
+MAGIC = b"LMCW"
+#: Format version; bumped on any incompatible change of the record layout.
+VERSION = 1
+#: Most wrappers in one message (one per layer; plane tuples count separately).
+MAX_WRAPPERS = 4096
+#: Largest encoded message, header included.
+MAX_MESSAGE_BYTES = 4 << 20
+#: Most fields in one record.
+MAX_FIELDS = 64
+
+#: Device types are torch device-type names: ``cpu``, ``cuda``, ``xpu``, ``npu``...
+DEVICE_TYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+#: Wire tags are short ASCII names such as ``cpu.shm/1``.
+WIRE_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:+-]{0,63}")
+
+_LIMITS = _codec.Limits(
+    max_bytes=MAX_MESSAGE_BYTES,
+    max_array_len=MAX_WRAPPERS,
+    max_map_len=MAX_FIELDS,
+    max_str_len=4096,
+    max_bin_len=64 << 10,
+)
+_WHAT = "wrapper message"
+
+
+def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
+    """Encode ``wrappers`` (in order) to bytes that :func:`decode` accepts.
+
+    Raises :class:`WireFormatError` if an item is not a wrapper, its class has no
+    valid ``device_type``/``wire_tag``, or the message would exceed the limits.
+    """
+    if len(wrappers) > MAX_WRAPPERS:
+        raise WireFormatError(f"{len(wrappers)} wrappers exceed the limit of {MAX_WRAPPERS}")
+    records: list[list[object]] = []
+    for i, wrapper in enumerate(wrappers):
+        if not isinstance(wrapper, DeviceIPCWrapper):
+            raise WireFormatError(
+                f"item {i}: expected a DeviceIPCWrapper, got {type(wrapper).__name__}"
+            )
+        cls = type(wrapper)
+        if not DEVICE_TYPE_RE.fullmatch(cls.device_type) or not WIRE_TAG_RE.fullmatch(cls.wire_tag):
+            raise WireFormatError(
+                f"item {i}: {cls.__qualname__} needs a valid device_type and wire_tag "
+                f"(got {cls.device_type!r}, {cls.wire_tag!r})"
+            )
+        try:
+            fields = wrapper.fields()
+        except LMCachePlatformError as exc:
+            raise WireFormatError(f"item {i} ({cls.wire_tag}): {exc}") from exc
+        records.append([cls.device_type, cls.wire_tag, fields])
+    return _codec.pack(MAGIC, VERSION, records, max_bytes=MAX_MESSAGE_BYTES, what=_WHAT)
+
+
+def decode(
+    data: bytes, *, allowed: Mapping[str, type[DeviceIPCWrapper]] | None = None
+) -> list[DeviceIPCWrapper]:
+    """Decode bytes from :func:`encode`, instantiating only allow-listed classes.
+
+    ``allowed`` maps wire tags to classes. By default each record's device type is
+    resolved in this process (:func:`lmcache_platform._registry.wire_classes_for`)
+    and only that backend's wire classes are accepted. Raises
+    :class:`WireFormatError` on any bad input.
+    """
+    records = _codec.expect_list(
+        _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT), _WHAT, max_len=MAX_WRAPPERS
+    )
+    classes_by_type: dict[str, Mapping[str, type[DeviceIPCWrapper]]] = {}
+    out: list[DeviceIPCWrapper] = []
+    try:
+        for i, record in enumerate(records):
+            out.append(_decode_record(i, record, allowed, classes_by_type))
+    except BaseException:
+        for wrapper in out:  # nothing is mapped yet, but leave nothing half-built
+            wrapper.close()
+        raise
+    return out
+
+
+def _decode_record(
+    index: int,
+    record: object,
+    allowed: Mapping[str, type[DeviceIPCWrapper]] | None,
+    cache: dict[str, Mapping[str, type[DeviceIPCWrapper]]],
+) -> DeviceIPCWrapper:
+    where = f"record {index}"
+    items = _codec.expect_list(record, where, max_len=3)
+    if len(items) != 3:
+        raise WireFormatError(f"{where}: expected [device_type, wire_tag, fields]")
+    device_type = _codec.expect_str(
+        items[0], f"{where} device type", max_len=32, pattern=DEVICE_TYPE_RE
+    )
+    tag = _codec.expect_str(items[1], f"{where} wire tag", max_len=64, pattern=WIRE_TAG_RE)
+    fields = items[2]
+    if not isinstance(fields, dict):
+        raise WireFormatError(f"{where} ({tag}): fields must be a map, got {type(fields).__name__}")
+
+    if allowed is None:
+        classes = cache.get(device_type)
+        if classes is None:
+            classes = cache[device_type] = _classes_for(where, device_type)
+    else:
+        classes = allowed
+    cls = classes.get(tag)
+    if cls is None:
+        accepted = ", ".join(sorted(classes)) or "none"
+        raise WireFormatError(
+            f"{where}: wire tag {tag!r} is not accepted for device type {device_type!r} "
+            f"(accepted: {accepted})"
+        )
+    if cls.device_type != device_type:
+        raise WireFormatError(
+            f"{where}: wire tag {tag!r} belongs to device type {cls.device_type!r}, "
+            f"not {device_type!r}"
+        )
+    try:
+        return cls.from_fields(fields)
+    except Exception as exc:  # a constructor refusing hostile fields is the input's fault
+        raise WireFormatError(f"{where} ({tag}): {exc}") from exc
+
+
+def _classes_for(where: str, device_type: str) -> Mapping[str, type[DeviceIPCWrapper]]:
+    from . import _registry
+
+    try:
+        return _registry.wire_classes_for(device_type)
+    except LMCachePlatformError as exc:
+        raise WireFormatError(
+            f"{where}: device type {device_type!r} is not served in this process: {exc}"
+        ) from exc
+
+
+__all__ = ["MAGIC", "MAX_MESSAGE_BYTES", "MAX_WRAPPERS", "VERSION", "decode", "encode"]

@@ -1,0 +1,133 @@
+"""Selection rules per device type, with fake backends installed like entry points."""
+
+from __future__ import annotations
+
+import pytest
+from support.fakes import context_class, wrapper_class
+
+import lmcache_platform as lp
+from lmcache_platform import Availability, Status
+from lmcache_platform.testing import fake_backend
+
+
+def backend(device: str, **kw):
+    return fake_backend(device, context_class=context_class(device),
+                        wrapper_class=wrapper_class(device, kw.pop("tag", None)), **kw)
+
+
+def owner(device: str) -> type:
+    return lp.get_kv_wrapper_factory(device).__self__
+
+
+def test_single_candidate_is_used(lmcache_registry):
+    plugin = backend("cpu")
+    lmcache_registry.install("cpu", plugin)
+    assert owner("cpu") is plugin.lmcache_platform_ipc_wrapper_class("cpu")
+    info = lmcache_registry.registry.selected_backend("cpu")
+    assert (info.name, info.distribution, info.status) == ("cpu", "fake-backend", Status.OK)
+
+
+def test_two_candidates_are_ambiguous_until_one_is_chosen(lmcache_registry):
+    a, b = backend("cpu", tag="a/1"), backend("cpu", tag="b/1")
+    lmcache_registry.install("cpu", a, distribution="dist-a")
+    lmcache_registry.install("cpu.file", b, distribution="dist-b")
+    with pytest.raises(lp.AmbiguousBackendError) as excinfo:
+        owner("cpu")
+    assert excinfo.value.candidates == ("cpu", "cpu.file")
+    assert "LMCACHE_PLATFORM_BACKEND" in str(excinfo.value)
+    assert isinstance(excinfo.value, ValueError)
+
+    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cuda.raw,cpu.file")
+    assert owner("cpu").wire_tag == "b/1"
+
+
+def test_explicit_choice_never_falls_back(lmcache_registry):
+    lmcache_registry.install("cpu", backend("cpu"))
+    lmcache_registry.install("cpu.file", backend("cpu", probe=Availability.no("dir missing")))
+    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.file")
+    with pytest.raises(lp.BackendUnavailableError) as excinfo:
+        owner("cpu")
+    assert excinfo.value.reasons == {"cpu.file": "dir missing"}
+    assert "usable backends: cpu" in str(excinfo.value)
+
+    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.nope")
+    with pytest.raises(lp.BackendUnavailableError, match="not installed"):
+        owner("cpu")
+
+
+def test_unavailable_backends_are_not_candidates(lmcache_registry):
+    lmcache_registry.install("cuda", backend("cuda", probe=Availability.no("no CUDA device visible")))
+    lmcache_registry.install("cuda.rocm", backend("cuda", probe=Availability.no("not a HIP build")))
+    with pytest.raises(lp.BackendUnavailableError) as excinfo:
+        owner("cuda")
+    assert excinfo.value.reasons == {"cuda": "no CUDA device visible", "cuda.rocm": "not a HIP build"}
+    assert "no CUDA device visible" in str(excinfo.value)
+    lmcache_registry.install("cuda.sim", backend("cuda"))
+    assert owner("cuda").wire_tag == "cuda.fake/1"
+
+
+@pytest.mark.parametrize(("device", "wheel"), [("cpu", "lmcache-platform-cpu"),
+                                               ("cuda", "lmcache-platform-cuda")])
+def test_not_found_says_which_wheel_to_install(lmcache_registry, device, wheel):
+    lmcache_registry.install("xpu", backend("xpu"))
+    with pytest.raises(lp.BackendNotFoundError) as excinfo:
+        lp.get_kv_wrapper_factory(device)
+    message = str(excinfo.value)
+    assert f"pip install {wheel}" in message and "Installed backends: xpu" in message
+    assert excinfo.value.device_type == device
+
+
+def test_not_found_for_unknown_device_type(lmcache_registry):
+    with pytest.raises(ValueError, match="No KV-cache wrapper factory registered for device type 'tpu'"):
+        lp.get_kv_wrapper_factory("tpu")
+
+
+def test_backend_declining_its_device_type_is_unavailable(lmcache_registry):
+    lmcache_registry.install("npu", fake_backend("npu"))  # returns no classes
+    with pytest.raises(lp.BackendUnavailableError, match="provides no classes"):
+        owner("npu")
+
+
+def test_manual_registration_is_validated_and_rolled_back(lmcache_registry):
+    bad = backend("xpu", api_version=99)
+    with pytest.raises(lp.ApiVersionError):
+        lp.register_backend(bad, "xpu")
+    assert lmcache_registry.registry.backends() == []
+    assert dict(lmcache_registry.registry.plugins()) == {}
+
+    good = backend("xpu")
+    lp.register_backend(good, "xpu")
+    assert owner("xpu") is good.lmcache_platform_ipc_wrapper_class("xpu")
+    with pytest.raises(ValueError, match="already registered"):
+        lp.register_backend(good, "xpu")
+    lp.unregister_backend("xpu")
+    with pytest.raises(lp.BackendNotFoundError):
+        owner("xpu")
+
+
+def test_register_kv_wrapper_overrides_backends(lmcache_registry):
+    lmcache_registry.install("cpu", backend("cpu"))
+    calls = []
+    lp.register_kv_wrapper("cpu", calls.append)
+    assert lp.get_kv_wrapper_factory("cpu") == calls.append
+
+
+def test_resolved_factory_is_cached_without_pluggy(lmcache_registry, monkeypatch):
+    lmcache_registry.install("cpu", backend("cpu"))
+    first = lp.get_kv_wrapper_factory("cpu")
+    registry = lmcache_registry.registry
+    monkeypatch.setattr(registry, "_select", lambda *a: pytest.fail("re-selected"))
+    monkeypatch.setattr(registry, "_call", lambda *a, **k: pytest.fail("hook called"))
+    assert lp.get_kv_wrapper_factory("cpu") == first
+
+
+def test_wire_classes_allow_list(lmcache_registry):
+    raw = wrapper_class("cuda", "cuda.raw/1")
+    default = wrapper_class("cuda", "cuda.torch/1")
+    lmcache_registry.install("cuda", fake_backend(
+        "cuda", context_class=context_class("cuda"), wrapper_class=default,
+        wire_classes=[default, raw]))
+    assert lmcache_registry.registry.wire_classes_for("cuda") == {
+        "cuda.torch/1": default, "cuda.raw/1": raw}
+    with pytest.raises(lp.BackendNotFoundError):
+        lmcache_registry.registry.wire_classes_for("cpu")

@@ -1,0 +1,64 @@
+"""Fake backend pieces for core tests: an in-process wrapper and a trivial cache context.
+
+These are test doubles for the plugin *contract*; they do no IPC. Real shared memory
+is exercised by the CPU-backend tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from lmcache_platform import (
+    BaseCacheContext,
+    CacheContextConfig,
+    DeviceIPCWrapper,
+    WireField,
+)
+
+_HELD: dict[int, Any] = {}
+
+
+def wrapper_class(device_type: str, tag: str | None = None) -> type[DeviceIPCWrapper]:
+    """A wrapper class for ``device_type`` that keeps tensors in this process."""
+
+    class FakeWrapper(DeviceIPCWrapper):
+        wire_tag = tag or f"{device_type}.fake/1"
+        wire_fields: ClassVar = {"key": WireField(int, lo=0)}
+
+        def __init__(self, *, key: int, **base: Any) -> None:
+            super().__init__(**base)
+            self.key = key
+
+        @classmethod
+        def wrap(cls, tensor: Any) -> FakeWrapper:
+            _HELD[id(tensor)] = tensor
+            return cls(
+                key=id(tensor), dtype=tensor.dtype, shape=tuple(tensor.shape),
+                stride=tensor.stride(), storage_offset=tensor.storage_offset(),
+                device_uuid=device_type,
+            )  # fmt: skip
+
+        def to_tensor(self) -> Any:
+            return _HELD[self.key]
+
+    FakeWrapper.device_type = device_type
+    FakeWrapper.__qualname__ = FakeWrapper.__name__ = f"FakeWrapper_{device_type}"
+    return FakeWrapper
+
+
+def context_class(device_type: str) -> type[BaseCacheContext]:
+    """A cache-context class for ``device_type`` that only records what it was given."""
+
+    class FakeContext(BaseCacheContext):
+        def __init__(self, kv_caches: Sequence[DeviceIPCWrapper], config: CacheContextConfig):
+            self.kv_caches = list(kv_caches)
+            self.config = config
+
+        def close(self) -> None:
+            pass
+
+    FakeContext.device_type = device_type
+    FakeContext.__abstractmethods__ = frozenset()  # a stand-in: no layout work to do
+    FakeContext.__qualname__ = FakeContext.__name__ = f"FakeContext_{device_type}"
+    return FakeContext
