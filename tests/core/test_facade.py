@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from support.fakes import context_class, wrapper_class
 
 import lmcache_platform as lp
 from lmcache_platform import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
 from lmcache_platform.testing import fake_backend
+from support.fakes import context_class, wrapper_class
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_wrap_kv_caches_wraps_each_layer_by_its_device(fakes):
     tensors = [torch.zeros(2, 3), torch.ones(4)]
     wrappers = lp.wrap_kv_caches(tensors)
     assert [type(w) for w in wrappers] == [fakes["cpu"][1]] * 2
-    assert [w.to_tensor() is t for w, t in zip(wrappers, tensors)] == [True, True]
+    assert [w.to_tensor() is t for w, t in zip(wrappers, tensors, strict=True)] == [True, True]
 
 
 def test_wrap_kv_caches_releases_partial_work_and_names_the_layer(lmcache_registry):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from support.fakes import context_class, wrapper_class
 
 import lmcache_platform as lp
 from lmcache_platform import Availability, Status
 from lmcache_platform.testing import fake_backend
+from support.fakes import context_class, wrapper_class
 
 
 def backend(device: str, **kw):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import importlib_metadata
 
@@ -60,7 +61,7 @@ def scan(group: str = ENTRY_POINT_GROUP, path: list[str] | None = None) -> list[
     return collect(ep for dist in _unique(dists) for ep in dist.entry_points.select(group=group))
 
 
-def _unique(dists: Iterable[importlib_metadata.Distribution]) -> Iterable[importlib_metadata.Distribution]:
+def _unique(dists: Iterable[Any]) -> Iterable[Any]:
     seen: set[str] = set()
     for dist in dists:
         key = _normalize(dist.metadata["Name"] or "")

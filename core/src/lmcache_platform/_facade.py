@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 DEFAULT_BACKEND = "cpu"
 
 # The hot path reads this dict directly; the registry mutates it in place, never rebinds it.
-_WRAPPER_FACTORIES = REGISTRY.wrappers.entries
+_WRAPPER_FACTORIES: dict[str, WrapperFactory] = REGISTRY.wrappers.entries
 
 
 def get_kv_wrapper_factory(device_type: str) -> WrapperFactory:

@@ -37,7 +37,7 @@ def lmcache_platform_api_version() -> int:  # type: ignore[empty-body]
 
 
 @hookspec(firstresult=True)
-def lmcache_platform_cache_context_class(  # type: ignore[empty-body]
+def lmcache_platform_cache_context_class(
     device_type: str,
 ) -> type[BaseCacheContext] | None:
     """Return the cache-context class serving ``device_type``, or ``None``.
@@ -48,7 +48,7 @@ def lmcache_platform_cache_context_class(  # type: ignore[empty-body]
 
 
 @hookspec(firstresult=True)
-def lmcache_platform_ipc_wrapper_class(  # type: ignore[empty-body]
+def lmcache_platform_ipc_wrapper_class(
     device_type: str,
 ) -> type[DeviceIPCWrapper] | None:
     """Return the IPC-wrapper class used to export ``device_type`` tensors, or ``None``.
@@ -58,7 +58,7 @@ def lmcache_platform_ipc_wrapper_class(  # type: ignore[empty-body]
 
 
 @hookspec(firstresult=True)
-def lmcache_platform_wire_classes(  # type: ignore[empty-body]
+def lmcache_platform_wire_classes(
     device_type: str,
 ) -> Sequence[type[DeviceIPCWrapper]] | None:
     """Return every wrapper class this backend can receive on the wire. Optional.
@@ -70,7 +70,7 @@ def lmcache_platform_wire_classes(  # type: ignore[empty-body]
 
 
 @hookspec(firstresult=True)
-def lmcache_platform_probe(device_type: str) -> Availability | None:  # type: ignore[empty-body]
+def lmcache_platform_probe(device_type: str) -> Availability | None:
     """Say whether this host can serve ``device_type`` (driver and device present).
 
     Return :meth:`Availability.yes` or :meth:`Availability.no` with a reason an
@@ -80,7 +80,7 @@ def lmcache_platform_probe(device_type: str) -> Availability | None:  # type: ig
 
 
 @hookspec
-def lmcache_platform_gc(dry_run: bool) -> list[str] | None:  # type: ignore[empty-body]
+def lmcache_platform_gc(dry_run: bool) -> list[str] | None:
     """Reclaim resources left behind by dead producers; return what was (or would be) removed.
 
     Called on every loaded backend by ``lmcache-platform gc``. Only resources of the

@@ -222,11 +222,12 @@ class DeviceIPCWrapper(abc.ABC):
             missing = sorted(set(schema) - set(fields))
             extra = sorted(set(fields) - set(schema), key=repr)
             raise DescriptorError(f"{cls.__name__}: missing fields {missing}, unknown fields {extra}")
-        values = {name: spec.check(cls.__name__, name, fields[name]) for name, spec in schema.items()}
-        assert isinstance(values["dtype"], str)
-        values["dtype"] = dtype_from_name(values["dtype"])  # type: ignore[assignment]
-        values["shape"] = tuple(values["shape"])  # type: ignore[arg-type]
-        values["stride"] = tuple(values["stride"])  # type: ignore[arg-type]
+        values: dict[str, Any] = {
+            name: spec.check(cls.__name__, name, fields[name]) for name, spec in schema.items()
+        }
+        values["dtype"] = dtype_from_name(values["dtype"])
+        values["shape"] = tuple(values["shape"])
+        values["stride"] = tuple(values["stride"])
         return cls(**values)
 
     def _key(self) -> tuple[Any, ...]:

@@ -157,8 +157,7 @@ class Registry:
     # -- metadata -----------------------------------------------------------------------
 
     def _ensure_scanned(self) -> None:
-        if self._scanned:
-            return
+        """Read metadata once; the lock makes racing first callers scan exactly once."""
         with self._lock:
             if self._scanned:
                 return

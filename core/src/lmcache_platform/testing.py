@@ -70,7 +70,7 @@ def make_distribution(
     version: str,
     *,
     entry_points: Mapping[str, str],
-    files: Mapping[str, str] = {},  # noqa: B006 - read-only default
+    files: Mapping[str, str] = {},
     group: str = "lmcache.platform",
 ) -> Path:
     """Write an installed distribution (``*.dist-info`` plus modules) into ``site_dir``.

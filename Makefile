@@ -1,0 +1,36 @@
+# Task runner. `make demo` and `make test` are the README's two commands: each
+# creates or reuses .venv and installs what it needs first (scripts/bootstrap).
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: bootstrap demo test lint typecheck docs unit bench gpu-check clean
+
+bootstrap:
+	@scripts/bootstrap
+
+demo: bootstrap
+	$(BIN)/lmcache-platform demo
+
+test: bootstrap lint typecheck docs unit
+
+lint: bootstrap
+	$(BIN)/ruff check .
+
+typecheck: bootstrap
+	$(BIN)/mypy
+
+docs: bootstrap
+	$(BIN)/sphinx-build -q -W --keep-going -b html docs docs/_build/html
+
+unit: bootstrap
+	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
+
+bench: bootstrap
+	$(BIN)/lmcache-platform bench --quick
+
+gpu-check: bootstrap
+	scripts/gpu-check
+
+clean:
+	rm -rf docs/_build build dist .mypy_cache .ruff_cache .pytest_cache

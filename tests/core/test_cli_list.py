@@ -1,0 +1,88 @@
+"""`lmcache-platform list` and the CLI dispatcher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lmcache_platform import Availability
+from lmcache_platform._cli import main
+from lmcache_platform.testing import fake_backend
+from support.fakes import context_class, wrapper_class
+
+
+def backend(device: str, **kw):
+    return fake_backend(device, context_class=context_class(device),
+                        wrapper_class=wrapper_class(device), **kw)
+
+
+@pytest.fixture
+def installed(lmcache_registry):
+    lmcache_registry.install("cpu", backend("cpu"), distribution="lmcache-platform-cpu", version="0.1.0")
+    lmcache_registry.install("cuda", backend("cuda", probe=Availability.no("no CUDA device visible")),
+                             distribution="lmcache-platform-cuda", version="0.1.0")
+    lmcache_registry.install("xpu", fake_backend("xpu", api_version=0), distribution="acme-xpu")
+    lmcache_registry.setenv("LMCACHE_PLATFORM_DISABLE", "npu")
+    lmcache_registry.install("npu", backend("npu"), distribution="acme-npu")
+    return lmcache_registry
+
+
+def run_json(capsys, *args: str) -> tuple[int, dict]:
+    code = main(["list", "--json", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_json_report_shape_and_statuses(installed, capsys):
+    code, report = run_json(capsys)
+    assert code == 0
+    assert report["schema"] == 1 and report["api_version"] == 1
+    by = {b["name"]: b for b in report["backends"]}
+    assert [b["name"] for b in report["backends"]] == ["cpu", "cuda", "npu", "xpu"]
+    assert set(by["cpu"]) == {"name", "device_type", "distribution", "version", "entry_point",
+                              "status", "reason", "selected"}
+    assert (by["cpu"]["status"], by["cpu"]["selected"]) == ("ok", True)
+    assert (by["cuda"]["status"], by["cuda"]["reason"]) == ("unavailable", "no CUDA device visible")
+    assert by["npu"]["status"] == "disabled"
+    assert by["xpu"]["status"] == "failed" and "targets backend API 0" in by["xpu"]["reason"]
+    assert report["device_types"]["cpu"] == {"selected": "cpu", "error": None, "ambiguous": False}
+    assert "no CUDA device visible" in report["device_types"]["cuda"]["error"]
+
+
+def test_check_fails_on_a_failed_backend(installed, capsys):
+    code, _ = run_json(capsys, "--check")
+    assert code == 1
+
+
+def test_check_passes_when_only_unavailable(lmcache_registry, capsys):
+    lmcache_registry.install("cpu", backend("cpu"))
+    lmcache_registry.install("cuda", backend("cuda", probe=Availability.no("no GPU")))
+    assert main(["list", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu *" in out and "no GPU" in out
+
+
+def test_check_fails_when_ambiguous(lmcache_registry, capsys):
+    lmcache_registry.install("cpu", backend("cpu"))
+    lmcache_registry.install("cpu.file", backend("cpu"))
+    code, report = run_json(capsys, "--check")
+    assert code == 1 and report["device_types"]["cpu"]["ambiguous"]
+
+
+def test_no_load_imports_nothing(installed, capsys):
+    code, report = run_json(capsys, "--no-load")
+    assert code == 0
+    assert {b["status"] for b in report["backends"]} == {"not loaded", "disabled"}
+    assert dict(installed.registry.plugins()) == {}
+
+
+def test_help_lists_commands_without_importing_torch():
+    code = ("import sys; from lmcache_platform._cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("False")
+    for command in ("list", "demo", "doctor", "gc", "check", "bench"):
+        assert command in out.stdout
