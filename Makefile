@@ -29,7 +29,8 @@ unit: bootstrap
 bench: bootstrap
 	$(BIN)/lmcache-platform bench --quick
 
-gpu-check: bootstrap
+# No bootstrap here: it would install the CPU torch; gpu-check builds its own venv on a GPU host.
+gpu-check:
 	scripts/gpu-check
 
 clean:

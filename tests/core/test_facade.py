@@ -129,3 +129,26 @@ def test_resolving_cpu_never_imports_cuda():
             "print('lmcache_platform_cuda' in sys.modules, 'lmcache_platform_cpu' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_wrap_kv_caches_preflights_each_device_batch_before_wrapping(lmcache_registry):
+    seen, wrapped = [], []
+
+    class Checked(wrapper_class("cpu")):
+        @classmethod
+        def preflight(cls, tensors):
+            seen.append([tuple(t.shape) for t in tensors])
+            if len(tensors) > 2:
+                raise OSError("not enough shared memory for the batch")
+
+        @classmethod
+        def wrap(cls, tensor):
+            wrapped.append(tensor)
+            return super().wrap(tensor)
+
+    lp.register_kv_wrapper("cpu", Checked.wrap)
+    lp.wrap_kv_caches([torch.zeros(1), torch.zeros(2)])
+    assert seen == [[(1,), (2,)]] and len(wrapped) == 2
+    with pytest.raises(OSError, match="not enough shared memory"):
+        lp.wrap_kv_caches([torch.zeros(1), torch.zeros(2), torch.zeros(3)])
+    assert len(wrapped) == 2  # nothing wrapped for the failing batch

@@ -31,7 +31,15 @@ from ._facade import (
     wrap_kv_caches,
 )
 from ._hookspecs import hookimpl, hookspec
-from ._ipc_wrapper import DeviceIPCWrapper, WireField
+from ._ipc_wrapper import (
+    ALLOWED_DTYPES,
+    MAX_EXTENT,
+    DeviceIPCWrapper,
+    WireField,
+    dtype_from_name,
+    dtype_name,
+    required_elements,
+)
 from ._registry import BackendInfo, Status, TableState
 from ._types import (
     Availability,
@@ -44,8 +52,10 @@ from ._types import (
 from ._version import API_VERSION, __version__
 
 __all__ = [
+    "ALLOWED_DTYPES",
     "API_VERSION",
     "DEFAULT_BACKEND",
+    "MAX_EXTENT",
     "AmbiguousBackendError",
     "ApiVersionError",
     "Availability",
@@ -72,12 +82,15 @@ __all__ = [
     "WrapError",
     "__version__",
     "create_cache_context",
+    "dtype_from_name",
+    "dtype_name",
     "get_kv_wrapper_factory",
     "hookimpl",
     "hookspec",
     "refresh",
     "register_backend",
     "register_kv_wrapper",
+    "required_elements",
     "reset_for_tests",
     "restore",
     "restore_backends",

@@ -15,7 +15,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import importlib_metadata
+try:  # the backport is a declared dependency; the stdlib copy serves minimal images
+    import importlib_metadata
+except ImportError:  # pragma: no cover - exercised on hosts without the backport
+    import importlib.metadata as importlib_metadata  # type: ignore[no-redef]
 
 #: The entry-point group backends advertise themselves under.
 ENTRY_POINT_GROUP = "lmcache.platform"

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import WrapError
+from ._ipc_wrapper import DeviceIPCWrapper
 from ._registry import REGISTRY, TableState, WrapperFactory
 from ._types import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
 
@@ -13,7 +14,6 @@ if TYPE_CHECKING:
     import torch
 
     from ._cache_context import BaseCacheContext
-    from ._ipc_wrapper import DeviceIPCWrapper
 
 #: Device type used when nothing else is known (upstream compatibility).
 DEFAULT_BACKEND = "cpu"
@@ -41,11 +41,21 @@ def register_kv_wrapper(device_type: str, factory: WrapperFactory) -> None:
 def wrap_kv_caches(tensors: Sequence[torch.Tensor]) -> list[DeviceIPCWrapper]:
     """Wrap per-layer KV tensors, each with the factory of its device type.
 
-    All or nothing: if layer ``i`` fails, the wrappers already made are closed and
-    :class:`WrapError` names layer ``i`` (the original error is its ``__cause__``).
+    All or nothing: each wrapper class first checks its whole batch
+    (:meth:`DeviceIPCWrapper.preflight`, e.g. shared-memory capacity); then, if layer
+    ``i`` fails, the wrappers already made are closed and :class:`WrapError` names
+    layer ``i`` (the original error is its ``__cause__``).
     """
     if isinstance(tensors, Mapping):
         raise TypeError("wrap_kv_caches takes a sequence of per-layer tensors, not a mapping")
+    tensors = list(tensors)
+    by_device: dict[str, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device.type, []).append(tensor)
+    for device_type, batch in by_device.items():
+        owner = getattr(get_kv_wrapper_factory(device_type), "__self__", None)
+        if isinstance(owner, type) and issubclass(owner, DeviceIPCWrapper):
+            owner.preflight(batch)
     wrappers: list[DeviceIPCWrapper] = []
     for index, tensor in enumerate(tensors):
         try:
@@ -54,8 +64,8 @@ def wrap_kv_caches(tensors: Sequence[torch.Tensor]) -> list[DeviceIPCWrapper]:
             for made in reversed(wrappers):
                 made.close()
             raise WrapError(
-                f"wrapping KV-cache layer {index} ({getattr(tensor, 'device', '?')}, "
-                f"shape {tuple(getattr(tensor, 'shape', ()))}) failed: {type(exc).__name__}: {exc}",
+                f"wrapping KV-cache layer {index} ({tensor.device}, shape {tuple(tensor.shape)}) "
+                f"failed: {type(exc).__name__}: {exc}",
                 layer=index,
             ) from exc
     return wrappers

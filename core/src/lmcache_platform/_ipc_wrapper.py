@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -170,6 +170,15 @@ class DeviceIPCWrapper(abc.ABC):
     @abc.abstractmethod
     def to_tensor(self) -> torch.Tensor:
         """Reopen the memory in this process as a tensor aliasing the producer's."""
+
+    @classmethod
+    def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """Check a whole batch before any of it is wrapped (capacity, device, layout).
+
+        :func:`lmcache_platform.wrap_kv_caches` calls it once per device type with all
+        of that type's tensors, so a batch that cannot succeed fails before anything
+        is exported. The default accepts everything.
+        """
 
     def _release(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free per-process resources held by this wrapper (mappings, handles)."""

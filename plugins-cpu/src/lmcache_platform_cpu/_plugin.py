@@ -1,10 +1,68 @@
-"""Hook implementations of the ``cpu`` backend. Imports nothing heavy at import time."""
+"""Hook implementations of the ``cpu`` backend (the entry point's target).
+
+Kept light: importing this module imports neither torch nor the shared-memory code;
+each hook imports what it returns.
+"""
 
 from __future__ import annotations
 
-from lmcache_platform import API_VERSION, hookimpl
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from lmcache_platform import API_VERSION, Availability, hookimpl
+
+if TYPE_CHECKING:
+    from lmcache_platform import BaseCacheContext, DeviceIPCWrapper
+
+DEVICE_TYPE = "cpu"
 
 
 @hookimpl
 def lmcache_platform_api_version() -> int:
     return API_VERSION
+
+
+@hookimpl
+def lmcache_platform_cache_context_class(device_type: str) -> type[BaseCacheContext] | None:
+    if device_type != DEVICE_TYPE:
+        return None
+    from ._cache_context import CPUCacheContext
+
+    return CPUCacheContext
+
+
+@hookimpl
+def lmcache_platform_ipc_wrapper_class(device_type: str) -> type[DeviceIPCWrapper] | None:
+    if device_type != DEVICE_TYPE:
+        return None
+    from ._wrapper import CpuShmIPCWrapper
+
+    return CpuShmIPCWrapper
+
+
+@hookimpl
+def lmcache_platform_probe(device_type: str) -> Availability | None:
+    """Usable where POSIX shared memory lives in a writable /dev/shm (Linux)."""
+    if device_type != DEVICE_TYPE:
+        return None
+    if not sys.platform.startswith("linux"):
+        return Availability.no(
+            f"POSIX shared memory in /dev/shm is supported on Linux only, not {sys.platform}"
+        )
+    from . import _shm  # needs CPython's _posixshmem, present on Linux
+
+    if not os.path.isdir(_shm.SHM_DIR):
+        return Availability.no(f"{_shm.SHM_DIR} does not exist; mount a tmpfs there")
+    if not os.access(_shm.SHM_DIR, os.W_OK | os.X_OK):
+        return Availability.no(f"{_shm.SHM_DIR} is not writable by uid {os.geteuid()}")
+    return Availability.yes()
+
+
+@hookimpl
+def lmcache_platform_gc(dry_run: bool) -> list[str]:
+    """Segments of this user's dead producers in /dev/shm (removed unless ``dry_run``)."""
+    from ._gc import reclaim_stale_segments
+    from ._shm import SHM_DIR
+
+    return [f"{SHM_DIR}/{name}" for name in reclaim_stale_segments(dry_run=dry_run)]

@@ -1,0 +1,230 @@
+"""CUDA store/retrieve benchmark: ``python -m lmcache_platform_cuda._bench [--json] [--quick]``.
+
+The engine side (this process) allocates vLLM-shaped paged KV caches on cuda:0 in
+each format, wraps them and hands them over; a spawned server process reopens
+them, builds the context through ``create_cache_context`` and times, with CUDA
+events on the context's stream, ``store_chunk`` and ``retrieve_chunk`` against a
+plain ``copy_`` of the same bytes on the same stream (the bandwidth ceiling). It
+also times the hand-off of each IPC kind: wrap, encode, decode and ``to_tensor``.
+Figures are printed, never asserted: this is a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from lmcache_platform import KVFormat, LayoutHints
+
+LAYERS, HEADS, HEAD, BLOCK, TOKENS = 32, 8, 128, 16, 256
+_SHAPES: dict[KVFormat, Callable[[int], tuple[int, ...]]] = {
+    KVFormat.FLASH_ATTN: lambda nb: (2, nb, BLOCK, HEADS, HEAD),
+    KVFormat.FLASH_ATTN_HND: lambda nb: (2, nb, HEADS, BLOCK, HEAD),
+    KVFormat.FLASHINFER: lambda nb: (nb, 2, BLOCK, HEADS, HEAD),
+    KVFormat.FLASHINFER_HND: lambda nb: (nb, 2, HEADS, BLOCK, HEAD),
+    KVFormat.MLA: lambda nb: (nb, BLOCK, 576),  # DeepSeek-style latent + rope
+}
+
+
+def _send(conn: Connection, message: Any) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _recv(conn: Connection, timeout: float) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the server process did not answer within {timeout}s")
+    return json.loads(conn.recv_bytes())
+
+
+# -- server side ---------------------------------------------------------------------------
+
+
+def _server(conn: Connection) -> None:
+    """Serve one request per format until ``None``; replies are JSON."""
+    import torch
+
+    from lmcache_platform import create_cache_context, wire
+
+    from ._raw_ipc import RawCudaIPCWrapper
+    from ._torch_ipc import CudaIPCWrapper
+
+    allowed = {c.wire_tag: c for c in (CudaIPCWrapper, RawCudaIPCWrapper)}
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    while (request := json.loads(conn.recv_bytes())) is not None:
+        try:
+            start = time.perf_counter()
+            wrappers = wire.decode(bytes.fromhex(request["payload"]), allowed=allowed)
+            if request["op"] == "handoff":
+                tensors = [w.to_tensor() for w in wrappers]
+                torch.cuda.synchronize()
+                reply: dict[str, Any] = {"reopen_s": time.perf_counter() - start}
+                del tensors
+                for w in wrappers:
+                    w.close()
+            else:
+                reply = _time_transfers(wrappers, request, create_cache_context)
+            _send(conn, {"ok": True, **reply})
+        except Exception as exc:  # reported to the engine side, which prints it
+            _send(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _time_transfers(wrappers: list[Any], request: dict[str, Any], create: Any) -> dict[str, Any]:
+    import torch
+
+    fmt = KVFormat(request["format"])
+    hints = LayoutHints(kv_format=fmt, block_size=BLOCK, num_kv_heads=None if fmt is KVFormat.MLA else HEADS)
+    iters, per_chunk = request["iters"], TOKENS // BLOCK
+    with create(wrappers, lmcache_tokens_per_chunk=TOKENS, layout_hints=hints) as ctx:
+        chunk_bytes = sum(
+            ctx.get_temp_object_group_buffer(0, og).nbytes
+            for og in range(ctx.kv_layer_groups_manager.num_object_groups)
+        )
+        half = ctx.num_blocks // 2
+        chunks = half // per_chunk
+
+        def ids(i: int, offset: int) -> list[list[int]]:
+            first = offset + (i % chunks) * per_chunk
+            return [list(range(first, first + per_chunk))]
+
+        src = torch.empty(chunk_bytes, dtype=torch.uint8, device=ctx.device)
+        dst = torch.empty_like(src)
+        ops: dict[str, Callable[[int], object]] = {
+            "store": lambda i: ctx.store_chunk(ids(i, 0), slot=i % ctx.max_batch_size),
+            "retrieve": lambda i: ctx.retrieve_chunk(ids(i, half), slot=i % ctx.max_batch_size),
+            "copy_": lambda i: dst.copy_(src),
+        }
+        out: dict[str, Any] = {"chunk_bytes": chunk_bytes}
+        for name, op in ops.items():
+            with ctx.stream_context():
+                for i in range(3):  # warm-up: allocator, kernels, caches
+                    op(i)
+                ctx.synchronize()
+                begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                wall = time.perf_counter()
+                begin.record()
+                for i in range(iters):
+                    op(i)
+                end.record()
+                end.synchronize()
+                wall = time.perf_counter() - wall
+            seconds = begin.elapsed_time(end) / 1e3
+            out[name] = {
+                "gb_per_s": chunk_bytes * iters / seconds / 1e9,
+                "us_per_chunk": seconds / iters * 1e6,
+                "host_us_per_chunk": wall / iters * 1e6,
+            }
+    return out
+
+
+# -- engine side ---------------------------------------------------------------------------
+
+
+def run(quick: bool) -> dict[str, Any]:
+    import torch
+
+    from lmcache_platform import wire
+
+    from ._raw_ipc import RawCudaIPCWrapper
+    from ._torch_ipc import CudaIPCWrapper
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device visible: this benchmark needs a GPU")
+    iters = 20 if quick else 100
+    num_blocks = 2 * 8 * (TOKENS // BLOCK)  # 8 source chunks and 8 destinations
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "model": {"layers": LAYERS, "kv_heads": HEADS, "head_size": HEAD, "block_size": BLOCK,
+                  "chunk_tokens": TOKENS, "dtype": "bfloat16", "iterations": iters},
+        "handoff": {},
+        "formats": {},
+    }  # fmt: skip
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    server = ctx.Process(target=_server, args=(theirs,), daemon=True)
+    server.start()
+    theirs.close()
+    try:
+        for fmt, shape in _SHAPES.items():
+            layers = [torch.randn(shape(num_blocks), device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+            torch.cuda.synchronize()
+            if fmt is KVFormat.FLASH_ATTN:
+                for kind in (CudaIPCWrapper, RawCudaIPCWrapper):
+                    start = time.perf_counter()
+                    data = wire.encode([kind.wrap(t) for t in layers])
+                    wrap_s = time.perf_counter() - start
+                    _send(ours, {"op": "handoff", "payload": data.hex()})
+                    reply = _recv(ours, 120)
+                    report["handoff"][kind.wire_tag] = {
+                        "kv_bytes": sum(t.nbytes for t in layers),
+                        "message_bytes": len(data),
+                        "wrap_encode_s": wrap_s,
+                        **reply,
+                    }
+            payload = wire.encode([CudaIPCWrapper.wrap(t) for t in layers]).hex()
+            _send(ours, {"op": "transfer", "format": fmt.value, "payload": payload, "iters": iters})
+            report["formats"][fmt.value] = _recv(ours, 240)
+            del layers
+    finally:
+        _send(ours, None)
+        server.join(30)
+        if server.is_alive():
+            server.kill()
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    m = r["model"]
+    lines = [
+        f"CUDA store/retrieve benchmark on {r['device']} (torch {r['torch']})",
+        f"  {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_size']}, block {m['block_size']}, "
+        f"{m['chunk_tokens']}-token chunks, {m['dtype']}, {m['iterations']} chunks per figure",
+        f"  {'format':<16}{'chunk':>9}{'store':>12}{'retrieve':>12}{'copy_':>12}"
+        f"{'store/copy':>12}{'retr/copy':>11}{'host us':>9}",
+    ]
+    for name, f in r["formats"].items():
+        if not f.get("ok"):
+            lines.append(f"  {name:<16}FAILED: {f.get('error')}")
+            continue
+        s, t, c = (f[k]["gb_per_s"] for k in ("store", "retrieve", "copy_"))
+        lines.append(
+            f"  {name:<16}{f['chunk_bytes'] / 2**20:>6.1f}MiB{s:>8.1f}GB/s{t:>8.1f}GB/s{c:>8.1f}GB/s"
+            f"{s / c:>12.0%}{t / c:>11.0%}{f['store']['host_us_per_chunk']:>9.0f}"
+        )
+    for tag, h in r["handoff"].items():
+        if not h.get("ok"):
+            lines.append(f"  hand-off {tag}: FAILED: {h.get('error')}")
+            continue
+        lines.append(
+            f"  hand-off {tag:<13} {h['kv_bytes'] / 2**30:.2f} GiB in a {h['message_bytes']}-byte "
+            f"message: wrap+encode {h['wrap_encode_s'] * 1e3:.1f} ms, "
+            f"decode+to_tensor {h['reopen_s'] * 1e3:.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmcache_platform_cuda._bench", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    args = parser.parse_args(argv)
+    try:
+        report = run(args.quick)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"benchmark not run: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    failed = [n for n, f in report["formats"].items() if not f.get("ok")]
+    failed += [t for t, h in report["handoff"].items() if not h.get("ok")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Fixtures of the CPU-backend tests, and the leak checks that guard every one of them.
+
+Per test: every segment this process created is unlinked once the test's objects are
+collected. Per session: no segment made by this process or by a child it spawned
+(their pids are recorded through ``child_pids``) is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from lmcache_platform import DescriptorError
+from lmcache_platform_cpu import _shm
+
+
+def segments_of(pids: set[int]) -> list[str]:
+    """Names in /dev/shm of our segments made by ``pids`` in this pid namespace."""
+    found = []
+    for name in sorted(os.listdir(_shm.SHM_DIR)):
+        try:
+            pidns, pid = _shm.parse_name(name)
+        except DescriptorError:
+            continue
+        if pidns == _shm.pid_namespace() and pid in pids:
+            found.append(name)
+    return found
+
+
+@pytest.fixture(scope="session")
+def child_pids() -> set[int]:
+    """Pids of processes the tests start; their segments count for the session check."""
+    return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_segment_left_in_dev_shm(child_pids: set[int]) -> Iterator[None]:
+    yield
+    gc.collect()
+    leaked = segments_of({os.getpid(), *child_pids})
+    for name in leaked:  # leave the machine clean, then fail loudly
+        _shm.unlink_any(name)
+    if leaked:
+        pytest.fail(f"segments left in {_shm.SHM_DIR} after the CPU tests: {leaked}")
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_by_test() -> Iterator[None]:
+    before = _shm.owned()
+    yield
+    if _shm.owned() - before:
+        gc.collect()  # only when needed: a full collection costs ~0.2 s with torch loaded
+    leaked = _shm.owned() - before
+    assert not leaked, f"the test left segments it created: {sorted(leaked)}"

@@ -1,0 +1,54 @@
+"""Fixtures for the CUDA-backend tests.
+
+This machine-independent half of the suite runs without a GPU: where the CUDA
+runtime would answer (device enumeration, the driver's IPC calls) a fake answers
+instead, and each test using one says so. Tests that need the real thing carry the
+``cuda`` marker and skip cleanly when ``torch.cuda.is_available()`` is false.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+
+import cuda_workers
+import pytest
+from cuda_fakes import FakeDevices, FakeRuntime
+
+from lmcache_platform_cuda import _devices, _raw_ipc
+
+
+@pytest.fixture
+def fake_devices(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDevices]:
+    devices = FakeDevices(monkeypatch)
+    yield devices
+    _devices.DEVICES.reset()
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
+    runtime = FakeRuntime()
+    monkeypatch.setattr(_raw_ipc, "get_runtime", lambda: runtime)
+    return runtime
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[cuda_workers.PeerHandle]:
+    """A second process (spawn) that reopens descriptors, as a KV-cache server would."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=cuda_workers.peer_main, args=(theirs,), daemon=True)
+    process.start()
+    theirs.close()
+    handle = cuda_workers.PeerHandle(ours, process)
+    try:
+        yield handle
+    finally:
+        try:
+            handle.call("exit", timeout=30)
+        finally:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            ours.close()
