@@ -1,6 +1,6 @@
 """lmcache-platform: the device-platform plugin layer for LLM KV caches."""
 
-from ._cache_context import BaseCacheContext
+from ._cache_context import BaseCacheContext, NullStream
 from ._errors import (
     AmbiguousBackendError,
     ApiVersionError,
@@ -30,6 +30,7 @@ from ._facade import (
     unregister_backend,
     wrap_kv_caches,
 )
+from ._groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
 from ._hookspecs import hookimpl, hookspec
 from ._ipc_wrapper import (
     ALLOWED_DTYPES,
@@ -41,6 +42,7 @@ from ._ipc_wrapper import (
     required_elements,
 )
 from ._registry import BackendInfo, Status, TableState
+from ._transfer import ChunkTransfer, GroupTransfer
 from ._types import (
     Availability,
     CacheContextConfig,
@@ -66,14 +68,20 @@ __all__ = [
     "BackendUnavailableError",
     "BaseCacheContext",
     "CacheContextConfig",
+    "ChunkTransfer",
     "DescriptorError",
     "DeviceIPCWrapper",
     "EngineGroupInfo",
     "EngineType",
+    "GroupTransfer",
     "KVFormat",
+    "KVLayerGroupsManager",
+    "KernelGroup",
     "LMCachePlatformError",
     "LayoutError",
     "LayoutHints",
+    "NullStream",
+    "ObjectGroup",
     "Status",
     "TableState",
     "TransferError",

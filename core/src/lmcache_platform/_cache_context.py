@@ -1,39 +1,624 @@
 """``BaseCacheContext``: server-side view of one engine's registered KV caches.
 
+The base does everything that does not depend on the device: it reopens the
+wrappers (``to_tensor()``), discovers each layer's layout (:mod:`._layout`), groups
+layers (:mod:`._groups`), builds per-kernel-group pointer tensors and the staging
+buffer (:mod:`._staging`), validates transfer requests and moves chunks with
+generic torch ops (:mod:`._transfer`). A backend subclass only says how its device
+differs.
+
 Contract with backends (stable within an API major):
 
-* The constructor is ``cls(kv_caches, config)``: the list of IPC wrappers (one per
-  layer) and a frozen :class:`CacheContextConfig`. Backends never see a positional
-  argument list, so new config fields do not break them.
-* Transfers: :meth:`store_chunk` gathers one chunk from paged blocks into a staging
-  slot; :meth:`retrieve_chunk` scatters a slot back into blocks.
+* Constructor ``cls(kv_caches, config)``: the IPC wrappers (one per layer) and a
+  frozen :class:`CacheContextConfig`. Keyword fields can be added to the config
+  without breaking any backend. The context owns the wrappers: :meth:`close` closes
+  them, and a failing constructor closes those it already reopened.
+* Customization points, all optional:
 
-(The full machinery lands with the CPU-backend issue.)
+  - :meth:`_allocate_staging` -- staging memory on the device (default
+    ``torch.empty`` on :attr:`device`; a backend may pin or register it).
+  - :meth:`_create_stream` -- the object :attr:`stream` returns (default a
+    :class:`NullStream` for devices that copy synchronously, like the host).
+  - :meth:`stream_context` -- a context manager that makes work issued inside it
+    run on :attr:`stream` (default: does nothing).
+  - :meth:`_store` / :meth:`_retrieve` -- move one validated
+    :class:`~._transfer.ChunkTransfer`; override these with native kernels and keep
+    the validation and block-id staging of :meth:`store_chunk`/:meth:`retrieve_chunk`.
+  - :meth:`synchronize` -- wait for enqueued transfers (default: ``stream.synchronize()``).
+  - :meth:`_release` -- free device resources on :meth:`close`, after
+    :meth:`synchronize` and before the wrappers are closed.
+
+  Hooks run inside the base ``__init__``, so a subclass sets any attribute they
+  need *before* calling ``super().__init__``. If a subclass's own ``__init__``
+  fails after ``super().__init__`` returned, it calls ``self.close()`` and re-raises.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+import contextlib
+import logging
+import operator
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ._errors import LayoutError, TransferError
+from ._groups import KVLayerGroupsManager, resolve_engine_groups
+from ._layout import canonical_view, discover_layouts
+from ._staging import StagingLayout
+from ._transfer import (
+    GATHER_WORD_DTYPES,
+    SCATTER_WORD_DTYPES,
+    ChunkTransfer,
+    GroupMover,
+    GroupTransfer,
+)
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
+    import torch
+    from typing_extensions import Self
+
     from ._ipc_wrapper import DeviceIPCWrapper
-    from ._types import CacheContextConfig
+    from ._types import CacheContextConfig, KVFormat
 
 
-class BaseCacheContext(abc.ABC):
-    """Base of every backend's cache context."""
+_log = logging.getLogger(__name__)
+#: Alignment the staging buffer's start must have (torch's allocators give at least this).
+_STAGING_BASE_ALIGN = 64
+
+
+class NullStream:
+    """The stream of a device whose copies complete before they return (the host)."""
+
+    def synchronize(self) -> None:
+        """Nothing is ever pending."""
+
+    def query(self) -> bool:
+        """Always idle."""
+        return True
+
+    def __repr__(self) -> str:
+        return "NullStream()"
+
+
+class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, see __init__
+    """Base of every backend's cache context; see the module docstring for the contract.
+
+    Every member has a portable default, so a backend may add nothing but
+    ``device_type``; the base itself refuses to be instantiated without one.
+    """
 
     #: torch device type served by this class; must match the backend's entry-point name.
     device_type: ClassVar[str] = ""
+    #: Element types the generic store (gather) and retrieve (scatter) move bytes as,
+    #: first fit wins; a device lacking one (``complex128``, say) drops it.
+    store_word_dtypes: ClassVar[tuple[str, ...]] = GATHER_WORD_DTYPES
+    retrieve_word_dtypes: ClassVar[tuple[str, ...]] = SCATTER_WORD_DTYPES
 
     def __init__(self, kv_caches: Sequence[DeviceIPCWrapper], config: CacheContextConfig) -> None:
-        self.kv_caches = list(kv_caches)
+        if not type(self).device_type:
+            raise TypeError(f"{type(self).__name__} has no device_type: subclass BaseCacheContext and set it")
+        #: The IPC wrappers this context owns, one per layer.
+        self.kv_caches: list[DeviceIPCWrapper] = list(kv_caches)
         self.config = config
         self.lmcache_tokens_per_chunk = config.lmcache_tokens_per_chunk
+        self._closed = False
+        self._close_lock = threading.Lock()
+        # Serializes transfers: they share the block-id buffer (and, on devices with
+        # streams, rely on issue order on one stream).
+        self._transfer_lock = threading.Lock()
+        opened = 0
+        try:
+            if not self.kv_caches:
+                raise LayoutError("a cache context needs a non-empty list of KV-cache wrappers")
+            tensors = []
+            for wrapper in self.kv_caches:
+                opened += 1
+                tensors.append(wrapper.to_tensor())
+            self._build(tensors)
+        except BaseException:
+            self._closed = True
+            try:
+                _close_all(self.kv_caches[:opened])
+            except Exception:
+                # Raise what broke construction; the cleanup failure goes to the log.
+                _log.warning(
+                    "closing wrappers after a failed %s init failed", type(self).__name__, exc_info=True
+                )
+            raise
+
+    # -- construction ----------------------------------------------------------------
+
+    def _build(self, tensors: list[torch.Tensor]) -> None:
+        import torch
+
+        devices = sorted({str(t.device) for t in tensors})
+        if len(devices) != 1:
+            raise LayoutError(f"KV tensors must live on one device, got {devices}")
+        device = tensors[0].device
+        if device.type != type(self).device_type:
+            raise LayoutError(
+                f"{type(self).__name__} serves {type(self).device_type!r} tensors, got tensors on {device}"
+            )
+        cfg = self.config
+        engine_groups = resolve_engine_groups(cfg.engine_group_infos, len(tensors))
+        block_sizes = {layer: eg.block_size for eg in engine_groups or () for layer in eg.layer_indices}
+        layouts = discover_layouts(tensors, cfg.layout_hints, block_sizes)
+        manager = KVLayerGroupsManager(
+            layouts,
+            engine_groups,
+            tokens_per_chunk=cfg.lmcache_tokens_per_chunk,
+            separate_object_groups=cfg.separate_object_groups,
+            full_sw_kv=cfg.full_sw_kv,
+        )
+        self._device = device
+        self._tensors = tensors
+        self._layouts = layouts
+        self._manager = manager
+        self._num_blocks = min(lay.num_blocks for lay in layouts)
+        # Engine group -> the block-id space all its kernel groups can address.
+        self._engine_group_blocks = [
+            min(kg.num_blocks for kg in manager.kernel_groups if kg.engine_group_idx == eg.index)
+            for eg in manager.engine_groups
+        ]
+        self._kv_pointers = [
+            torch.tensor([tensors[i].data_ptr() for i in kg.layer_indices], dtype=torch.int64).to(device)
+            for kg in manager.kernel_groups
+        ]
+
+        self._staging_layout = StagingLayout.build(manager, cfg.max_batch_size)
+        staging = self._allocate_staging(self._staging_layout.total_nbytes)
+        if (
+            staging.dtype != torch.uint8
+            or staging.dim() != 1
+            or staging.numel() < self._staging_layout.total_nbytes
+            or staging.device != device
+            or staging.data_ptr() % _STAGING_BASE_ALIGN
+        ):
+            raise TypeError(
+                f"{type(self).__name__}._allocate_staging must return a 1-D uint8 tensor of at "
+                f"least {self._staging_layout.total_nbytes} bytes on {device}, "
+                f"{_STAGING_BASE_ALIGN}-byte aligned; got {staging.dtype} {tuple(staging.shape)} "
+                f"on {staging.device} at {staging.data_ptr():#x}"
+            )
+        self._staging: torch.Tensor | None = staging
+        slot_bytes = self._staging_layout.slot_nbytes
+        self._slot_kg_views = [
+            [
+                staging.narrow(0, s * slot_bytes + off, nbytes)
+                .view(kg.dtype)
+                .view(kg.kv_size, kg.num_layers, kg.tokens_per_slot, kg.hidden_dim)
+                for kg, (off, nbytes) in zip(
+                    manager.kernel_groups, self._staging_layout.kernel_group_spans, strict=True
+                )
+            ]
+            for s in range(cfg.max_batch_size)
+        ]
+        self._movers = [
+            GroupMover(
+                [canonical_view(tensors[i], kg.kv_format) for i in kg.layer_indices],
+                [self._slot_kg_views[s][kg.index] for s in range(cfg.max_batch_size)],
+                block_size=kg.block_size,
+                num_kv_heads=kg.num_kv_heads,
+                gather_words=type(self).store_word_dtypes,
+                scatter_words=type(self).retrieve_word_dtypes,
+            )
+            for kg in manager.kernel_groups
+        ]
+        self._stacked = [mover.stacked for mover in self._movers]
+        # Enough block ids for every slot's chunk in every engine group.
+        per_chunk = sum(-(-cfg.lmcache_tokens_per_chunk // eg.block_size) for eg in manager.engine_groups)
+        self._block_ids_capacity = cfg.max_batch_size * per_chunk
+        self._block_ids_buffer: torch.Tensor | None = torch.empty(
+            self._block_ids_capacity, dtype=torch.int64, device=device
+        )
+        self._stream = self._create_stream()
+
+    # -- customization points ----------------------------------------------------------
+
+    def _allocate_staging(self, nbytes: int) -> torch.Tensor:
+        """Return a 64-byte aligned 1-D uint8 tensor of at least ``nbytes`` on :attr:`device`."""
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+
+    def _create_stream(self) -> Any:
+        """Return the stream object :attr:`stream` exposes (default :class:`NullStream`)."""
+        return NullStream()
+
+    @contextlib.contextmanager
+    def stream_context(self) -> Iterator[None]:
+        """Make device work issued inside this block run on :attr:`stream`.
+
+        Transfers enter it themselves; a server enters it too to order its own
+        work (waiting on an engine's event, say) with the transfers. No-op here.
+        """
+        yield
+
+    def synchronize(self) -> None:
+        """Block until every transfer enqueued on :attr:`stream` has finished."""
+        self._stream.synchronize()
+
+    def _store(self, plan: ChunkTransfer) -> None:
+        """Gather ``plan`` from the paged blocks into its staging slot (runs on the stream)."""
+        for part in plan.groups:
+            self._movers[part.kernel_group_idx].gather(plan.slot, part)
+
+    def _retrieve(self, plan: ChunkTransfer) -> None:
+        """Scatter ``plan``'s staging slot into its paged blocks (runs on the stream)."""
+        for part in plan.groups:
+            self._movers[part.kernel_group_idx].scatter(plan.slot, part)
+
+    def _release(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Free device resources (registrations, events). Called once by :meth:`close`."""
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The reopened per-layer tensors, as the engine shaped them (empty once closed)."""
+        return self._tensors
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layouts)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer (the smallest, if layers differ): the shared block-id space."""
+        return self._num_blocks
+
+    @property
+    def max_batch_size(self) -> int:
+        """Chunk slots in the staging buffer."""
+        return self.config.max_batch_size
+
+    @property
+    def stream(self) -> Any:
+        """The stream transfers run on (see :meth:`_create_stream`)."""
+        return self._stream
+
+    @property
+    def kv_layer_groups_manager(self) -> KVLayerGroupsManager:
+        return self._manager
+
+    @property
+    def hidden_dim_sizes(self) -> list[int]:
+        """Per kernel group: elements of one token of one plane (heads x head size)."""
+        return [kg.hidden_dim for kg in self._manager.kernel_groups]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- per-group queries -------------------------------------------------------------
+
+    def _kg(self, kernel_group_idx: int) -> int:
+        n = self._manager.num_kernel_groups
+        if not _is_int(kernel_group_idx) or not 0 <= kernel_group_idx < n:
+            raise TransferError(f"kernel group {kernel_group_idx!r} out of range 0..{n - 1}")
+        return kernel_group_idx
+
+    def _slot(self, slot: int) -> int:
+        self._check_open()
+        n = self.max_batch_size
+        if not _is_int(slot) or not 0 <= slot < n:
+            raise TransferError(f"staging slot {slot!r} out of range 0..{n - 1}")
+        return slot
+
+    def get_kernel_group_kv_pointers(self, kernel_group_idx: int) -> torch.Tensor:
+        """1-D int64 tensor of the group's layer base addresses, on :attr:`device`."""
+        self._check_open()
+        return self._kv_pointers[self._kg(kernel_group_idx)]
+
+    def get_engine_kv_format(self, kernel_group_idx: int) -> KVFormat:
+        return self._manager.kernel_groups[self._kg(kernel_group_idx)].kv_format
+
+    def get_slots_per_chunk_in_sw(self, kernel_group_idx: int) -> int:
+        """Tokens of a full chunk the group keeps (less than a chunk for a trimmed window)."""
+        return self._manager.kernel_groups[self._kg(kernel_group_idx)].tokens_per_slot
+
+    def get_kernel_group_shape_dtype(
+        self, num_tokens: int, kernel_group_idx: int
+    ) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of ``num_tokens`` tokens of the group in chunk layout.
+
+        The shape is ``[kv, layers, kept, hidden]``: ``kv`` is 2 (1 for MLA), and
+        ``kept`` the tokens the group keeps when ``num_tokens`` is cut into chunks
+        (all of them, unless the group is a trimmed sliding window).
+        """
+        import torch
+
+        kg = self._manager.kernel_groups[self._kg(kernel_group_idx)]
+        if not _is_int(num_tokens) or num_tokens < 0:
+            raise TransferError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        kept = self._manager.kept_tokens(num_tokens, kg.index)
+        return torch.Size((kg.kv_size, kg.num_layers, kept, kg.hidden_dim)), kg.dtype
+
+    def calculate_num_blocks(self, num_tokens: int, kernel_group_idx: int) -> int:
+        """Block ids covering a chunk of ``num_tokens`` tokens in the group's engine group."""
+        self._kg(kernel_group_idx)
+        if not _is_int(num_tokens) or num_tokens < 0:
+            raise TransferError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        return self._manager.blocks_for(num_tokens, kernel_group_idx)
+
+    def get_temp_kernel_group_buffer(self, slot: int, kernel_group_idx: int) -> torch.Tensor:
+        """Typed staging view ``[kv, layers, tokens_per_slot, hidden]`` of one group in a slot."""
+        return self._slot_kg_views[self._slot(slot)][self._kg(kernel_group_idx)]
+
+    def get_temp_object_group_buffer(self, slot: int, object_group_idx: int) -> torch.Tensor:
+        """Flat uint8 view spanning exactly the object group's kernel-group regions in a slot."""
+        n = self._manager.num_object_groups
+        if not _is_int(object_group_idx) or not 0 <= object_group_idx < n:
+            raise TransferError(f"object group {object_group_idx!r} out of range 0..{n - 1}")
+        off, nbytes = self._staging_layout.object_group_spans[object_group_idx]
+        slot = self._slot(slot)
+        assert self._staging is not None  # _slot() refuses a closed context
+        return self._staging.narrow(0, slot * self._staging_layout.slot_nbytes + off, nbytes)
+
+    def cache_size_per_token(self) -> int:
+        """Bytes one token occupies in the engine's paged caches, over all layers."""
+        return sum(kg.bytes_per_token for kg in self._manager.kernel_groups)
+
+    def report_status(self) -> dict[str, Any]:
+        """A JSON-ready summary of the layout, groups and staging buffer."""
+        m = self._manager
+        return {
+            "device": str(self._device),
+            "num_layers": self.num_layers,
+            "num_blocks": self.num_blocks,
+            "tokens_per_chunk": self.lmcache_tokens_per_chunk,
+            "max_batch_size": self.max_batch_size,
+            "cache_size_per_token": self.cache_size_per_token(),
+            "staging_bytes": self._staging_layout.total_nbytes,
+            "kernel_groups": [
+                {
+                    "kernel_group_idx": kg.index,
+                    "engine_group_idx": kg.engine_group_idx,
+                    "object_group_idx": kg.object_group_idx,
+                    "layer_indices": list(kg.layer_indices),
+                    "num_layers": kg.num_layers,
+                    "kv_format": kg.kv_format.value,
+                    "is_mla": kg.is_mla,
+                    "dtype": str(kg.dtype).removeprefix("torch."),
+                    "layer_shape": list(kg.layer_shape),
+                    "num_blocks": kg.num_blocks,
+                    "block_size": kg.block_size,
+                    "num_kv_heads": kg.num_kv_heads,
+                    "head_size": kg.head_size,
+                    "sliding_window": kg.sliding_window,
+                    "tokens_per_slot": kg.tokens_per_slot,
+                    "stacked": self._stacked[kg.index],
+                }
+                for kg in m.kernel_groups
+            ],
+            "object_groups": [
+                {
+                    "object_group_idx": og.index,
+                    "kernel_group_indices": list(og.kernel_group_indices),
+                    "sliding_window": og.sliding_window,
+                    "nbytes_per_slot": self._staging_layout.object_group_spans[og.index][1],
+                }
+                for og in m.object_groups
+            ],
+        }
+
+    # -- block ids and transfers -------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the cache context is closed; nothing was written")
+
+    def _validate_ids(self, block_ids_per_group: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Per engine group, the ids as ints, each checked against the group's block space."""
+        n_groups = self._manager.num_engine_groups
+        if len(block_ids_per_group) != n_groups:
+            raise TransferError(
+                f"expected block ids for {n_groups} engine group(s), got {len(block_ids_per_group)}"
+            )
+        out = []
+        for g, ids in enumerate(block_ids_per_group):
+            try:
+                values = [operator.index(x) for x in _as_list(ids)]
+            except TypeError as exc:
+                raise TransferError(f"engine group {g}: block ids must be ints ({exc})") from None
+            limit = self._engine_group_blocks[g]
+            for pos, value in enumerate(values):
+                if not 0 <= value < limit:
+                    raise TransferError(
+                        f"engine group {g}: block id {value} at position {pos} is out of range 0..{limit - 1}"
+                    )
+            out.append(values)
+        return out
+
+    def _stage(self, ids: list[list[int]]) -> list[torch.Tensor]:
+        import torch
+
+        flat = [x for group in ids for x in group]
+        if len(flat) > self._block_ids_capacity:
+            raise TransferError(
+                f"{len(flat)} block ids exceed the staging capacity of {self._block_ids_capacity}"
+            )
+        host = torch.tensor(flat, dtype=torch.int64)
+        assert self._block_ids_buffer is not None  # callers check the context is open
+        staged = self._block_ids_buffer[: len(flat)]
+        staged.copy_(host, non_blocking=True)
+        views, start = [], 0
+        for group in ids:
+            views.append(staged.narrow(0, start, len(group)))
+            start += len(group)
+        return views
+
+    def stage_block_ids(self, block_ids_per_group: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Copy block ids (one list per engine group) to :attr:`device`; one view per group.
+
+        Every id is checked against its group's block count, and the total against
+        the buffer's capacity, before anything is copied (:class:`TransferError`).
+        Call it inside :meth:`stream_context`; the views stay valid until the next
+        staging call on this context.
+        """
+        self._check_open()
+        ids = self._validate_ids(block_ids_per_group)
+        with self._transfer_lock:
+            return self._stage(ids)
+
+    def _plan(
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        slot: int,
+        num_tokens: int | None,
+        *,
+        retrieve: bool,
+    ) -> tuple[int, int, list[list[int]]]:
+        """Validate a transfer request completely; returns ``(slot, num_tokens, ids)``."""
+        self._check_open()
+        slot = self._slot(slot)
+        chunk = self.lmcache_tokens_per_chunk
+        if num_tokens is None:
+            num_tokens = chunk
+        if not _is_int(num_tokens) or not 1 <= num_tokens <= chunk:
+            raise TransferError(f"num_tokens must be an int in 1..{chunk}, got {num_tokens!r}")
+        ids = self._validate_ids(block_ids_per_group)
+        for eg, group_ids in zip(self._manager.engine_groups, ids, strict=True):
+            want = -(-num_tokens // eg.block_size)
+            if len(group_ids) != want:
+                raise TransferError(
+                    f"engine group {eg.index}: {num_tokens} tokens with block size "
+                    f"{eg.block_size} need {want} block ids, got {len(group_ids)}"
+                )
+        if retrieve:
+            for eg, group_ids in zip(self._manager.engine_groups, ids, strict=True):
+                kgs = [kg for kg in self._manager.kernel_groups if kg.engine_group_idx == eg.index]
+                first = min(self._manager.kept_range(num_tokens, kg.index)[0] for kg in kgs)
+                written = group_ids[first // eg.block_size :]
+                if len(set(written)) != len(written):
+                    raise TransferError(
+                        f"engine group {eg.index}: retrieve would write block ids {written} "
+                        f"and some repeat; every written block must be distinct"
+                    )
+        return slot, num_tokens, ids
+
+    def _transfer_plan(
+        self, slot: int, num_tokens: int, ids: list[list[int]], staged: list[torch.Tensor]
+    ) -> ChunkTransfer:
+        parts = []
+        for kg in self._manager.kernel_groups:
+            first, count = self._manager.kept_range(num_tokens, kg.index)
+            lo = first // kg.block_size
+            parts.append(
+                GroupTransfer(
+                    kernel_group_idx=kg.index,
+                    first_token=first,
+                    num_tokens=count,
+                    block_ids=staged[kg.engine_group_idx][lo:],
+                    block_id_list=tuple(ids[kg.engine_group_idx][lo:]),
+                    buffer=self._slot_kg_views[slot][kg.index],
+                )
+            )
+        return ChunkTransfer(slot=slot, num_tokens=num_tokens, groups=tuple(parts))
+
+    def store_chunk(
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        *,
+        slot: int = 0,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Gather one chunk from the paged blocks into staging slot ``slot``.
+
+        ``block_ids_per_group[g]`` lists, for engine group ``g``, the blocks holding
+        the chunk's tokens in order: exactly ``ceil(num_tokens / block_size)`` ids
+        (``num_tokens`` defaults to a full chunk). A trimmed sliding-window group
+        reads only the blocks holding its kept tokens; the other ids are still
+        bounds-checked. Every argument is validated before anything is copied.
+        On a device with streams the copy is enqueued on :attr:`stream`.
+        """
+        slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=False)
+        with self._transfer_lock, self.stream_context():
+            self._store(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+
+    def retrieve_chunk(
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        *,
+        slot: int = 0,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Scatter staging slot ``slot`` into the given blocks; the inverse of :meth:`store_chunk`.
+
+        Only the kept tokens are written: the first ``num_tokens`` positions of the
+        chunk (the last ``tokens_per_slot`` of them for a trimmed sliding-window
+        group); every other token of every block stays untouched. The written
+        blocks must be distinct. Every argument is validated before anything is written.
+        """
+        slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=True)
+        with self._transfer_lock, self.stream_context():
+            self._retrieve(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+
+    # -- lifetime ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release buffers and close every wrapper. Idempotent."""
-        for wrapper in self.kv_caches:
+        """Wait for transfers, release device resources and close every wrapper. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            with self._transfer_lock:
+                self.synchronize()
+                self._release()
+        finally:
+            # Drop every reference to device memory, so it can be freed before the
+            # wrappers unmap what the layer views point into.
+            self._movers = []
+            self._slot_kg_views = []
+            self._kv_pointers = []
+            self._tensors = []
+            self._staging = None
+            self._block_ids_buffer = None
+            _close_all(self.kv_caches)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.num_layers} layers on {self._device}"
+        return f"<{type(self).__name__} {state}>"
+
+
+def _is_int(value: object) -> bool:
+    """An int index, but not a bool (``True`` is never meant as slot 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_list(ids: Sequence[int]) -> list[Any]:
+    tolist = getattr(ids, "tolist", None)
+    return list(tolist() if callable(tolist) else ids)
+
+
+def _close_all(wrappers: Sequence[DeviceIPCWrapper]) -> None:
+    """Close every wrapper even if some fail; re-raise the first failure."""
+    first: BaseException | None = None
+    for wrapper in wrappers:
+        try:
             wrapper.close()
+        except Exception as exc:  # keep closing the rest; the first error is re-raised
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first

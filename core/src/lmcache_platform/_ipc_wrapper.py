@@ -172,7 +172,7 @@ class DeviceIPCWrapper(abc.ABC):
         """Reopen the memory in this process as a tensor aliasing the producer's."""
 
     @classmethod
-    def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+    def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:
         """Check a whole batch before any of it is wrapped (capacity, device, layout).
 
         :func:`lmcache_platform.wrap_kv_caches` calls it once per device type with all

@@ -1,0 +1,151 @@
+"""Helpers for the cache-context tests: an in-process wrapper, a host context, KV builders.
+
+``HeldWrapper`` is a test double for the IPC part only (it hands back the very
+tensor it wrapped, in this process); everything the cache context does with the
+tensor is real torch on the host. Real shared memory is covered by the CPU-backend
+tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from lmcache_platform import (
+    BaseCacheContext,
+    CacheContextConfig,
+    DeviceIPCWrapper,
+    EngineGroupInfo,
+    KVFormat,
+    LayoutHints,
+    WireField,
+)
+
+
+class HeldWrapper(DeviceIPCWrapper):
+    """Keeps its tensor in this process; counts reopens and closes."""
+
+    device_type = "cpu"
+    wire_tag = "test.held/1"
+    wire_fields: ClassVar = {"serial": WireField(int, lo=0)}
+    _serial = 0
+
+    def __init__(self, *, serial: int, **base: Any) -> None:
+        super().__init__(**base)
+        self.serial = serial
+        self.tensor: torch.Tensor | None = None
+        self.opens = 0
+        self.releases = 0
+        self.fail_open = False
+        self.fail_close = False
+
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor) -> HeldWrapper:
+        HeldWrapper._serial += 1
+        w = cls(
+            serial=HeldWrapper._serial, dtype=tensor.dtype, shape=tuple(tensor.shape),
+            stride=tensor.stride(), storage_offset=tensor.storage_offset(), device_uuid="cpu",
+        )  # fmt: skip
+        w.tensor = tensor
+        return w
+
+    def to_tensor(self) -> torch.Tensor:
+        self.opens += 1
+        if self.fail_open:
+            raise OSError(f"cannot reopen wrapper {self.serial}")
+        assert self.tensor is not None
+        return self.tensor
+
+    def _release(self) -> None:
+        self.releases += 1
+        if self.fail_close:
+            raise OSError(f"cannot release wrapper {self.serial}")
+
+
+class HostContext(BaseCacheContext):
+    """The base machinery on the host, as a backend would subclass it."""
+
+    device_type = "cpu"
+
+
+#: Shapes per format, in terms of (num_blocks, block_size, heads, head_size).
+def layer_shape(fmt: KVFormat, nb: int, bs: int, h: int, d: int) -> tuple[int, ...]:
+    return {
+        KVFormat.FLASH_ATTN: (2, nb, bs, h, d),
+        KVFormat.FLASH_ATTN_HND: (2, nb, h, bs, d),
+        KVFormat.FLASHINFER: (nb, 2, bs, h, d),
+        KVFormat.FLASHINFER_HND: (nb, 2, h, bs, d),
+        KVFormat.MLA: (nb, bs, d),
+    }[fmt]
+
+
+def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A tensor of ``dtype`` filled with random bit patterns (NaN payloads included)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for s in shape:
+        n *= s
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(shape)
+
+
+def make_layers(
+    fmt: KVFormat,
+    num_layers: int,
+    *,
+    nb: int = 12,
+    bs: int = 4,
+    h: int = 2,
+    d: int = 8,
+    dtype: torch.dtype = torch.float16,
+    shared: bool = False,
+    seed: int = 0,
+) -> list[torch.Tensor]:
+    """Per-layer KV tensors in ``fmt``: separate allocations, or views of one (``shared``)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = layer_shape(fmt, nb, bs, h, d)
+    if shared:
+        whole = random_bytes((num_layers, *shape), dtype, gen)
+        return list(whole.unbind(0))
+    return [random_bytes(shape, dtype, gen) for _ in range(num_layers)]
+
+
+def context(
+    tensors: list[torch.Tensor],
+    *,
+    cls: type[BaseCacheContext] = HostContext,
+    **config: Any,
+) -> BaseCacheContext:
+    config.setdefault("lmcache_tokens_per_chunk", 16)
+    if "engine_group_infos" in config:
+        config["engine_group_infos"] = tuple(config["engine_group_infos"])
+    return cls([HeldWrapper.wrap(t) for t in tensors], CacheContextConfig(**config))
+
+
+def token_rows(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> torch.Tensor:
+    """Reference: tokens ``[lo, hi)`` of ``block`` as ``[kv, tokens, hidden]`` bytes."""
+    if fmt is KVFormat.MLA:
+        rows = t[block, lo:hi].unsqueeze(0)
+    elif fmt is KVFormat.FLASH_ATTN:
+        rows = t[:, block, lo:hi]
+    elif fmt is KVFormat.FLASH_ATTN_HND:
+        rows = t[:, block, :, lo:hi].transpose(1, 2)
+    elif fmt is KVFormat.FLASHINFER:
+        rows = t[block, :, lo:hi]
+    else:
+        rows = t[block, :, :, lo:hi].transpose(1, 2)
+    return rows.reshape(rows.shape[0], hi - lo, -1)
+
+
+__all__ = [
+    "EngineGroupInfo",
+    "HeldWrapper",
+    "HostContext",
+    "LayoutHints",
+    "context",
+    "layer_shape",
+    "make_layers",
+    "random_bytes",
+    "token_rows",
+]
