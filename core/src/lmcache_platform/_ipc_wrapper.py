@@ -171,7 +171,7 @@ class DeviceIPCWrapper(abc.ABC):
     def to_tensor(self) -> torch.Tensor:
         """Reopen the memory in this process as a tensor aliasing the producer's."""
 
-    @classmethod
+    @classmethod  # noqa: B027 - optional hook, no-op by default
     def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:
         """Check a whole batch before any of it is wrapped (capacity, device, layout).
 
