@@ -24,8 +24,8 @@ from lmcache_platform import (
     DeviceIPCWrapper,
     WireField,
     WireFormatError,
+    wire,
 )
-from lmcache_platform import wire
 from lmcache_platform.testing import fake_backend
 from support.fakes import context_class
 
@@ -137,12 +137,25 @@ def test_default_allow_list_includes_extra_wire_classes(lmcache_registry: Any) -
     assert [type(w) for w in got] == [FakeWrapper, RawWrapper]
 
 
-def test_real_cpu_backend_class_round_trips() -> None:
-    """The installed cpu backend's wrapper class goes through the default allow-list."""
-    classes = lmcache_platform._registry.wire_classes_for("cpu")
-    assert classes, "the cpu backend declares at least one wire class"
-    for tag, cls in classes.items():
-        assert cls.wire_tag == tag and cls.device_type == "cpu"
+def test_real_cpu_wrapper_round_trips_and_aliases() -> None:
+    """The installed cpu backend through the default allow-list: same memory after decoding.
+
+    (Across processes, this is what tests/server does with a real server.)
+    """
+    tensors = [torch.arange(64, dtype=torch.float32).view(4, 16), torch.ones(3, 5)[:, 1:]]
+    sent = lmcache_platform.wrap_kv_caches(tensors)
+    got = wire.decode(wire.encode(sent))
+    try:
+        assert got == sent and [type(w) for w in got] == [type(w) for w in sent]
+        assert type(got[0]).wire_tag in lmcache_platform._registry.wire_classes_for("cpu")
+        view = got[1].to_tensor()
+        assert view.stride() == tensors[1].stride() and torch.equal(view, tensors[1])
+        view.fill_(7)
+        assert torch.equal(tensors[1], torch.full((3, 4), 7.0))
+        del view
+    finally:
+        for w in [*got, *sent]:
+            w.close()
 
 
 _names = st.text(min_size=0, max_size=64)
@@ -280,9 +293,7 @@ def test_device_type_is_checked_before_any_lookup(lmcache_registry: Any, bad: ob
         ({"extra": 1}, "unknown fields"),
     ],
 )
-def test_wrong_fields_raise_wire_error_from_descriptor_error(
-    override: dict[str, Any], match: str
-) -> None:
+def test_wrong_fields_raise_wire_error_from_descriptor_error(override: dict[str, Any], match: str) -> None:
     err = reject(envelope([record(**override)]), match, allowed=ALLOWED)
     assert isinstance(err.__cause__, DescriptorError)
     assert "record 0 (fakedev.test/1)" in str(err)

@@ -505,6 +505,20 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
                     )
         return slot, num_tokens, ids
 
+    def validate_transfer(
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        *,
+        num_tokens: int | None = None,
+        retrieve: bool = False,
+    ) -> None:
+        """Run every check a store (or, with ``retrieve``, a retrieve) would run; move nothing.
+
+        Lets a caller validate a multi-chunk request up front so that a bad last chunk
+        does not leave earlier chunks written. Raises :class:`TransferError`.
+        """
+        self._plan(block_ids_per_group, 0, num_tokens, retrieve=retrieve)
+
     def _transfer_plan(
         self, slot: int, num_tokens: int, ids: list[list[int]], staged: list[torch.Tensor]
     ) -> ChunkTransfer:

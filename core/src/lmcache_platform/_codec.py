@@ -65,9 +65,7 @@ def unpack(magic: bytes, version: int, data: object, limits: Limits, *, what: st
         hint = " (it looks like a pickle; pickles are never accepted)" if looks_pickled else ""
         raise WireFormatError(f"{what}: missing the {magic!r} header{hint}")
     if data[4] != version:
-        raise WireFormatError(
-            f"{what}: version {data[4]} is not supported (this side speaks {version})"
-        )
+        raise WireFormatError(f"{what}: version {data[4]} is not supported (this side speaks {version})")
     body = data[HEADER_LEN:]
     unpacker = msgpack.Unpacker(
         raw=False,
@@ -137,9 +135,7 @@ def expect_bool(value: object, where: str) -> bool:
     return value
 
 
-def expect_str(
-    value: object, where: str, *, max_len: int, pattern: re.Pattern[str] | None = None
-) -> str:
+def expect_str(value: object, where: str, *, max_len: int, pattern: re.Pattern[str] | None = None) -> str:
     if type(value) is not str:
         raise WireFormatError(f"{where}: expected str, got {type(value).__name__}")
     if len(value) > max_len:

@@ -104,3 +104,15 @@ class DescriptorError(LMCachePlatformError, ValueError):
 
 class WireFormatError(LMCachePlatformError, ValueError):
     """Bytes on the wire are malformed, unknown, truncated or oversized."""
+
+
+class ServerError(LMCachePlatformError, RuntimeError):
+    """The reference server refused a request or could not start.
+
+    ``remote_type`` is the name of the exception raised in the server
+    (``"TransferError"``, ``"WireFormatError"``...), or ``None`` for a local failure.
+    """
+
+    def __init__(self, message: str, *, remote_type: str | None = None) -> None:
+        super().__init__(message)
+        self.remote_type = remote_type

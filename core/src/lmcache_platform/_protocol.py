@@ -60,9 +60,7 @@ _LIMITS = _codec.Limits(
 def send_frame(sock: socket.socket, payload: bytes) -> None:
     """Write one frame (blocking)."""
     if len(payload) > MAX_FRAME_BYTES:
-        raise WireFormatError(
-            f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME_BYTES}"
-        )
+        raise WireFormatError(f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
     sock.sendall(_PREFIX.pack(len(payload)) + payload)
 
 
@@ -181,9 +179,7 @@ def decode_request(payload: bytes) -> Request:
     if "context" in msg:
         kwargs["context"] = expect_int(msg["context"], f"{op} context", lo=0, hi=MAX_ID)
     if "wrappers" in msg:
-        kwargs["wrappers"] = expect_bytes(
-            msg["wrappers"], f"{op} wrappers", max_len=wire.MAX_MESSAGE_BYTES
-        )
+        kwargs["wrappers"] = expect_bytes(msg["wrappers"], f"{op} wrappers", max_len=wire.MAX_MESSAGE_BYTES)
     if "config" in msg:
         kwargs["config"] = decode_config(msg["config"])
     if "chunks" in msg:
@@ -201,11 +197,7 @@ def _decode_chunks(value: object, op: str) -> tuple[Chunk, ...]:
         chunk_id = expect_str(pair[0], f"{where} id", max_len=MAX_CHUNK_ID_LEN)
         groups = expect_list(pair[1], f"{where} block ids", max_len=MAX_GROUPS)
         block_ids = tuple(
-            tuple(
-                expect_int_list(
-                    g, f"{where} group {j}", lo=0, hi=MAX_ID, max_len=MAX_BLOCKS_PER_GROUP
-                )
-            )
+            tuple(expect_int_list(g, f"{where} group {j}", lo=0, hi=MAX_ID, max_len=MAX_BLOCKS_PER_GROUP))
             for j, g in enumerate(groups)
         )
         chunks.append(Chunk(chunk_id, block_ids))
@@ -266,9 +258,7 @@ def decode_config(value: object) -> dict[str, Any]:
             msg["lmcache_tokens_per_chunk"], "config lmcache_tokens_per_chunk", lo=1, hi=_MAX_TOKENS
         ),
         "engine_type": _enum(EngineType, msg["engine_type"], "config engine_type"),
-        "separate_object_groups": expect_bool(
-            msg["separate_object_groups"], "config separate_object_groups"
-        ),
+        "separate_object_groups": expect_bool(msg["separate_object_groups"], "config separate_object_groups"),
         "full_sw_kv": expect_bool(msg["full_sw_kv"], "config full_sw_kv"),
         "layout_hints": None,
     }

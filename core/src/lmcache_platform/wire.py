@@ -65,9 +65,7 @@ def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
     records: list[list[object]] = []
     for i, wrapper in enumerate(wrappers):
         if not isinstance(wrapper, DeviceIPCWrapper):
-            raise WireFormatError(
-                f"item {i}: expected a DeviceIPCWrapper, got {type(wrapper).__name__}"
-            )
+            raise WireFormatError(f"item {i}: expected a DeviceIPCWrapper, got {type(wrapper).__name__}")
         cls = type(wrapper)
         if not DEVICE_TYPE_RE.fullmatch(cls.device_type) or not WIRE_TAG_RE.fullmatch(cls.wire_tag):
             raise WireFormatError(
@@ -117,9 +115,7 @@ def _decode_record(
     items = _codec.expect_list(record, where, max_len=3)
     if len(items) != 3:
         raise WireFormatError(f"{where}: expected [device_type, wire_tag, fields]")
-    device_type = _codec.expect_str(
-        items[0], f"{where} device type", max_len=32, pattern=DEVICE_TYPE_RE
-    )
+    device_type = _codec.expect_str(items[0], f"{where} device type", max_len=32, pattern=DEVICE_TYPE_RE)
     tag = _codec.expect_str(items[1], f"{where} wire tag", max_len=64, pattern=WIRE_TAG_RE)
     fields = items[2]
     if not isinstance(fields, dict):
@@ -140,8 +136,7 @@ def _decode_record(
         )
     if cls.device_type != device_type:
         raise WireFormatError(
-            f"{where}: wire tag {tag!r} belongs to device type {cls.device_type!r}, "
-            f"not {device_type!r}"
+            f"{where}: wire tag {tag!r} belongs to device type {cls.device_type!r}, not {device_type!r}"
         )
     try:
         return cls.from_fields(fields)

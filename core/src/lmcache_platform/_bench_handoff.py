@@ -1,0 +1,370 @@
+"""Benchmark sections: handing a KV-cache set to another process, and the one-time migration.
+
+Hand-off: the engine side holds a vLLM-shaped KV-cache set (32 layers of
+``[2, blocks, 16, 8, 128]`` float16) and gives it to a spawned receiver, which
+opens every layer as a tensor and acknowledges. The time runs from "the engine has
+its tensors" to "the acknowledgement is back", for
+
+* ours: ``wrap_kv_caches`` (storage already migrated, as after the engine's first
+  wrap), ``wire.encode``, a pipe, ``wire.decode`` and ``to_tensor()``;
+* torch.multiprocessing sharing through a spawn-context ``Queue``, with the
+  ``file_system`` and ``file_descriptor`` strategies (storage already shared, the
+  same starting point as ours); on CUDA, torch's CUDA IPC;
+* plain pickling of the tensors over the same pipe (copies every byte).
+
+Migration: the first ``wrap`` of fresh tensors, which moves their storage into
+shared memory, against ``Tensor.share_memory_()`` with each torch strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import pickle
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import _bench_child
+from ._bench_stats import Report, Result, Settings, Skip, Target, ratio_rows
+from ._errors import LMCachePlatformError
+
+if TYPE_CHECKING:
+    import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+FULL_SIZES = (64 * MiB, 1 * GiB, 4 * GiB)
+QUICK_SIZES = (4 * MiB, 16 * MiB, 64 * MiB)
+#: Pickling copies every byte (several times); above this it only shows the same slope.
+PICKLE_MAX = 1 * GiB
+LAYERS, BLOCK_SIZE, HEADS, HEAD_SIZE = 32, 16, 8, 128
+#: Ours at 1 GiB must take at most this share of torch's file_system strategy.
+VS_TORCH_LIMIT = 0.5
+#: Largest over smallest size: "flat" means at most this.
+FLAT_LIMIT = 1.2
+OURS = "ours (wire + shm)"
+PICKLE = "pickle"
+STRATEGIES = ("file_system", "file_descriptor")
+_TIMEOUT_S = 300.0
+
+
+def size_label(n: int) -> str:
+    return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n / MiB:g} MiB"
+
+
+def kv_set(size: int, device: str) -> list[torch.Tensor]:
+    """A 32-layer vLLM flash-attention KV set of about ``size`` bytes, pages touched.
+
+    Each layer's first and last elements are ``i + 1`` and ``-(i + 1)``, so the
+    receiver's probes show it sees this very memory.
+    """
+    import torch
+
+    block_bytes = 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2
+    blocks = max(1, size // LAYERS // block_bytes)
+    shape = (2, blocks, BLOCK_SIZE, HEADS, HEAD_SIZE)
+    tensors = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(LAYERS)]
+    for i, t in enumerate(tensors):
+        flat = t.view(-1)
+        flat[0], flat[-1] = i + 1, -(i + 1)
+    return tensors
+
+
+EXPECTED_PROBES = [1.0, -1.0, float(LAYERS), -float(LAYERS)]
+
+
+def memory_available() -> tuple[int | None, int | None]:
+    """(MemAvailable, free bytes in /dev/shm); None where this host does not say."""
+    mem = shm = None
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                mem = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError):
+        st = os.statvfs("/dev/shm")
+        shm = st.f_bavail * st.f_frsize
+    return mem, shm
+
+
+def _room_for(size: int, device: str, *, copies: float) -> str | None:
+    """Why ``copies`` x ``size`` does not fit here now, or None if it does."""
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        need = int(size * copies)
+        return None if free >= need else f"needs {size_label(need)} of GPU memory, {size_label(free)} free"
+    mem, shm = memory_available()
+    need = int(size * copies) + GiB
+    if mem is not None and mem < need:
+        return f"needs about {need / GiB:.1f} GiB of RAM, {mem / GiB:.1f} GiB available"
+    if shm is not None and shm < size * 1.2:
+        return f"needs {size * 1.2 / GiB:.1f} GiB in /dev/shm, {shm / GiB:.1f} GiB free"
+    return None
+
+
+class Receiver:
+    """The spawned receiving process and its channels (see :mod:`._bench_child`)."""
+
+    def __init__(self) -> None:
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.queue = ctx.Queue()
+        self.proc = ctx.Process(target=_bench_child.serve, args=(child, self.queue), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def _recv(self) -> dict[str, Any]:
+        if not self.conn.poll(_TIMEOUT_S):
+            raise RuntimeError(f"the receiver did not answer within {_TIMEOUT_S:g} s")
+        try:
+            answer: dict[str, Any] = json.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise RuntimeError(f"the receiver died (exit code {self.proc.exitcode})") from None
+        return answer
+
+    def handoff(self, method: str, send: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """One timed hand-off: ``send`` ships the set; returns total and stage seconds."""
+        self.conn.send_bytes(json.dumps({"method": method}).encode())
+        self._recv()  # ready: the previous set is released on the other side
+        t0 = time.perf_counter()
+        stages = send()
+        ack = self._recv()
+        total = time.perf_counter() - t0
+        if ack["probes"] != EXPECTED_PROBES or ack["layers"] != LAYERS:
+            raise RuntimeError(
+                f"hand-off by {method}: the receiver saw {ack['layers']} layers with probes "
+                f"{ack['probes']}, expected {LAYERS} layers with {EXPECTED_PROBES}"
+            )
+        return {**stages, "decode": ack.get("decode", 0.0), "to_tensor": ack.get("to_tensor", 0.0),
+                "total": total}  # fmt: skip
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(b'{"method": "stop"}')
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+        self.queue.close()
+        self.queue.join_thread()
+
+
+@contextlib.contextmanager
+def sharing_strategy(strategy: str) -> Iterator[None]:
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()  # type: ignore[no-untyped-call]
+    tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        tmp.set_sharing_strategy(before)  # type: ignore[no-untyped-call]
+
+
+def _trials(recv: Receiver, method: str, send: Callable[[], dict[str, float]],
+            runs: int, warmup: int) -> list[dict[str, float]]:  # fmt: skip
+    for _ in range(warmup):
+        recv.handoff(method, send)
+    return [recv.handoff(method, send) for _ in range(runs)]
+
+
+def sizes_of(settings: Settings) -> tuple[int, ...]:
+    if settings.sizes:
+        return settings.sizes
+    return QUICK_SIZES if settings.quick else FULL_SIZES
+
+
+def bench_handoff(report: Report, settings: Settings) -> None:
+    """Every method at every size, in one receiver process; ratios are against ours."""
+    device, sizes = settings.device, sizes_of(settings)
+    runs = settings.repeats(5, 15)
+    recv = Receiver()
+    try:
+        for size in sizes:
+            params = {"size_bytes": size, "size": size_label(size), "device": device}
+            why = _room_for(size, device, copies=2.5)
+            if why:
+                report.skipped.append(Skip("handoff", "all methods", why, params))
+                continue
+            _handoff_ours(report, recv, size, device, runs, params)
+            if device == "cpu":
+                for strategy in STRATEGIES:
+                    with sharing_strategy(strategy):
+                        _handoff_torch(report, recv, f"torch {strategy}", size, device, runs, params)
+            else:
+                _handoff_torch(report, recv, "torch CUDA IPC", size, device, runs, params)
+            why = (f"pickling copies every byte; skipped above {size_label(PICKLE_MAX)}"
+                   if size > PICKLE_MAX else _room_for(size, device, copies=6))  # fmt: skip
+            if why:
+                report.skipped.append(Skip("handoff", PICKLE, why, params))
+            else:
+                pickle_runs = settings.repeats(3, 3 if size > 64 * MiB else 5)
+                _handoff_pickle(report, recv, size, device, pickle_runs, params)
+            gc.collect()  # between sizes, in case anything was caught in a cycle
+    finally:
+        recv.close()
+    main = ratio_rows(report.section("handoff"), OURS, "size_bytes")
+    report.results = [r for r in report.results if r.section != "handoff"] + main
+    _handoff_targets(report, sizes)
+
+
+def _handoff_ours(report: Report, recv: Receiver, size: int, device: str, runs: int,
+                  params: dict[str, Any]) -> None:  # fmt: skip
+    from . import wire, wrap_kv_caches
+
+    tensors = kv_set(size, device)
+    try:
+        base = wrap_kv_caches(tensors)  # the one-time migration, measured in its own section
+    except LMCachePlatformError as exc:
+        report.skipped.append(Skip("handoff", OURS, str(exc).splitlines()[0], params))
+        return
+    message_bytes = len(wire.encode(base))
+    made: list[Any] = []
+
+    def send() -> dict[str, float]:
+        t0 = time.perf_counter()
+        wrappers = wrap_kv_caches(tensors)
+        t1 = time.perf_counter()
+        data = wire.encode(wrappers)
+        t2 = time.perf_counter()
+        recv.conn.send_bytes(data)
+        made.extend(wrappers)
+        return {"wrap": t1 - t0, "encode": t2 - t1}
+
+    try:
+        trials = []
+        for i in range(runs + 1):
+            trial = recv.handoff("ours", send)
+            for w in made:
+                w.close()
+            made.clear()
+            if i:  # the first is a warm-up
+                trials.append(trial)
+    finally:
+        for w in base:
+            w.close()
+        tensors.clear()
+    p = {**params, "message_bytes": message_bytes}
+    report.results.append(Result("handoff", OURS, "ms", tuple(t["total"] * 1e3 for t in trials), p))
+    for stage in ("wrap", "encode", "decode", "to_tensor"):
+        report.results.append(Result("handoff stages", f"ours: {stage}", "ms",
+                                     tuple(t[stage] * 1e3 for t in trials), p))  # fmt: skip
+    transport = [t["total"] - t["wrap"] - t["encode"] - t["decode"] - t["to_tensor"] for t in trials]
+    report.results.append(Result("handoff stages", "ours: pipe and acknowledgement", "ms",
+                                 tuple(x * 1e3 for x in transport), p))  # fmt: skip
+
+
+def _handoff_torch(report: Report, recv: Receiver, label: str, size: int, device: str, runs: int,
+                   params: dict[str, Any]) -> None:  # fmt: skip
+    tensors = kv_set(size, device)
+    if device == "cpu":
+        for t in tensors:
+            t.share_memory_()  # type: ignore[no-untyped-call]  # same start as ours: already shared
+
+    def send() -> dict[str, float]:
+        recv.queue.put(tensors)
+        return {}
+
+    try:
+        trials = _trials(recv, "torch", send, runs, warmup=1)
+    finally:
+        tensors.clear()
+    report.results.append(Result("handoff", label, "ms", tuple(t["total"] * 1e3 for t in trials), params))
+
+
+def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs: int,
+                    params: dict[str, Any]) -> None:  # fmt: skip
+    tensors = kv_set(size, device)
+
+    def send() -> dict[str, float]:
+        recv.conn.send_bytes(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL))
+        return {}
+
+    try:
+        trials = _trials(recv, "pickle", send, runs, warmup=1 if size <= 64 * MiB else 0)
+    finally:
+        tensors.clear()
+    report.results.append(Result("handoff", PICKLE, "ms", tuple(t["total"] * 1e3 for t in trials), params))
+
+
+def _handoff_targets(report: Report, sizes: Sequence[int]) -> None:
+    ours_1g = report.find("handoff", OURS, size_bytes=GiB)
+    fs_1g = report.find("handoff", "torch file_system", size_bytes=GiB)
+    value = ours_1g.median / fs_1g.median if ours_1g and fs_1g else None
+    report.targets.append(Target.at_most(
+        "handoff.vs_torch_file_system",
+        f"1 GiB hand-off <= {VS_TORCH_LIMIT:g} x torch file_system strategy", value, VS_TORCH_LIMIT,
+        note="" if value is not None else "1 GiB not measured in this run",
+    ))  # fmt: skip
+    ours = [r for r in report.section("handoff") if r.case == OURS]
+    if len(ours) >= 2:
+        lo = min(ours, key=lambda r: r.params["size_bytes"])
+        hi = max(ours, key=lambda r: r.params["size_bytes"])
+        flat: float | None = hi.median / lo.median
+        note = f"{hi.params['size']} over {lo.params['size']}"
+    else:
+        flat, note = None, "fewer than two sizes measured"
+    report.targets.append(Target.at_most(
+        "handoff.flat", f"our hand-off is flat in size (largest / smallest <= {FLAT_LIMIT:g})",
+        flat, FLAT_LIMIT, note=note,
+    ))  # fmt: skip
+
+
+def bench_migration(report: Report, settings: Settings) -> None:
+    """First ``wrap`` (moves storage into a segment) against ``share_memory_()``."""
+    device = settings.device
+    if device != "cpu":
+        report.skipped.append(Skip("migration", "all methods",
+                                   f"{device} memory is shared in place; nothing migrates"))  # fmt: skip
+        return
+    for size in sizes_of(settings):
+        params = {"size_bytes": size, "size": size_label(size), "device": device}
+        why = _room_for(size, device, copies=2.5)
+        if why:
+            report.skipped.append(Skip("migration", "all methods", why, params))
+            continue
+        runs = settings.repeats(3, 3 if size > 64 * MiB else 5)
+
+        cases: list[tuple[str, str | None]] = [
+            ("ours: first wrap", None),
+            *((f"share_memory_ ({s})", s) for s in STRATEGIES),
+        ]
+        for label, strategy in cases:
+            try:
+                values = [_migrate_once(size, device, strategy) for _ in range(runs)]
+            except LMCachePlatformError as exc:
+                report.skipped.append(Skip("migration", label, str(exc).splitlines()[0], params))
+                continue
+            report.results.append(Result("migration", label, "ms", tuple(values), params))
+        gc.collect()  # between sizes, in case anything was caught in a cycle
+    main = ratio_rows(report.section("migration"), "ours: first wrap", "size_bytes")
+    report.results = [r for r in report.results if r.section != "migration"] + main
+
+
+def _migrate_once(size: int, device: str, strategy: str | None) -> float:
+    """Milliseconds to move a fresh set into shared memory: ours if ``strategy`` is None."""
+    from . import wrap_kv_caches
+
+    tensors = kv_set(size, device)
+    wrappers = []
+    try:
+        if strategy is None:
+            t0 = time.perf_counter()
+            wrappers = wrap_kv_caches(tensors)
+            return (time.perf_counter() - t0) * 1e3
+        with sharing_strategy(strategy):
+            t0 = time.perf_counter()
+            for t in tensors:
+                t.share_memory_()  # type: ignore[no-untyped-call]
+            return (time.perf_counter() - t0) * 1e3
+    finally:
+        for w in wrappers:
+            w.close()  # the names go; the memory goes with the tensors
+        tensors.clear()

@@ -1,0 +1,151 @@
+"""Benchmark section: store and retrieve throughput of the cache context, per KV format.
+
+A 32-layer model's paged KV caches are wrapped through the facade and a context is
+built with :func:`create_cache_context` (in this process: the context reopens the
+same memory through the wrappers, as a server would). Each run moves every chunk of
+the cache once, 256 tokens per chunk, through the staging slots in turn, with the
+blocks of each chunk scattered over the cache as a paged allocator leaves them.
+
+The ceiling is a plain ``copy_`` of the same bytes per chunk in the same run, with
+the same traffic shape: store reads chunk ``i`` from a pool as large as the cache
+and writes a slot-sized buffer; retrieve the reverse. Copying one small buffer over
+and over would run from the CPU cache and overstate the ceiling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ._bench_stats import Report, Result, Settings, Skip, Target
+from ._errors import LMCachePlatformError
+from ._types import KVFormat, LayoutHints
+
+if TYPE_CHECKING:
+    import torch
+
+#: store and retrieve must reach this share of copy_ bandwidth.
+BANDWIDTH_SHARE = 0.5
+BLOCK_SIZE = 16
+TOKENS_PER_CHUNK = 256
+LAYERS = 32
+
+
+def layer_shape(fmt: KVFormat, num_blocks: int, heads: int, head_size: int) -> tuple[int, ...]:
+    """One layer's paged KV shape in ``fmt`` (see :class:`KVFormat`)."""
+    b, h, d = BLOCK_SIZE, heads, head_size
+    return {
+        KVFormat.FLASH_ATTN: (2, num_blocks, b, h, d),
+        KVFormat.FLASH_ATTN_HND: (2, num_blocks, h, b, d),
+        KVFormat.FLASHINFER: (num_blocks, 2, b, h, d),
+        KVFormat.FLASHINFER_HND: (num_blocks, 2, h, b, d),
+        KVFormat.MLA: (num_blocks, b, d),
+    }[fmt]
+
+
+def bench_transfer(report: Report, settings: Settings) -> None:
+    """Store/retrieve GB/s per format next to the ``copy_`` ceiling of the same bytes."""
+    import torch
+
+    device = settings.device
+    heads, head_size, mla_head = (2, 64, 96) if settings.quick else (8, 128, 576)
+    chunks = 4 if settings.quick else 8
+    runs = settings.repeats(3, 7)
+    blocks_per_chunk = TOKENS_PER_CHUNK // BLOCK_SIZE
+    num_blocks = chunks * blocks_per_chunk
+    sync = _synchronizer(device)
+    gen = torch.Generator().manual_seed(0)
+    for fmt in KVFormat:
+        d = mla_head if fmt is KVFormat.MLA else head_size
+        params = {"format": fmt.value, "layers": LAYERS, "tokens": TOKENS_PER_CHUNK,
+                  "heads": 1 if fmt is KVFormat.MLA else heads, "head_size": d}  # fmt: skip
+        try:
+            measured = _one_format(fmt, device, num_blocks, heads, d, runs, sync, gen)
+        except LMCachePlatformError as exc:
+            report.skipped.append(Skip("transfer", fmt.value, str(exc).splitlines()[0], params))
+            continue
+        chunk_bytes, rows = measured
+        params["chunk_bytes"] = chunk_bytes
+        out = {name: Result("transfer", name, "GB/s", tuple(v), params) for name, v in rows.items()}
+        store = out["store_chunk"].relative_to(out["copy_ (store-shaped)"])
+        retrieve = out["retrieve_chunk"].relative_to(out["copy_ (retrieve-shaped)"])
+        report.results += [out["copy_ (store-shaped)"], store, out["copy_ (retrieve-shaped)"], retrieve]
+        worst = min(store.ratio or 0.0, retrieve.ratio or 0.0)
+        report.targets.append(Target.at_least(
+            f"transfer.{fmt.value}",
+            f"{fmt.value}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
+            worst, BANDWIDTH_SHARE,
+            note=f"store {store.ratio:.2f}, retrieve {retrieve.ratio:.2f} of copy_",
+        ))  # fmt: skip
+
+
+def _one_format(
+    fmt: KVFormat, device: str, num_blocks: int, heads: int, head_size: int, runs: int,
+    sync: Callable[[], None], gen: torch.Generator,
+) -> tuple[int, dict[str, list[float]]]:  # fmt: skip
+    import torch
+
+    from . import create_cache_context, wrap_kv_caches
+
+    shape = layer_shape(fmt, num_blocks, heads, head_size)
+    # Contents do not matter for bandwidth; writing them does (every page is touched).
+    tensors = [torch.full(shape, i % 7, dtype=torch.float16, device=device) for i in range(LAYERS)]
+    hints = LayoutHints(kv_format=fmt, block_size=BLOCK_SIZE,
+                        num_kv_heads=None if fmt is KVFormat.MLA else heads)  # fmt: skip
+    wrappers = wrap_kv_caches(tensors)
+    try:
+        ctx = create_cache_context(wrappers, TOKENS_PER_CHUNK, layout_hints=hints)
+    except BaseException:
+        for w in wrappers:
+            w.close()
+        raise
+    with ctx:
+        slots = ctx.max_batch_size
+        chunk_bytes = ctx.cache_size_per_token() * TOKENS_PER_CHUNK
+        per_chunk = TOKENS_PER_CHUNK // BLOCK_SIZE
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        chunk_ids = [[order[i : i + per_chunk]] for i in range(0, num_blocks, per_chunk)]
+        moved = chunk_bytes * len(chunk_ids)
+
+        pool = torch.empty(moved, dtype=torch.uint8, device=device)
+        slot_bufs = torch.empty((slots, chunk_bytes), dtype=torch.uint8, device=device)
+        pool_chunks = pool.view(len(chunk_ids), chunk_bytes)
+        pool.fill_(1)
+        slot_bufs.fill_(1)
+
+        def each(op: Callable[[int], object]) -> Callable[[], None]:
+            def run() -> None:
+                for i in range(len(chunk_ids)):
+                    op(i)
+                sync()
+
+            return run
+
+        cases: dict[str, Callable[[], None]] = {
+            "copy_ (store-shaped)": each(lambda i: slot_bufs[i % slots].copy_(pool_chunks[i])),
+            "store_chunk": each(lambda i: ctx.store_chunk(chunk_ids[i], slot=i % slots)),
+            "copy_ (retrieve-shaped)": each(lambda i: pool_chunks[i].copy_(slot_bufs[i % slots])),
+            "retrieve_chunk": each(lambda i: ctx.retrieve_chunk(chunk_ids[i], slot=i % slots)),
+        }
+        rows: dict[str, list[float]] = {name: [] for name in cases}
+        for fn in cases.values():  # warm up: fault in every page of every mapping once
+            fn()
+        for _ in range(runs):  # interleaved, so drift on a shared machine hits all alike
+            for name, fn in cases.items():
+                t0 = time.perf_counter()
+                fn()
+                rows[name].append(moved / (time.perf_counter() - t0) / 1e9)
+    return chunk_bytes, rows
+
+
+def _synchronizer(device: str) -> Callable[[], None]:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.synchronize
+
+    def nothing() -> None:
+        pass
+
+    return nothing

@@ -1,0 +1,131 @@
+"""Engine-side client of the reference server: what an engine's connector calls.
+
+One blocking request at a time per client, over the server's UNIX socket. Wrappers
+travel as :mod:`lmcache_platform.wire` messages; everything else as the typed
+requests of :mod:`lmcache_platform._protocol`. A server-side failure raises
+:class:`ServerError` carrying the server's exception type and message.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import _codec, _protocol, wire
+from ._errors import ServerError, WireFormatError
+from ._protocol import Chunk
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from ._ipc_wrapper import DeviceIPCWrapper
+
+#: A chunk to move: its id in server memory and the engine block ids of each KV group.
+ChunkSpec = tuple[str, Sequence[Sequence[int]]]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What the server answered to ``register``."""
+
+    context: int
+    device_type: str
+    backend: dict[str, Any]
+    num_layers: int
+    num_object_groups: int
+    max_batch_size: int
+    #: Bytes of one chunk in server memory (all object groups).
+    chunk_bytes: int
+
+
+_REGISTRATION_KEYS = frozenset(Registration.__dataclass_fields__)
+
+
+class ServerClient:
+    """A connection to a :class:`~lmcache_platform._server.ReferenceServer`."""
+
+    def __init__(self, socket_path: str, *, timeout: float | None = 120.0) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(socket_path)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._next_id = 1
+
+    def register(self, wrappers: Sequence[DeviceIPCWrapper], **config: Any) -> Registration:
+        """Hand the per-layer wrappers to the server, which builds a cache context.
+
+        ``config`` takes the keyword arguments of
+        :func:`lmcache_platform.create_cache_context` after the wrappers.
+        """
+        r = _codec.expect_map(
+            self.call("register", wrappers=wire.encode(wrappers), config=config),
+            "register reply", keys=_REGISTRATION_KEYS,
+        )  # fmt: skip
+        backend = r["backend"]
+        if not isinstance(backend, dict):
+            raise WireFormatError("register reply: backend must be a map")
+        counts = {
+            k: _codec.expect_int(r[k], f"register reply {k}", lo=0, hi=_protocol.MAX_ID)
+            for k in ("context", "num_layers", "num_object_groups", "max_batch_size", "chunk_bytes")
+        }
+        device_type = _codec.expect_str(r["device_type"], "register reply device_type", max_len=32)
+        return Registration(device_type=device_type, backend=backend, **counts)
+
+    def store(self, context: int, chunks: Sequence[ChunkSpec]) -> int:
+        """Copy chunks from the engine's blocks into server memory; return the bytes stored."""
+        return int(self.call("store", context=context, chunks=_chunks(chunks))["bytes"])
+
+    def retrieve(self, context: int, chunks: Sequence[ChunkSpec]) -> int:
+        """Copy stored chunks back into the given blocks; return the bytes written."""
+        return int(self.call("retrieve", context=context, chunks=_chunks(chunks))["bytes"])
+
+    def unregister(self, context: int) -> None:
+        self.call("unregister", context=context)
+
+    def status(self, context: int | None = None) -> dict[str, Any]:
+        return self.call("status", context=context)
+
+    def shutdown(self) -> None:
+        self.call("shutdown")
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request and return the result map; raise :class:`ServerError` on refusal."""
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.send_raw(_protocol.encode_request(op, rid, **fields))
+        reply = self.recv_reply()
+        if reply.request_id != rid:
+            raise WireFormatError(f"reply id {reply.request_id} does not match request {rid}")
+        if not reply.ok:
+            raise ServerError(
+                f"{op} refused by the server: {reply.error_type}: {reply.error_message}",
+                remote_type=reply.error_type,
+            )
+        return reply.result
+
+    def send_raw(self, payload: bytes) -> None:
+        """Send one frame as is (tests use it to send malformed requests)."""
+        _protocol.send_frame(self._sock, payload)
+
+    def recv_reply(self) -> _protocol.Reply:
+        payload = _protocol.recv_frame(self._sock)
+        if payload is None:
+            raise ServerError("the server closed the connection")
+        return _protocol.decode_reply(payload)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _chunks(specs: Sequence[ChunkSpec]) -> list[Chunk]:
+    return [Chunk(cid, tuple(tuple(g) for g in groups)) for cid, groups in specs]

@@ -1,0 +1,141 @@
+"""``lmcache-platform doctor``: real findings on this host, and the hints it derives."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache_platform import _doctor
+
+
+def doctor(*args: str, prelude: str = "") -> tuple[int, str]:
+    code = "\n".join(
+        [
+            "import sys",
+            prelude,
+            "from lmcache_platform._cli import main",
+            f"sys.exit(main(['doctor', *{list(args)!r}]))",
+        ]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    return proc.returncode, proc.stdout
+
+
+def test_json_report_describes_this_host() -> None:
+    rc, out = doctor("--json")
+    report = json.loads(out)
+    assert rc == 0 and report["ok"] is True and report["schema"] == 1
+    assert report["python"]["version"] == platform.python_version()
+    t = report["torch"]
+    assert t["installed"] and t["version"] == torch.__version__
+    assert t["cuda_build"] == torch.version.cuda
+    assert t["cuda_available"] == torch.cuda.is_available()
+    assert len(t["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    cpu = next(b for b in report["backends"]["backends"] if b["name"] == "cpu")
+    assert cpu["status"] == "ok" and cpu["selected"] and cpu["distribution"] == "lmcache-platform-cpu"
+    st = os.statvfs("/dev/shm")
+    assert report["shm"]["total_bytes"] == st.f_blocks * st.f_frsize
+    assert 0 <= report["shm"]["free_bytes"] <= report["shm"]["total_bytes"]
+    assert all(h["level"] in ("error", "warning", "info") for h in report["hints"])
+    assert not [h for h in report["hints"] if h["level"] == "error"]
+
+
+def test_text_report() -> None:
+    rc, out = doctor()
+    assert rc == 0
+    assert out.startswith(f"python    {platform.python_version()}")
+    assert f"torch     {torch.__version__}" in out and "/dev/shm" in out
+    assert "backend   cpu" in out and "(selected)" in out
+
+
+def test_missing_torch_is_a_finding_not_a_crash() -> None:
+    rc, out = doctor("--json", prelude="sys.modules['torch'] = None")
+    report = json.loads(out)
+    assert rc == 1 and report["ok"] is False
+    assert report["torch"]["installed"] is False and "torch" in report["torch"]["error"]
+    messages = [h["message"] for h in report["hints"] if h["level"] == "error"]
+    assert any("torch is not importable" in m for m in messages)
+
+
+def synthetic(**over: Any) -> dict[str, Any]:
+    """A report as collect() builds it, for the hint rules alone."""
+    report: dict[str, Any] = {
+        "torch": {
+            "installed": True,
+            "error": None,
+            "cuda_build": None,
+            "cuda_available": False,
+            "cuda_visible_devices": None,
+        },
+        "stale_resources": {},
+        "shm": {"total_bytes": 64 << 30, "free_bytes": 60 << 30, "error": None},
+    }
+    report.update(over)
+    return report
+
+
+BACKENDS = {
+    "backends": [
+        {
+            "name": "cpu",
+            "device_type": "cpu",
+            "distribution": "lmcache-platform-cpu",
+            "version": "0.1",
+            "status": "ok",
+            "reason": "",
+            "selected": True,
+        }
+    ],
+    "device_types": {"cpu": {"selected": "cpu", "error": None, "ambiguous": False}},
+}
+
+
+def hints(report: dict[str, Any], backends: dict[str, Any] | None = BACKENDS) -> list[str]:
+    return [f"{h['level']}: {h['message']}" for h in _doctor._hints(report, backends, "boom")]
+
+
+def test_a_healthy_host_gets_no_hints() -> None:
+    assert hints(synthetic()) == []
+
+
+@pytest.mark.parametrize(
+    ("shm", "needle"),
+    [
+        ({"total_bytes": 64 << 20, "free_bytes": 64 << 20, "error": None}, "only 0.06 GiB"),
+        ({"total_bytes": 8 << 30, "free_bytes": 100 << 20, "error": None}, "only 0.10 GiB free"),
+        ({"total_bytes": None, "free_bytes": None, "error": "No such file"}, "not usable"),
+    ],
+)
+def test_small_or_missing_shm_points_at_the_fixes(shm: dict[str, Any], needle: str) -> None:
+    (hint,) = hints(synthetic(shm=shm))
+    assert hint.startswith("warning:") and needle in hint
+    assert "--shm-size" in hint and "cpu.file" in hint
+
+
+def test_backend_findings() -> None:
+    assert hints(synthetic(), None) == ["error: the backend registry failed: boom"]
+    assert hints(synthetic(), {"backends": [], "device_types": {}})[0].startswith(
+        "error: no backend is installed"
+    )
+    ambiguous = {**BACKENDS, "device_types": {"cpu": {"selected": None, "error": "x",
+                                                      "ambiguous": True}}}  # fmt: skip
+    assert any("LMCACHE_PLATFORM_BACKEND" in h for h in hints(synthetic(), ambiguous))
+    stale = hints(synthetic(stale_resources={"cpu": ["/dev/shm/a", "/dev/shm/b"]}))
+    assert stale == [
+        "warning: 2 resource(s) of dead processes left by cpu: reclaim them with `lmcache-platform gc --yes`"
+    ]
+
+
+def test_gpu_without_cuda_backend_suggests_installing_it() -> None:
+    gpu = synthetic(torch={"installed": True, "error": None, "cuda_build": "12.4",
+                           "cuda_available": True, "cuda_visible_devices": None})  # fmt: skip
+    assert any("pip install lmcache-platform-cuda" in h for h in hints(gpu))
