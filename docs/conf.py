@@ -11,7 +11,7 @@ for src in ("core/src", "plugins-cpu/src", "plugins-cuda/src", "backends/cpu-fil
 
 project = "lmcache-platform"
 author = "lmcache-platform developers"
-copyright = "2026, lmcache-platform developers"  # noqa: A001
+copyright = "2026, lmcache-platform developers"
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
 myst_enable_extensions = ["colon_fence", "deflist"]

@@ -549,3 +549,19 @@ def test_round_trip_property(fmt, window, num_tokens, shared, data):
             assert torch.equal(as_bytes(chunk_rows(x, fmt, dst, first, num_tokens)), as_bytes(want[i]))
             mask = _written_mask(x, fmt, dst, first, num_tokens)
             assert torch.equal(as_bytes(x[~mask]), as_bytes(before[i][~mask]))
+
+
+def test_a_context_refuses_formats_it_does_not_claim_and_closes_the_wrappers():
+    class NoMLA(HostContext):
+        supported_kv_formats = (KVFormat.FLASH_ATTN, KVFormat.FLASHINFER)
+
+    layers = make_layers(KVFormat.MLA, 2, nb=NB, bs=BS)
+    wrappers = [HeldWrapper.wrap(x) for x in layers]
+    hints = LayoutHints(kv_format=KVFormat.MLA)
+    with pytest.raises(LayoutError, match=r"layer 0: NoMLA does not serve the mla format"):
+        NoMLA(wrappers, CacheContextConfig(lmcache_tokens_per_chunk=CHUNK, layout_hints=hints))
+    assert all(w.closed for w in wrappers)
+    ok = [HeldWrapper.wrap(x) for x in make_layers(KVFormat.FLASH_ATTN, 2, nb=NB, bs=BS)]
+    hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN)
+    with NoMLA(ok, CacheContextConfig(lmcache_tokens_per_chunk=CHUNK, layout_hints=hints)) as ctx:
+        assert ctx.num_layers == 2

@@ -2,12 +2,15 @@
 
 A fresh venv is made with ``--system-site-packages`` plus a ``.pth`` file naming this
 interpreter's site-packages, so it reuses the torch (and the editable projects) of the
-test environment instead of downloading anything. Wheels are built without isolation
-and installed with ``--no-deps``: everything stays offline.
+test environment instead of downloading anything (``hide_project=True`` leaves this
+repository's editable installs out, for venvs that get wheels of them instead). Wheels
+are built without isolation and installed with ``--no-deps``: everything stays offline.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import subprocess
 import sys
 import sysconfig
@@ -29,20 +32,50 @@ def build_wheel(project: Path, out: Path) -> Path:
     return wheel
 
 
-def make_venv(path: Path, *, inherit: bool = True) -> Path:
-    """Create a venv at ``path``; return its python. ``inherit`` layers it over this env."""
+#: Distributions of this repository: hidden from a venv made with ``hide_project=True``.
+PROJECT_DIST_PREFIX = "lmcache-platform"
+
+
+def make_venv(path: Path, *, inherit: bool = True, hide_project: bool = False) -> Path:
+    """Create a venv at ``path``; return its python. ``inherit`` layers it over this env.
+
+    With ``hide_project`` the venv sees this env's site-packages through a directory of
+    symlinks that leaves out this repository's distributions (their dist-info, their
+    ``__editable__`` path files and anything else their RECORD installed at top level),
+    so wheels of them installed into the venv are the only copies it can import, while
+    torch, numpy, pluggy, msgpack, pytest... stay visible.
+    """
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(path)
     python = path / "bin" / "python"
     if inherit:
         site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                               check=True, capture_output=True, text=True).stdout.strip()
+        parent = Path(sysconfig.get_path("purelib"))
+        if hide_project:
+            parent = _site_without_project(parent, path / "parent-site")
         # An "import" line runs site.addsitedir, which also honours the parent's .pth files
         # (editable installs); a bare path line would not.
-        parent = sysconfig.get_path("purelib")
         (Path(site) / "_inherit_test_env.pth").write_text(
-            f"import site; site.addsitedir({parent!r})\n"
+            f"import site; site.addsitedir({str(parent)!r})\n"
         )
     return python
+
+
+def _site_without_project(site: Path, mirror: Path) -> Path:
+    """``mirror``: symlinks to every top-level entry of ``site`` but this project's."""
+    hidden: set[str] = set()
+    for dist in importlib.metadata.distributions(path=[str(site)]):
+        name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
+        if name.startswith(PROJECT_DIST_PREFIX):
+            hidden.update(Path(str(f)).parts[0] for f in dist.files or ())
+    ours = PROJECT_DIST_PREFIX.replace("-", "_")  # packages and dist-info dirs without a RECORD
+    mirror.mkdir(parents=True)
+    for entry in site.iterdir():
+        name = entry.name
+        if name in hidden or name.startswith(("__editable__", ours)) or name == "__pycache__":
+            continue
+        (mirror / entry.name).symlink_to(entry)
+    return mirror
 
 
 def pip_install(python: Path, *wheels: Path) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._bench_stats import Report, Result, Settings, Skip
+from ._bench_stats import NOISY_SPREAD, Report, Result, Settings, Skip
 from ._errors import LMCachePlatformError
 
 #: section -> (title, parameter columns, what ratios compare with)
@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--quick: 4M,16M,64M)")  # fmt: skip
     parser.add_argument("--runs", type=_positive, metavar="N",
                         help="repeats of every measurement (default: per section)")  # fmt: skip
+    parser.add_argument("--threads", type=_positive, metavar="N",
+                        help="torch intra-op threads in this process (default: torch's choice); "
+                             "1 keeps copies steady on a busy machine")  # fmt: skip
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -98,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         print("lmcache-platform bench: --device cuda needs a CUDA build of torch and a visible GPU",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     settings = Settings(device=device, quick=args.quick, runs=args.runs, sizes=args.sizes)
     report = Report(meta=_meta(settings))
     sections = _sections(settings, report)
@@ -231,7 +238,7 @@ def format_report(report: Report) -> str:
         f"{m['cpus']} CPUs ({m['torch_threads']} torch threads), load {m['loadavg_start']}",
         "backend: " + (f"{backend.get('name')} ({backend.get('distribution')} {backend.get('version')})"
                        if "name" in backend else str(backend.get("error"))),
-        "figures: median (min..max) over repeated runs",
+        f"figures: median, min and max over repeated runs; noisy: max > {NOISY_SPREAD:g} x min",
     ]  # fmt: skip
     for section in ORDER:
         rows = report.section(section)
@@ -240,9 +247,10 @@ def format_report(report: Report) -> str:
         title, keys, ratio_note = SECTIONS[section]
         lines += ["", f"== {title} ==" + (f"  [{ratio_note}]" if ratio_note else "")]
         table = [[*(str(r.params.get(k, "")) for k in keys), r.case, _fmt(r.median), _fmt(r.min),
-                  _fmt(r.max), r.unit, f"{r.ratio:.2f}" if r.ratio is not None else ""]
+                  _fmt(r.max), r.unit, f"{r.ratio:.2f}" if r.ratio is not None else "",
+                  "noisy" if r.noisy else ""]
                  for r in rows]  # fmt: skip
-        header = [*keys, "case", "median", "min", "max", "unit", "ratio"]
+        header = [*keys, "case", "median", "min", "max", "unit", "ratio", ""]
         lines += _columns([header, *table], right=set(range(len(keys) + 1, len(header))))
     lines += ["", "== Targets (benchmark figures, not assertions) =="]
     for t in report.targets:

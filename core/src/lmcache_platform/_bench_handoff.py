@@ -24,7 +24,7 @@ import json
 import os
 import pickle
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _bench_child
@@ -212,7 +212,7 @@ def bench_handoff(report: Report, settings: Settings) -> None:
         recv.close()
     main = ratio_rows(report.section("handoff"), OURS, "size_bytes")
     report.results = [r for r in report.results if r.section != "handoff"] + main
-    _handoff_targets(report, sizes)
+    _handoff_targets(report)
 
 
 def _handoff_ours(report: Report, recv: Receiver, size: int, device: str, runs: int,
@@ -294,7 +294,7 @@ def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs
     report.results.append(Result("handoff", PICKLE, "ms", tuple(t["total"] * 1e3 for t in trials), params))
 
 
-def _handoff_targets(report: Report, sizes: Sequence[int]) -> None:
+def _handoff_targets(report: Report) -> None:
     ours_1g = report.find("handoff", OURS, size_bytes=GiB)
     fs_1g = report.find("handoff", "torch file_system", size_bytes=GiB)
     value = ours_1g.median / fs_1g.median if ours_1g and fs_1g else None

@@ -15,6 +15,8 @@ from typing import Any
 
 #: Version of the ``--json`` document; bumped on an incompatible change of its shape.
 SCHEMA_VERSION = 1
+#: A result whose max exceeds this multiple of its min is flagged as noisy.
+NOISY_SPREAD = 2.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,11 @@ class Result:
     def max(self) -> float:
         return max(self.values)
 
+    @property
+    def noisy(self) -> bool:
+        """Spread too wide to trust the median alone (a busy machine, usually)."""
+        return self.min > 0 and self.max > NOISY_SPREAD * self.min
+
     def relative_to(self, baseline: Result) -> Result:
         """A copy carrying ``self.median / baseline.median``."""
         ratio = self.median / baseline.median if baseline.median else float("inf")
@@ -86,6 +93,7 @@ class Result:
             "runs": len(self.values),
             "ratio": self.ratio,
             "ratio_of": self.ratio_of,
+            "noisy": self.noisy,
             "note": self.note,
         }
 

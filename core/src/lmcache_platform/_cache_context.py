@@ -93,6 +93,9 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     #: torch device type served by this class; must match the backend's entry-point name.
     device_type: ClassVar[str] = ""
+    #: KV formats this context can serve; ``None`` means every :class:`KVFormat`.
+    #: The conformance suite tests exactly these.
+    supported_kv_formats: ClassVar[tuple[KVFormat, ...] | None] = None
     #: Element types the generic store (gather) and retrieve (scatter) move bytes as,
     #: first fit wins; a device lacking one (``complex128``, say) drops it.
     store_word_dtypes: ClassVar[tuple[str, ...]] = GATHER_WORD_DTYPES
@@ -147,6 +150,15 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         engine_groups = resolve_engine_groups(cfg.engine_group_infos, len(tensors))
         block_sizes = {layer: eg.block_size for eg in engine_groups or () for layer in eg.layer_indices}
         layouts = discover_layouts(tensors, cfg.layout_hints, block_sizes)
+        supported = type(self).supported_kv_formats
+        if supported is not None:
+            for index, lay in enumerate(layouts):
+                if lay.kv_format not in supported:
+                    raise LayoutError(
+                        f"layer {index}: {type(self).__name__} does not serve the "
+                        f"{lay.kv_format.value} format (it serves: "
+                        f"{', '.join(f.value for f in supported)})"
+                    )
         manager = KVLayerGroupsManager(
             layouts,
             engine_groups,

@@ -1,15 +1,19 @@
-"""POSIX shared-memory segments: naming, exclusive creation, checked opening, ownership.
+"""POSIX shared-memory segments: the store behind ``CpuShmIPCWrapper``.
 
+Naming, exclusive creation, checked opening and ownership; :data:`STORE` presents
+them as a :class:`lmcache_platform.hostmem.HostMemoryStore`, and the generic
+machinery of :mod:`lmcache_platform.hostmem` does the migrating and reopening.
 No torch here. Built on CPython's private ``_posixshmem`` (what
 ``multiprocessing.shared_memory`` uses underneath) plus :mod:`mmap`, because the
 stdlib ``SharedMemory`` class registers every segment it opens with the resource
 tracker, which unlinks it when *any* process that opened it exits: a server closing
 would delete the engine's KV cache.
 
-Names are ``lmcache_platform_<pidns>_<pid>_<128 random bits in hex>``. The pid (and
-its pid namespace) let :mod:`._gc` tell whether the producer is alive; the random
-part makes names unguessable, so no other process can pre-create a name (denial of
-service) or be pointed at a segment it was not given. Segments are created with
+Names are ``lmcache_platform_<pidns>_<pid>_<128 random bits in hex>``
+(:class:`~lmcache_platform.hostmem.SegmentNames`). The pid (and its pid namespace)
+let :mod:`._gc` tell whether the producer is alive; the random part makes names
+unguessable, so no other process can pre-create a name (denial of service) or be
+pointed at a segment it was not given. Segments are created with
 ``O_CREAT | O_EXCL`` and mode 0600, so only the same user can open them.
 
 This process unlinks only the names it created (the *owned* registry): at exit, or
@@ -26,25 +30,21 @@ import errno
 import logging
 import mmap
 import os
-import re
-import secrets
 import stat
 import threading
 
 from lmcache_platform import DescriptorError, LMCachePlatformError
+from lmcache_platform import hostmem as _hostmem
+from lmcache_platform.hostmem import SegmentNames
 
 #: Every segment of this project starts with this; anything else is refused or ignored.
 PREFIX = "lmcache_platform_"
 #: Where Linux (glibc) keeps POSIX shared memory.
 SHM_DIR = "/dev/shm"
-#: Upper bound of a well-formed name (prefix, two numbers, 32 hex digits, separators).
-MAX_NAME_LEN = 96
-_NAME_RE = re.compile(rf"{PREFIX}(\d{{1,20}})_(\d{{1,10}})_[0-9a-f]{{32}}")
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _owned: set[str] = set()
-_pidns: int | None = None
 
 
 class ShmCapacityError(LMCachePlatformError, OSError):
@@ -54,10 +54,16 @@ class ShmCapacityError(LMCachePlatformError, OSError):
     """
 
     def __init__(self, needed: int, free: int) -> None:
+        if needed > free:
+            what = (f"{SHM_DIR} has {_size(free)} free but a segment of {_size(needed)} is needed "
+                    f"(short by {_size(needed - free)})")  # fmt: skip
+        else:  # the kernel refused although statvfs said it fits: a cgroup limit, or a race
+            what = (f"the kernel refused to reserve {_size(needed)} in {SHM_DIR} although {_size(free)} "
+                    "are reported free (a memory-cgroup limit on tmpfs pages, or another process "
+                    "took the space)")  # fmt: skip
         super().__init__(
             errno.ENOSPC,
-            f"{SHM_DIR} has {_size(free)} free but a segment of {_size(needed)} is needed "
-            f"(short by {_size(needed - free)}); nothing was created. Enlarge {SHM_DIR} "
+            f"{what}; nothing was created. Enlarge {SHM_DIR} "
             "(Docker: --shm-size, Kubernetes: an emptyDir with medium Memory) or reclaim "
             "segments of dead producers with `lmcache-platform gc --yes`.",
         )
@@ -74,25 +80,16 @@ def _size(n: int) -> str:
 
 # -- names ------------------------------------------------------------------------
 
-
-def pid_namespace() -> int:
-    """Inode of this process's pid namespace (0 where it cannot be read).
-
-    Embedded in names so that ``gc`` never judges a pid from another namespace (a
-    sidecar container sharing /dev/shm) against this namespace's process table.
-    """
-    global _pidns
-    if _pidns is None:
-        try:
-            _pidns = os.stat("/proc/self/ns/pid").st_ino
-        except OSError:
-            _pidns = 0
-    return _pidns
+NAMES = SegmentNames(PREFIX, kind="shared-memory", noun="segment")
+#: Length of a well-formed name (prefix, two numbers, 32 hex digits, separators).
+MAX_NAME_LEN = NAMES.max_len
+#: Inode of this process's pid namespace (0 where it cannot be read); part of every name.
+pid_namespace = _hostmem.pid_namespace
 
 
 def new_name() -> str:
     """A fresh, unguessable segment name for this process."""
-    return f"{PREFIX}{pid_namespace()}_{os.getpid()}_{secrets.token_hex(16)}"
+    return NAMES.new()
 
 
 def parse_name(name: str) -> tuple[int, int]:
@@ -101,13 +98,7 @@ def parse_name(name: str) -> tuple[int, int]:
     The pattern admits no ``/``, ``..`` or other separator, so a name can never
     address a file outside the shared-memory directory.
     """
-    match = _NAME_RE.fullmatch(name) if len(name) <= MAX_NAME_LEN else None
-    if match is None:
-        raise DescriptorError(
-            f"shared-memory name {name[:MAX_NAME_LEN]!r} is not a segment of this project "
-            f"(expected {PREFIX}<pidns>_<pid>_<32 hex digits>)"
-        )
-    return int(match.group(1)), int(match.group(2))
+    return NAMES.parse(name)
 
 
 # -- capacity ---------------------------------------------------------------------
@@ -253,10 +244,38 @@ def _unlink_all_owned() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _owned, _pidns
+    global _lock, _owned
     _lock = threading.Lock()
     _owned = set()  # the parent's names stay the parent's
-    _pidns = None
+
+
+class ShmStore:
+    """/dev/shm as a :class:`lmcache_platform.hostmem.HostMemoryStore`.
+
+    Each method looks its module function up when called, so the module stays the
+    one place (and the one thing tests patch) for the shared-memory rules.
+    """
+
+    max_name_len = MAX_NAME_LEN
+
+    def check_name(self, name: str) -> None:
+        parse_name(name)
+
+    def check_capacity(self, nbytes: int) -> None:
+        check_capacity(nbytes)
+
+    def create(self, nbytes: int) -> tuple[str, mmap.mmap]:
+        return create(nbytes)
+
+    def open_existing(self, name: str, nbytes: int) -> mmap.mmap:
+        return open_existing(name, nbytes)
+
+    def unlink(self, name: str) -> bool:
+        return unlink(name)
+
+
+#: The store ``CpuShmIPCWrapper`` keeps its memory in.
+STORE = ShmStore()
 
 
 atexit.register(_unlink_all_owned)

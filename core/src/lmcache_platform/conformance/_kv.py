@@ -1,0 +1,108 @@
+"""KV tensors for the suite: per-format shapes, random bit patterns, reference token views.
+
+Sizes are tiny on purpose: the suite checks behaviour, not speed, and must run in
+seconds on a CI runner. Data are random *bit patterns* (NaN payloads and
+denormals included) compared as bytes, so "bit-exact" means exactly that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._types import KVFormat
+
+LAYERS = 3
+BLOCKS = 8
+BLOCK_SIZE = 4
+HEADS = 2
+HEAD_SIZE = 8
+#: Tokens per chunk: two blocks, so a chunk spans a block boundary.
+CHUNK = 2 * BLOCK_SIZE
+
+#: One dtype per format, so that every common KV dtype is exercised somewhere.
+FORMAT_DTYPES: dict[KVFormat, torch.dtype] = {
+    KVFormat.FLASH_ATTN: torch.bfloat16,
+    KVFormat.FLASH_ATTN_HND: torch.float16,
+    KVFormat.FLASHINFER: torch.float32,
+    KVFormat.FLASHINFER_HND: torch.float16,
+    KVFormat.MLA: torch.bfloat16,
+}
+
+
+def layer_shape(fmt: KVFormat) -> tuple[int, ...]:
+    nb, bs, h, d = BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE
+    return {
+        KVFormat.FLASH_ATTN: (2, nb, bs, h, d),
+        KVFormat.FLASH_ATTN_HND: (2, nb, h, bs, d),
+        KVFormat.FLASHINFER: (nb, 2, bs, h, d),
+        KVFormat.FLASHINFER_HND: (nb, 2, h, bs, d),
+        KVFormat.MLA: (nb, bs, d),
+    }[fmt]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` holding random bit patterns."""
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    raw = torch.randint(0, 256, (count * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(shape)
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """The elements of ``t`` in logical order, as raw bytes (bit-exact, any device)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def from_bytes(data: bytes, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """The inverse of :func:`to_bytes`: a CPU tensor."""
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return raw.view(dtype).view(tuple(shape))
+
+
+def storage_image(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of the whole storage ``t`` views, as uint8."""
+    whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return whole.to("cpu", copy=True)
+
+
+def view_in(image: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The view ``like`` makes of its storage, made of ``image`` (a :func:`storage_image`)."""
+    out = torch.empty(0, dtype=like.dtype)
+    return out.set_(image.untyped_storage(), like.storage_offset(), like.shape, like.stride())
+
+
+def token_view(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> torch.Tensor:
+    """Tokens ``[lo, hi)`` of ``block``: a view ``[kv, tokens, heads, head]`` (MLA ``[1, tokens, head]``)."""
+    if fmt is KVFormat.MLA:
+        return t[block, lo:hi].unsqueeze(0)
+    if fmt is KVFormat.FLASH_ATTN:
+        return t[:, block, lo:hi]
+    if fmt is KVFormat.FLASH_ATTN_HND:
+        return t[:, block, :, lo:hi].transpose(1, 2)
+    if fmt is KVFormat.FLASHINFER:
+        return t[block, :, lo:hi]
+    return t[block, :, :, lo:hi].transpose(1, 2)
+
+
+def chunk_rows(t: torch.Tensor, fmt: KVFormat, blocks: list[int], num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` tokens held by ``blocks``, as ``[kv, tokens, hidden]`` (reference gather)."""
+    parts = []
+    for i, block in enumerate(blocks):
+        lo = i * BLOCK_SIZE
+        count = min(BLOCK_SIZE, num_tokens - lo)
+        if count > 0:
+            rows = token_view(t, fmt, block, 0, count)
+            parts.append(rows.reshape(rows.shape[0], count, -1))
+    return torch.cat(parts, dim=1)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, on devices that queue it (a no-op on the host)."""
+    module = getattr(torch, device.type, None)
+    sync = getattr(module, "synchronize", None)
+    if callable(sync) and device.type != "cpu":
+        sync()

@@ -1,0 +1,164 @@
+"""Conformance: the cache context, built in the spawned peer, moves chunks bit-exactly.
+
+For every KV format the backend's context class claims, the engine (this process)
+allocates three layers of random bit patterns, wraps them and registers them with
+the peer, which builds the context through ``create_cache_context``. Stores are
+checked against a reference gather of the engine's own tensors; retrieves by
+reading the engine's tensors back: exactly the addressed tokens change.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import lmcache_platform as lp
+from lmcache_platform import CacheContextConfig, KVFormat, wire
+from lmcache_platform.conformance import _kv
+from lmcache_platform.conformance._peer import Peer
+from lmcache_platform.conformance._target import Target
+
+
+@dataclass
+class Registered:
+    """The engine's side of one registration with the peer."""
+
+    fmt: KVFormat
+    layers: list[torch.Tensor]
+    wrappers: list[lp.DeviceIPCWrapper]
+    info: dict[str, Any]
+
+    @property
+    def handle(self) -> int:
+        return int(self.info["handle"])
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.to("cpu", copy=True) for t in self.layers]
+
+    def assert_layers_equal(self, expected: list[torch.Tensor], what: str) -> None:
+        for i, (t, e) in enumerate(zip(self.layers, expected, strict=True)):
+            assert _kv.to_bytes(t) == _kv.to_bytes(e), f"layer {i}: {what}"
+
+
+def register(peer: Peer, target: Target, device: torch.device, fmt: KVFormat) -> Registered:
+    if fmt not in target.supported_formats:
+        pytest.skip(f"{target.name} does not claim {fmt.value}")
+    dtype = _kv.FORMAT_DTYPES[fmt]
+    layers = [_kv.random_bits(_kv.layer_shape(fmt), dtype, seed=10 + i).to(device) for i in range(_kv.LAYERS)]
+    wrappers = lp.wrap_kv_caches(layers)
+    info = peer.call(
+        "context", wire=wire.encode(wrappers), kv_format=fmt.value, tokens_per_chunk=_kv.CHUNK,
+        block_size=_kv.BLOCK_SIZE, num_kv_heads=_kv.HEADS,
+    )  # fmt: skip
+    return Registered(fmt, layers, wrappers, info)
+
+
+def unregister(peer: Peer, reg: Registered) -> dict[str, Any]:
+    closed: dict[str, Any] = peer.call("close_context", handle=reg.handle)
+    for w in reg.wrappers:
+        w.close()
+    return closed
+
+
+def check_staged(reg: Registered, groups: list[dict[str, Any]], blocks: list[int], num_tokens: int) -> None:
+    """The staged tokens equal a reference gather of the engine's tensors."""
+    covered = sorted(layer for g in groups for layer in g["layers"])
+    assert covered == list(range(_kv.LAYERS)), f"kernel groups cover layers {covered}"
+    for g in groups:
+        expected = torch.stack(
+            [_kv.chunk_rows(reg.layers[layer].cpu(), reg.fmt, blocks, num_tokens) for layer in g["layers"]],
+            dim=1,
+        )
+        assert g["shape"] == list(expected.shape), f"staged shape {g['shape']} != {list(expected.shape)}"
+        assert g["dtype"] == str(expected.dtype).removeprefix("torch.")
+        assert g["data"] == _kv.to_bytes(expected), (
+            f"store_chunk of blocks {blocks} ({num_tokens} tokens) is not bit-exact in layers {g['layers']}"
+        )
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
+def test_store_and_retrieve_are_bit_exact_and_touch_nothing_else(
+    fmt: KVFormat, lmcache_backend: Target, lmcache_device: torch.device, lmcache_peer: Peer
+) -> None:
+    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt)
+    try:
+        info = reg.info
+        cls = lmcache_backend.context_class
+        assert cls is not None
+        assert info["class"] == f"{cls.__module__}.{cls.__qualname__}", "the peer chose another context class"
+        assert info["device_type"] == lmcache_device.type
+        assert (info["num_layers"], info["num_blocks"]) == (_kv.LAYERS, _kv.BLOCKS)
+        assert set(info["kv_formats"]) == {fmt.value}
+        itemsize = torch.empty((), dtype=_kv.FORMAT_DTYPES[fmt]).element_size()
+        planes, hidden = (1, _kv.HEAD_SIZE) if fmt is KVFormat.MLA else (2, _kv.HEADS * _kv.HEAD_SIZE)
+        assert info["cache_size_per_token"] == _kv.LAYERS * planes * hidden * itemsize
+        json.loads(info["status_json"])  # report_status() is JSON-ready
+
+        original = reg.snapshot()
+        full = lmcache_peer.call("store", handle=reg.handle, ids=[[1, 2]], slot=0, num_tokens=_kv.CHUNK)
+        check_staged(reg, full, [1, 2], _kv.CHUNK)
+        partial = lmcache_peer.call("store", handle=reg.handle, ids=[[5, 6]], slot=1, num_tokens=5)
+        check_staged(reg, partial, [5, 6], 5)
+        reg.assert_layers_equal(original, "store_chunk wrote to the paged blocks")
+
+        # Retrieve into other blocks: blocks 4, 7 get old 1, 2; block 3 gets old 5; of
+        # block 0 only token 0 changes (old block 6, token 0). Nothing else changes.
+        lmcache_peer.call("retrieve", handle=reg.handle, ids=[[4, 7]], slot=0, num_tokens=_kv.CHUNK)
+        lmcache_peer.call("retrieve", handle=reg.handle, ids=[[3, 0]], slot=1, num_tokens=5)
+        _kv.synchronize(lmcache_device)
+        expected = [t.clone() for t in original]
+        for e, o in zip(expected, original, strict=True):
+            for dst, src, count in ((4, 1, 4), (7, 2, 4), (3, 5, 4), (0, 6, 1)):
+                _kv.token_view(e, fmt, dst, 0, count).copy_(_kv.token_view(o, fmt, src, 0, count))
+        reg.assert_layers_equal(expected, "retrieve_chunk is not bit-exact or wrote other tokens")
+    finally:
+        closed = unregister(lmcache_peer, reg)
+    assert closed["closed"] and all(closed["wrappers_closed"]), f"close() left {closed}"
+    assert closed["store_after_close"], "a closed context must refuse transfers with TransferError"
+
+
+def bad_requests() -> dict[str, tuple[str, list[list[int]], int, int]]:
+    chunk, nb = _kv.CHUNK, _kv.BLOCKS
+    return {
+        "block id past the end": ("retrieve", [[1, nb]], 0, chunk),
+        "negative block id": ("retrieve", [[-1, 2]], 0, chunk),
+        "too few block ids": ("retrieve", [[1]], 0, chunk),
+        "repeated block ids": ("retrieve", [[2, 2]], 0, chunk),
+        "ids for two engine groups": ("retrieve", [[1, 2], [3, 4]], 0, chunk),
+        "slot past the end": ("retrieve", [[1, 2]], 1 << 10, chunk),
+        "more tokens than a chunk": ("retrieve", [[1, 2, 3]], 0, chunk + 1),
+        "store from a block past the end": ("store", [[nb + 5, 2]], 0, chunk),
+    }
+
+
+def test_bad_transfer_requests_raise_transfer_error_and_write_nothing(
+    lmcache_backend: Target, lmcache_device: torch.device, lmcache_peer: Peer
+) -> None:
+    fmt = lmcache_backend.supported_formats[0]
+    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt)
+    try:
+        # Fill slot 0 with other data, so a retrieve that wrote anything would show.
+        lmcache_peer.call("store", handle=reg.handle, ids=[[5, 6]], slot=0, num_tokens=_kv.CHUNK)
+        original = reg.snapshot()
+        for what, (op, ids, slot, num_tokens) in bad_requests().items():
+            error = lmcache_peer.error(op, handle=reg.handle, ids=ids, slot=slot, num_tokens=num_tokens)
+            assert error.is_a("TransferError"), f"{what}: expected TransferError, got {error}"
+            _kv.synchronize(lmcache_device)
+            reg.assert_layers_equal(original, f"{what}: a refused request wrote to the blocks")
+    finally:
+        unregister(lmcache_peer, reg)
+
+
+def test_an_empty_wrapper_list_is_a_value_error(
+    lmcache_backend: Target, lmcache_device: torch.device
+) -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        lp.create_cache_context([])
+    cls = lmcache_backend.context_class
+    assert cls is not None
+    with pytest.raises(ValueError):
+        cls([], CacheContextConfig())

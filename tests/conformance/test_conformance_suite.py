@@ -1,0 +1,181 @@
+"""The conformance suite, run as a vendor runs it: in a subprocess, against installed backends.
+
+``cpu`` and ``cpu.file`` must pass it. A deliberately broken backend, installed as
+a real distribution in a temporary site dir, must fail exactly the checks its
+faults break (and pass all the others), so no check of the suite is one that
+cannot fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
+
+import pytest
+
+from lmcache_platform.conformance._cli import summarize
+from lmcache_platform.testing import make_distribution
+
+pytestmark = pytest.mark.slow
+
+CHECK_MODULES = ("test_context.py", "test_errors.py", "test_hooks.py", "test_ipc.py")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
+    return {**env, **extra}
+
+
+def check(*args: str, env: dict[str, str], cwd: Path) -> tuple[int, dict[str, Any], str]:
+    """``lmcache-platform check ... --json``: exit status, summary, pytest's output."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "check", *args, "--json"],
+        capture_output=True, text=True, env=env, cwd=cwd, check=False,
+    )  # fmt: skip
+    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return proc.returncode, summary, proc.stderr
+
+
+def test_cpu_passes_the_whole_suite_through_pytest_pyargs(tmp_path: Path) -> None:
+    """The documented pytest entry point, with the JUnit report a vendor's CI reads."""
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.conformance",
+         "--lmcache-backend", "cpu", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"],
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    suite = ElementTree.parse(junit).getroot().find("testsuite")
+    assert suite is not None
+    assert (suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("0", "0", "0")
+    files = {case.get("classname", "").rsplit(".", 1)[-1] + ".py" for case in suite.iter("testcase")}
+    assert files == set(CHECK_MODULES), files
+    assert int(suite.get("tests", "0")) >= 30
+
+
+def test_cpu_file_passes_the_whole_suite_through_check(tmp_path: Path) -> None:
+    kv_dir = tmp_path / "kv"  # does not exist yet: the backend creates it, mode 0700
+    env = clean_env(LMCACHE_PLATFORM_CPU_FILE_DIR=str(kv_dir))
+    code, summary, output = check("cpu.file", env=env, cwd=tmp_path)
+    assert code == 0, output
+    assert summary["verdict"] == "pass" and summary["ok"]
+    assert summary["backend"]["name"] == "cpu.file" and summary["backend"]["device_type"] == "cpu"
+    assert summary["backend"]["distribution"] == "lmcache-platform-cpu-file"
+    counts = summary["counts"]
+    assert counts["failed"] == counts["error"] == counts["skipped"] == 0, summary
+    modules = {r["test"].split("::")[0].rsplit("/", 1)[-1] for r in summary["results"]}
+    assert modules == set(CHECK_MODULES), modules
+    assert all(r["outcome"] == "passed" for r in summary["results"])
+    assert os.listdir(kv_dir) == [], "the suite left KV files behind"
+
+
+def test_check_refuses_an_unknown_backend_and_flags_an_unusable_one(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "check", "cpu.nonexistent"],
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "no installed backend is named 'cpu.nonexistent'" in proc.stderr
+
+    # cpu.file without its directory cannot serve: only device-free checks run.
+    code, summary, _ = check("cpu.file", "-k", "hooks", env=clean_env(), cwd=tmp_path)
+    assert code == 1 and summary["verdict"] == "not verified"
+    assert "LMCACHE_PLATFORM_CPU_FILE_DIR is not set" in summary["backend"]["unavailable"]
+    assert summary["counts"]["failed"] == 0 and summary["counts"]["skipped"] >= 1
+    accepted = summarize("cpu.file", 0, {"backend": summary["backend"], "results": summary["results"]},
+                         1.0, allow_unavailable=True)  # what --allow-unavailable changes
+    assert accepted["ok"] and accepted["verdict"] == "not verified"
+
+
+# -- a broken backend: each fault must be caught by the check written for it ----------------
+
+BROKEN = textwrap.dedent('''
+    """cpu.broken: the CPU backend with faults chosen by BROKEN_FAULTS (comma-separated)."""
+    import os
+    from lmcache_platform import API_VERSION, WireField, hookimpl
+    from lmcache_platform_cpu import CPUCacheContext, CpuShmIPCWrapper
+
+    FAULTS = set(os.environ.get("BROKEN_FAULTS", "").split(","))
+
+    class Wrapper(CpuShmIPCWrapper):
+        wire_tag = "cpu.broken/1"
+        if "unbounded_field" in FAULTS:
+            wire_fields = {**CpuShmIPCWrapper.wire_fields, "shm_name": WireField(str)}
+
+        def to_tensor(self):
+            t = super().to_tensor()
+            return t.clone() if "copying_reopen" in FAULTS else t
+
+    class Context(CPUCacheContext):
+        def _store(self, plan):
+            super()._store(plan)
+            if "lossy_store" in FAULTS:
+                plan.groups[0].buffer.view(-1)[:1].view(torch_uint8()).bitwise_xor_(1)
+
+        def retrieve_chunk(self, block_ids_per_group, *, slot=0, num_tokens=None):
+            if "clamps_block_ids" in FAULTS:
+                n = self.num_blocks
+                block_ids_per_group = [[max(0, min(b, n - 1)) for b in g] for g in block_ids_per_group]
+            return super().retrieve_chunk(block_ids_per_group, slot=slot, num_tokens=num_tokens)
+
+    def torch_uint8():
+        import torch
+        return torch.uint8
+
+    @hookimpl
+    def lmcache_platform_api_version():
+        return API_VERSION
+
+    @hookimpl
+    def lmcache_platform_cache_context_class(device_type):
+        return Context if device_type == "cpu" or "greedy" in FAULTS else None
+
+    @hookimpl
+    def lmcache_platform_ipc_wrapper_class(device_type):
+        return Wrapper if device_type == "cpu" else None
+
+    if "unmarked_hook" in FAULTS:
+        def lmcache_platform_gc(dry_run):
+            return []
+''')
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    site = tmp_path_factory.mktemp("broken-site")
+    make_distribution(site, "broken-backend", "0.0.1", entry_points={"cpu.broken": "broken_backend"},
+                      files={"broken_backend.py": BROKEN})  # fmt: skip
+    return site
+
+
+def failing_checks(broken_site: Path, tmp_path: Path, faults: str) -> set[str]:
+    env = clean_env(PYTHONPATH=str(broken_site), BROKEN_FAULTS=faults)
+    code, summary, output = check("cpu.broken", env=env, cwd=tmp_path)
+    assert summary, output
+    assert summary["counts"]["passed"] > 0, output  # the rest of the suite still ran and passed
+    failed = {r["test"].split("::", 1)[1] for r in summary["failures"]}
+    assert (code == 0) == (not failed)
+    return failed
+
+
+def test_each_fault_fails_exactly_the_checks_written_for_it(broken_site: Path, tmp_path: Path) -> None:
+    faults = "unbounded_field,unmarked_hook,greedy,lossy_store,clamps_block_ids,copying_reopen"
+    failed = failing_checks(broken_site, tmp_path, faults)
+    formats = ("flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla")
+    cases = ("bfloat16-interior-strided", "float16-contiguous", "float32-transposed", "int8-offset",
+             "uint8-layer-of-a-stack")  # fmt: skip
+    assert failed == {
+        "test_every_wire_field_is_a_bounded_primitive",  # unbounded_field
+        "test_every_hook_function_is_a_marked_implementation_of_a_known_spec",  # unmarked_hook
+        "test_it_declines_device_types_it_does_not_serve",  # greedy
+        "test_bad_transfer_requests_raise_transfer_error_and_write_nothing",  # clamps_block_ids
+        # lossy_store (and copying_reopen: the engine never sees a retrieve)
+        *(f"test_store_and_retrieve_are_bit_exact_and_touch_nothing_else[{fmt}]" for fmt in formats),
+        # copying_reopen
+        *(f"test_a_spawned_process_aliases_the_engine_tensor_both_ways[{case}]" for case in cases),
+    }

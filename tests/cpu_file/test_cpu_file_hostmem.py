@@ -1,0 +1,82 @@
+"""The public host-memory kit (``lmcache_platform.hostmem``) as a vendor backend uses it.
+
+The migration and lifetime machinery itself is exercised through both of its users:
+``tests/cpu`` (POSIX shared memory) and the rest of this directory (files).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_platform import DescriptorError, WireField
+from lmcache_platform.hostmem import HostMemoryIPCWrapper, SegmentNames, find_stale, producer_alive
+from lmcache_platform_cpu_file import CpuFileIPCWrapper, FileStore, _store
+
+
+def test_names_are_ascii_only_and_never_paths() -> None:
+    names = SegmentNames("vendor_kv_", kind="vendor", noun="buffer")
+    name = names.new()
+    assert names.parse(name)[1] == os.getpid() and len(name) <= names.max_len
+    for bad in (f"vendor_kv_\u0661_\u0662_{'a' * 32}", f"vendor_kv_1_2_{'a' * 32}/..", "../" + name, name + "\n"):
+        with pytest.raises(DescriptorError, match="is not a buffer of this project"):
+            names.parse(bad)
+    with pytest.raises(ValueError, match="prefix"):
+        SegmentNames("../")
+
+
+def test_the_wire_fields_come_from_the_subclass_declaration() -> None:
+    assert CpuFileIPCWrapper.wire_fields == {
+        "file_name": WireField(str, max_len=_store.NAMES.max_len),
+        "file_nbytes": WireField(int, lo=0, hi=1 << 48),
+    }
+    assert CpuFileIPCWrapper.device_type == "cpu"
+
+
+def test_a_wrapper_class_without_a_store_says_so() -> None:
+    class Storeless(HostMemoryIPCWrapper):
+        wire_tag = "vendor.storeless/1"
+
+    with pytest.raises(TypeError, match="Storeless has no store"):
+        Storeless.wrap(torch.ones(4))
+
+
+def test_two_stores_never_mistake_each_others_memory(kv_dir: Path) -> None:
+    """A tensor in POSIX shared memory, wrapped for ``cpu.file``, moves into a file."""
+    from lmcache_platform_cpu import CpuShmIPCWrapper
+
+    t = torch.arange(16, dtype=torch.int32)
+    shm = CpuShmIPCWrapper.wrap(t)
+    as_file = CpuFileIPCWrapper.wrap(t)
+    assert as_file.file_name and torch.equal(t, torch.arange(16, dtype=torch.int32))
+    assert os.listdir(kv_dir) == [as_file.file_name]
+    shm.close()
+    as_file.close()
+    del t
+
+
+def test_find_stale_judges_only_our_files_of_dead_producers(kv_dir: Path) -> None:
+    d = _store.directory()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    stale = _store.NAMES.new().replace(f"_{os.getpid()}_", f"_{dead}_")
+    (kv_dir / stale).write_bytes(b"")
+    (kv_dir / stale).chmod(0o600)
+    (kv_dir / "unrelated").write_bytes(b"")
+    live, mm = FileStore().create(4096)
+    try:
+        assert find_stale(d.fd, _store.NAMES) == [stale]
+        assert find_stale(d.path, _store.NAMES) == [stale]
+    finally:
+        mm.close()
+        FileStore().unlink(live)
+        (kv_dir / stale).unlink()
+        (kv_dir / "unrelated").unlink()
+    assert producer_alive(os.getpid(), segment_ctime=0.0)
+    assert not producer_alive(int(dead), segment_ctime=time.time())
