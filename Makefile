@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap demo test lint typecheck docs unit bench gpu-check clean
+.PHONY: bootstrap demo test lint typecheck docs unit bench soak gpu-check clean
 
 bootstrap:
 	@scripts/bootstrap
@@ -28,6 +28,9 @@ unit: bootstrap
 
 bench: bootstrap
 	$(BIN)/lmcache-platform bench --quick
+
+soak: bootstrap
+	scripts/soak
 
 # No bootstrap here: it would install the CPU torch; gpu-check builds its own venv on a GPU host.
 gpu-check:

@@ -134,6 +134,9 @@ def test_a_broken_backend_is_isolated(lmcache_registry, tmp_path, import_log, ca
     assert info.distribution == "broken-vendor" and info.version == "1.0"
     assert info.traceback and "Traceback" in info.traceback
     assert "cpu.broken" in info.reason
+    assert "\n" not in info.reason  # one line for listings...
+    if variant == "unknown_arg":
+        assert "bogus" in info.reason  # ...that still names the culprit from pluggy's later lines
     warnings = [r for r in caplog.records if "cpu.broken" in r.getMessage()]
     assert len(warnings) == 1
     # Nothing half-registered: the plugin manager does not hold the failed backend.

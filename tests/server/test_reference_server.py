@@ -411,3 +411,48 @@ def test_a_server_that_cannot_start_says_why_and_leaves_nothing(
         proc.start()
     assert list(deep.iterdir()) == [], "the private directory survived a failed start"
     assert proc.pid is None
+
+
+def test_connections_beyond_the_cap_are_refused_with_an_error_reply() -> None:
+    """Each connection may pin one announced frame buffer, so their number is bounded."""
+    import os
+    import socket
+    import tempfile
+    import threading
+    import time
+
+    from lmcache_platform import _protocol as P
+    from lmcache_platform._server import ReferenceServer
+
+    directory = tempfile.mkdtemp(prefix="lmcache-cap-")  # 0700, as the server requires
+    server = ReferenceServer(os.path.join(directory, "kv.sock"), max_connections=2)
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        held = []
+        for _ in range(2):
+            client = ServerClient(server.socket_path, timeout=30)
+            client.status()  # accepted and served
+            held.append(client)
+        with socket.socket(socket.AF_UNIX) as extra:
+            extra.settimeout(30)
+            extra.connect(server.socket_path)
+            reply = P.decode_reply(P.recv_frame(extra))
+            assert not reply.ok and "too many connections (limit 2)" in reply.error_message
+            assert P.recv_frame(extra) is None  # and the server hung up
+        held.pop().close()
+        deadline = time.monotonic() + 30
+        while True:  # the closed slot frees up once the server notices the hang-up
+            with ServerClient(server.socket_path, timeout=30) as again:
+                try:
+                    again.status()
+                    break
+                except (ServerError, WireFormatError):
+                    assert time.monotonic() < deadline
+        for client in held:
+            client.close()
+    finally:
+        server.stop()
+        thread.join(30)
+        os.rmdir(directory)

@@ -479,6 +479,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         self._check_open()
         ids = self._validate_ids(block_ids_per_group)
         with self._transfer_lock:
+            self._check_open()  # again: a close() may have won the race for the lock
             return self._stage(ids)
 
     def _plan(
@@ -567,8 +568,10 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         On a device with streams the copy is enqueued on :attr:`stream`.
         """
         slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=False)
-        with self._transfer_lock, self.stream_context():
-            self._store(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+        with self._transfer_lock:
+            self._check_open()  # again: a close() may have won the race for the lock
+            with self.stream_context():
+                self._store(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
 
     def retrieve_chunk(
         self,
@@ -585,8 +588,10 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         blocks must be distinct. Every argument is validated before anything is written.
         """
         slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=True)
-        with self._transfer_lock, self.stream_context():
-            self._retrieve(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+        with self._transfer_lock:
+            self._check_open()  # again: a close() may have won the race for the lock
+            with self.stream_context():
+                self._retrieve(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
 
     # -- lifetime ----------------------------------------------------------------------
 

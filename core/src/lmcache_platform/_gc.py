@@ -7,11 +7,11 @@ import argparse
 from ._registry import REGISTRY
 
 
-def reclaim(*, dry_run: bool) -> tuple[dict[str, list[str]], dict[str, Exception]]:
+def reclaim(*, dry_run: bool) -> tuple[dict[str, list[str]], dict[str, BaseException]]:
     """Call every backend's ``lmcache_platform_gc`` hook: (backend -> resources, failures)."""
     REGISTRY.backends(load=True)
     found: dict[str, list[str]] = {}
-    failed: dict[str, Exception] = {}
+    failed: dict[str, BaseException] = {}
     for name, result, error in REGISTRY.call_all("lmcache_platform_gc", dry_run=dry_run):
         if error is not None:
             failed[name] = error

@@ -169,9 +169,8 @@ def decode_request(payload: bytes) -> Request:
     if not isinstance(msg, dict):
         raise WireFormatError(f"request: expected a map, got {type(msg).__name__}")
     op = msg.get("op")
-    if op not in _SCHEMA:
+    if not isinstance(op, str) or op not in _SCHEMA:
         raise WireFormatError(f"request: unknown op {_codec.show(op)} (known: {', '.join(OPS)})")
-    assert isinstance(op, str)
     required, optional = _SCHEMA[op]
     expect_map(msg, f"{op} request", keys=required | {"op", "id"}, optional=optional)
     rid = expect_int(msg["id"], f"{op} request id", lo=0, hi=MAX_ID)

@@ -218,7 +218,7 @@ class Registry:
             plugin = backend.load()
             self._register(backend, plugin)
             self._validate(backend)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a backend calling sys.exit() must not exit the host
             self._unregister(backend)
             backend.plugin = None
             backend.context_class = backend.wrapper_class = None
@@ -236,7 +236,9 @@ class Registry:
             if error is not exc:
                 error.__cause__ = exc
             backend.error = error
-            backend.reason = str(error).splitlines()[0] if str(error) else type(exc).__name__
+            # One line for listings; pluggy's validation errors span several, all useful.
+            backend.reason = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+            backend.reason = backend.reason or type(exc).__name__
             logger.warning("lmcache-platform: %s\n%s", backend.reason, tb)
 
     def _register(self, backend: _Backend, plugin: object) -> None:
@@ -451,16 +453,16 @@ class Registry:
         """(name, plugin) of every loaded backend."""
         return [(n, p) for n, p in self._pm.list_name_plugin() if n is not None]
 
-    def call_all(self, hook: str, **kwargs: Any) -> list[tuple[str, Any, Exception | None]]:
+    def call_all(self, hook: str, **kwargs: Any) -> list[tuple[str, Any, BaseException | None]]:
         """Call ``hook`` on every loaded backend; one backend raising does not stop the rest."""
-        results: list[tuple[str, Any, Exception | None]] = []
+        results: list[tuple[str, Any, BaseException | None]] = []
         for name, _plugin in self.plugins():
             backend = self._backends.get(name)
             if backend is None:
                 continue
             try:
                 results.append((name, self._call(backend, hook, **kwargs), None))
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 logger.warning("lmcache-platform: backend %r failed in %s: %s", name, hook, exc)
                 results.append((name, None, exc))
         return results

@@ -49,6 +49,7 @@ logger = logging.getLogger("lmcache_platform.server")
 #: Default cap on the host memory the server uses for stored chunks.
 DEFAULT_MAX_HOST_BYTES = 8 << 30
 SOCKET_NAME = "kv.sock"
+DEFAULT_MAX_CONNECTIONS = 64
 _ACCEPT_POLL_S = 1.0  # a fallback: stop() wakes accept() at once
 
 
@@ -76,9 +77,17 @@ class _Connection:
 class ReferenceServer:
     """Serve the protocol of :mod:`lmcache_platform._protocol` on one UNIX socket."""
 
-    def __init__(self, socket_path: str, *, max_host_bytes: int = DEFAULT_MAX_HOST_BYTES) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
         self.socket_path = socket_path
         self.max_host_bytes = max_host_bytes
+        #: Concurrent clients; each may hold one frame buffer (up to 16 MiB) at a time.
+        self.max_connections = max_connections
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ids = itertools.count(1)
@@ -131,6 +140,15 @@ class ReferenceServer:
                 if self._stop.is_set():  # the wake-up from stop(), or a late client
                     client.close()
                     break
+                with self._lock:
+                    busy = len(self._connections) >= self.max_connections
+                if busy:  # bound the memory clients can pin with announced frames
+                    logger.warning("refusing a client: %d connections open", self.max_connections)
+                    with contextlib.suppress(OSError):
+                        _protocol.send_frame(client, _protocol.encode_error(
+                            0, "ServerError", f"too many connections (limit {self.max_connections})"))
+                    client.close()
+                    continue
                 client.settimeout(None)
                 conn = _Connection(client)
                 thread = threading.Thread(
@@ -209,6 +227,10 @@ class ReferenceServer:
         except WireFormatError as exc:
             rid = _protocol.request_id_of(payload)
             return _protocol.encode_error(rid, type(exc).__name__, str(exc))
+        except Exception as exc:  # a decoder bug must not cost the client its reply
+            logger.exception("decoding a request failed")
+            rid = _protocol.request_id_of(payload)
+            return _protocol.encode_error(rid, "WireFormatError", f"malformed request: {exc}")
         try:
             result = self._handlers[req.op](req, conn)
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault

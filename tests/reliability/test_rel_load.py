@@ -1,0 +1,153 @@
+"""Case 6: the reference server under load from 8 engine processes.
+
+Each client (a spawned process, ``rel_workers.load_client``) wraps a small model,
+registers it, then alternates store and retrieve requests, writing fresh random
+bytes before every store and comparing every retrieved byte with what it stored.
+The server is a real spawned :class:`~lmcache_platform._server.ServerProcess`.
+Leaks are judged on the server process from ``/proc``: fds, /dev/shm mappings,
+threads and RSS after all clients are gone, against a baseline taken after a
+warm-up client; and on the clients' segments in /dev/shm.
+
+CI runs 8 x 1,000 requests of 8 KiB chunks; ``LMCACHE_SOAK=1`` runs 8 x 10,000 of 64 KiB.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from rel_helpers import Resources, describe, emit, segments_of, sized
+
+from lmcache_platform._client import ServerClient
+from lmcache_platform._server import ServerProcess
+
+SPAWN = multiprocessing.get_context("spawn")
+CLIENTS = 8
+REQUESTS = sized(1_000, 10_000)
+#: Model per client: CI 4 layers with head size 16 (8 KiB chunks); soak 8 x 64 (64 KiB chunks).
+LAYERS, HEAD = sized(4, 8), sized(16, 64)
+RSS_SLACK = 32 << 20
+
+
+def threads_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(max_host_bytes=64 << 20) as proc:
+        yield proc
+
+
+def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) -> tuple[list[dict[str, Any]], float]:
+    """Start ``n`` clients, release them together, collect their reports; return them and the wall time."""
+    from rel_workers import load_client
+
+    procs, conns = [], []
+    try:
+        for i in range(n):
+            conn, child = SPAWN.Pipe()
+            p = SPAWN.Process(target=load_client, args=(child, server.socket_path, i, requests, 1000 + i, LAYERS, HEAD),
+                              daemon=True)  # fmt: skip
+            p.start()
+            child.close()
+            assert p.pid is not None
+            pids.add(p.pid)
+            procs.append(p)
+            conns.append(conn)
+        for conn in conns:
+            assert conn.poll(120), "a client did not start"
+            assert json.loads(conn.recv_bytes()) == {"ready": True}
+        started = time.perf_counter()
+        for conn in conns:
+            conn.send_bytes(b'"go"')
+        reports = []
+        for conn in conns:
+            assert conn.poll(1800), "a client did not finish"
+            reports.append(json.loads(conn.recv_bytes()))
+        wall = time.perf_counter() - started
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        return reports, wall
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in conns:
+            conn.close()
+
+
+def settle(server: ServerProcess, pid: int, threads: int) -> tuple[dict[str, Any], Resources]:
+    """Wait (bounded) until every client's connection thread has exited; then measure.
+
+    The measurement holds one status connection open, so it counts that
+    connection's socket and thread every time: the figures compare like with like.
+    """
+    with ServerClient(server.socket_path, timeout=30) as c:
+        status = c.status()["server"]
+        for _ in range(200):
+            if threads_of(pid) <= threads:
+                break
+            time.sleep(0.05)
+        return status, Resources.of(pid)
+
+
+def warm_up(server: ServerProcess) -> None:
+    """A few requests from this process, so the baseline excludes the server's first-use costs."""
+    import torch
+
+    import lmcache_platform as lp
+    from lmcache_platform import KVFormat, LayoutHints
+
+    tensors = [torch.ones(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(2)]
+    wrappers = lp.wrap_kv_caches(tensors)
+    hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN, block_size=4, num_kv_heads=2)
+    with ServerClient(server.socket_path, timeout=30) as c:
+        ctx = c.register(wrappers, lmcache_tokens_per_chunk=8, layout_hints=hints).context
+        for i in range(20):
+            c.store(ctx, [(f"w{i % 4}", [[0, 1]])])
+            c.retrieve(ctx, [(f"w{i % 4}", [[2, 3]])])
+        c.unregister(ctx)
+    for w in wrappers:
+        w.close()
+
+
+def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
+    server: ServerProcess, rel_child_pids: set[int], request: pytest.FixtureRequest
+) -> None:
+    pid = server.pid
+    assert pid is not None
+    warm_up(server)  # first-use allocations of the server are not leaks
+    threads = threads_of(pid) + 1  # the server's own, plus the measuring connection's
+    base_status, before = settle(server, pid, threads)
+
+    reports, wall = run_clients(server, CLIENTS, REQUESTS, rel_child_pids)
+
+    status, after = settle(server, pid, threads)
+    errors = [e for r in reports for e in r["errors"]]
+    assert errors == [] and sum(r["error_count"] for r in reports) == 0, errors
+    assert sum(r["mismatches"] for r in reports) == 0
+    assert all(r["stores"] + r["retrieves"] == REQUESTS for r in reports)
+    assert base_status["contexts"] == status["contexts"] == 0
+    assert status["chunks"] == 0 and status["host_bytes"] == 0
+    d = before.delta(after)
+    assert (d["fds"], d["shm_maps"]) == (0, 0), describe(before, after)
+    assert d["rss"] < RSS_SLACK, describe(before, after)
+    assert threads_of(pid) <= threads
+    assert segments_of({r for r in rel_child_pids}) == []  # every client's segments went with it
+
+    total = CLIENTS * REQUESTS
+    moved = sum(r["bytes"] for r in reports)
+    emit(request, "6 load",
+         f"{CLIENTS} clients x {REQUESTS:,} requests ({sum(r['stores'] for r in reports):,} stores, "
+         f"{sum(r['retrieves'] for r in reports):,} retrieves) in {wall:.2f} s: {total / wall:,.0f} requests/s, "
+         f"{moved / wall / 1e9:.3f} GB/s of chunk data ({moved / 2**20:.1f} MiB), 0 errors, 0 mismatches; "
+         f"server {describe(before, after)}, connection threads all exited",
+         requests_per_s=total / wall, gb_per_s=moved / wall / 1e9)  # fmt: skip
