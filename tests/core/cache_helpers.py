@@ -43,10 +43,7 @@ class HeldWrapper(DeviceIPCWrapper):
     @classmethod
     def wrap(cls, tensor: torch.Tensor) -> HeldWrapper:
         HeldWrapper._serial += 1
-        w = cls(
-            serial=HeldWrapper._serial, dtype=tensor.dtype, shape=tuple(tensor.shape),
-            stride=tensor.stride(), storage_offset=tensor.storage_offset(), device_uuid="cpu",
-        )  # fmt: skip
+        w = cls.describe(tensor, device_uuid="cpu", serial=HeldWrapper._serial)
         w.tensor = tensor
         return w
 

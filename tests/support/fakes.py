@@ -33,11 +33,7 @@ def wrapper_class(device_type: str, tag: str | None = None) -> type[DeviceIPCWra
         @classmethod
         def wrap(cls, tensor: Any) -> FakeWrapper:
             _HELD[id(tensor)] = tensor
-            return cls(
-                key=id(tensor), dtype=tensor.dtype, shape=tuple(tensor.shape),
-                stride=tensor.stride(), storage_offset=tensor.storage_offset(),
-                device_uuid=device_type,
-            )  # fmt: skip
+            return cls.describe(tensor, device_uuid=device_type, key=id(tensor))
 
         def to_tensor(self) -> Any:
             return _HELD[self.key]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._errors import LayoutError
-from ._layout import LayerLayout
+from ._layout import FormatDims, LayerLayout
 from ._types import EngineGroupInfo, KVFormat
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class EngineGroup:
 
 
 @dataclass(frozen=True)
-class KernelGroup:
+class KernelGroup(FormatDims):
     """Layers of one engine group sharing format, shape and dtype.
 
     ``tokens_per_slot`` is how many tokens of a chunk this group keeps in a staging
@@ -69,18 +69,6 @@ class KernelGroup:
     @property
     def num_layers(self) -> int:
         return len(self.layer_indices)
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_format is KVFormat.MLA
-
-    @property
-    def kv_size(self) -> int:
-        return 1 if self.is_mla else 2
-
-    @property
-    def hidden_dim(self) -> int:
-        return self.num_kv_heads * self.head_size
 
     @property
     def itemsize(self) -> int:

@@ -163,6 +163,22 @@ class DeviceIPCWrapper(abc.ABC):
     # -- what a backend implements ----------------------------------------------------
 
     @classmethod
+    def describe(cls, tensor: torch.Tensor, *, device_uuid: str, **fields: Any) -> Self:
+        """Build a wrapper recording ``tensor``'s layout, plus this class's own ``fields``.
+
+        The one place that reads dtype, shape, stride and offset off a tensor, for
+        :meth:`wrap` implementations.
+        """
+        return cls(
+            dtype=tensor.dtype,
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            storage_offset=int(tensor.storage_offset()),
+            device_uuid=device_uuid,
+            **fields,
+        )
+
+    @classmethod
     @abc.abstractmethod
     def wrap(cls, tensor: torch.Tensor) -> Self:
         """Export ``tensor`` (engine side) and return its descriptor."""

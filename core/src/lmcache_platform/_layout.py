@@ -58,19 +58,12 @@ SHAPES_HELP = (
 )
 
 
-@dataclass(frozen=True)
-class LayerLayout:
-    """What discovery learned about one layer's tensor."""
+class FormatDims:
+    """Sizes derived from a KV format and head geometry; shared by layers and groups."""
 
     kv_format: KVFormat
-    num_blocks: int
-    block_size: int
     num_kv_heads: int
     head_size: int
-    dtype: torch.dtype
-    #: The tensor's shape and stride as given (in elements).
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
 
     @property
     def is_mla(self) -> bool:
@@ -85,6 +78,21 @@ class LayerLayout:
     def hidden_dim(self) -> int:
         """Elements of one token of one plane: ``num_kv_heads * head_size``."""
         return self.num_kv_heads * self.head_size
+
+
+@dataclass(frozen=True)
+class LayerLayout(FormatDims):
+    """What discovery learned about one layer's tensor."""
+
+    kv_format: KVFormat
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    #: The tensor's shape and stride as given (in elements).
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 def _fmt_hint(formats: list[KVFormat]) -> str:

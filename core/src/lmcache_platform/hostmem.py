@@ -511,14 +511,7 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
     @classmethod
     def _describe(cls, tensor: torch.Tensor, name: str, nbytes: int) -> Self:
-        return cls(
-            dtype=tensor.dtype,
-            shape=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            storage_offset=int(tensor.storage_offset()),
-            device_uuid=HOST_UUID,
-            **{cls.name_field: name, cls.nbytes_field: nbytes},
-        )
+        return cls.describe(tensor, device_uuid=HOST_UUID, **{cls.name_field: name, cls.nbytes_field: nbytes})
 
     @classmethod
     def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:

@@ -133,15 +133,12 @@ class RawCudaIPCWrapper(DeviceIPCWrapper):
                 raise DescriptorError(
                     f"storage [{ptr:#x}, +{nbytes}) lies outside its allocation [{base:#x}, +{size})"
                 )
-        return cls(
+        return cls.describe(
+            tensor,
+            device_uuid=DEVICES.uuid_of(ordinal),
             ipc_handle=handle,
             alloc_offset=offset,
             storage_nbytes=nbytes,
-            dtype=tensor.dtype,
-            shape=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            storage_offset=int(tensor.storage_offset()),
-            device_uuid=DEVICES.uuid_of(ordinal),
         )
 
     def to_tensor(self) -> torch.Tensor:

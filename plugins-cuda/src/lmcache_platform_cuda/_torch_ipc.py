@@ -122,7 +122,9 @@ class CudaIPCWrapper(DeviceIPCWrapper):
             except RuntimeError as exc:  # e.g. a tensor that was itself received over IPC
                 raise DescriptorError(f"torch cannot share this CUDA storage: {exc}") from exc
         _, handle, size, offset, counter, counter_offset, event, sync = share
-        return cls(
+        return cls.describe(
+            tensor,
+            device_uuid=DEVICES.uuid_of(ordinal),
             handle=handle,
             storage_nbytes=size,
             storage_offset_bytes=offset,
@@ -130,11 +132,6 @@ class CudaIPCWrapper(DeviceIPCWrapper):
             ref_counter_offset=counter_offset,
             event_handle=event,
             event_sync_required=int(sync),
-            dtype=tensor.dtype,
-            shape=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            storage_offset=int(tensor.storage_offset()),
-            device_uuid=DEVICES.uuid_of(ordinal),
         )
 
     def to_tensor(self) -> torch.Tensor:
