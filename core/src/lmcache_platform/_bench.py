@@ -12,13 +12,16 @@ Exit status: 0 when every section ran (a missed target is a figure, not a failur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="device type of the KV caches (default: cpu)")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes and few repeats (about 30 s on 2 cores)")  # fmt: skip
+                        help="small sizes, fewer repeats: a smoke run (10 to 30 s on 2 cores)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--save", type=Path, metavar="FILE",
                         help="also write the JSON document to FILE")  # fmt: skip
@@ -73,10 +76,9 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     sizes = []
     for item in text.split(","):
         raw = item.strip().lower().removesuffix("ib").removesuffix("b")
-        unit = raw[-1:] if raw[-1:] in _UNITS and raw[-1:] else ""
-        number = raw[: len(raw) - len(unit)]
+        unit = raw[-1] if raw and raw[-1] in "kmg" else ""
         try:
-            value = int(float(number) * _UNITS[unit])
+            value = int(float(raw.removesuffix(unit) if unit else raw) * _UNITS[unit])
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a size: {item!r} (use e.g. 64M or 1G)") from None
         if value < 1 << 20:
@@ -106,25 +108,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     settings = Settings(device=device, quick=args.quick, runs=args.runs, sizes=args.sizes)
-    report = Report(meta=_meta(settings))
-    sections = _sections(settings, report)
-    failed = False
-    started = time.perf_counter()
-    timings: dict[str, float] = {}
-    for name in args.sections or _RUNNABLE:
-        print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        try:
-            sections[name]()
-        except LMCachePlatformError as exc:
-            report.skipped.append(Skip(name, "all", str(exc).splitlines()[0]))
-        except Exception as exc:
-            failed = True
-            traceback.print_exc()
-            report.skipped.append(Skip(name, "all", f"error: {type(exc).__name__}: {exc}"))
-        timings[name] = round(time.perf_counter() - t0, 2)
-    report.meta["seconds"] = {"total": round(time.perf_counter() - started, 2), **timings}
-    report.meta["loadavg_end"] = _loadavg()
+    with _sigterm_exits():
+        report = _measure(settings, args.sections or _RUNNABLE)
     if args.plot:
         if plot_handoff(report, args.plot):
             report.meta["plot"] = str(args.plot)
@@ -135,7 +120,46 @@ def run(args: argparse.Namespace) -> int:
         args.save.parent.mkdir(parents=True, exist_ok=True)
         args.save.write_text(document + "\n")
     print(document if args.json else format_report(report))
-    return 1 if failed else 0
+    return 1 if report.errors else 0
+
+
+def _measure(settings: Settings, names: Sequence[str]) -> Report:
+    """Run the sections ``names``; one that raises is reported as an error and the rest go on."""
+    report = Report(meta=_meta(settings))
+    sections = _sections(settings, report)
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    for name in names:
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            sections[name]()
+        except LMCachePlatformError as exc:
+            report.skipped.append(Skip(name, "all", str(exc).splitlines()[0]))
+        except Exception as exc:
+            traceback.print_exc()
+            report.errors.append(Skip(name, "all", f"{type(exc).__name__}: {exc}"))
+        timings[name] = round(time.perf_counter() - t0, 2)
+    report.meta["seconds"] = {"total": round(time.perf_counter() - started, 2), **timings}
+    report.meta["loadavg_end"] = _loadavg()
+    return report
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit``, so finally blocks and atexit release shared memory."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _sections(settings: Settings, report: Report) -> dict[str, Callable[[], None]]:
@@ -256,9 +280,10 @@ def format_report(report: Report) -> str:
     for t in report.targets:
         value = "not measured" if t.value is None else f"{t.value:.3g}"
         lines.append(f"  [{t.verdict:>4}] {t.goal}: {value}" + (f"  ({t.note})" if t.note else ""))
-    if report.skipped:
-        lines += ["", "== Skipped =="]
-        for s in report.skipped:
+    for title, items in (("Skipped", report.skipped), ("Errors (see the tracebacks above)", report.errors)):
+        if items:
+            lines += ["", f"== {title} =="]
+        for s in items:
             where = " ".join(str(v) for k, v in s.params.items() if k in ("size", "format"))
             lines.append(f"  {s.section} / {s.case}{' / ' + where if where else ''}: {s.reason}")
     seconds = m.get("seconds", {})
@@ -300,7 +325,10 @@ def plot_handoff(report: Report, path: Path) -> bool:
         )  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("KV-cache set size (MiB, 32 layers)")
+    labels = {r.params["size_bytes"]: str(r.params["size"]) for r in rows}
+    ax.set_xticks([n / (1 << 20) for n in sorted(labels)], [labels[n] for n in sorted(labels)])
+    ax.minorticks_off()
+    ax.set_xlabel("KV-cache set size (32 layers)")
     ax.set_ylabel("hand-off time (ms)")
     m = report.meta
     ax.set_title(f"Hand-off to another process ({m['device']}, {m['cpus']} CPUs)")

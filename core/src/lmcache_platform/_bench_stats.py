@@ -154,6 +154,8 @@ class Report:
     results: list[Result] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
+    #: Sections that raised (the run goes on; the command exits non-zero).
+    errors: list[Skip] = field(default_factory=list)
 
     def find(self, section: str, case: str, **params: Any) -> Result | None:
         for r in self.results:
@@ -175,6 +177,7 @@ class Report:
             "results": [r.to_json() for r in self.results],
             "targets": [t.to_json() for t in self.targets],
             "skipped": [s.to_json() for s in self.skipped],
+            "errors": [e.to_json() for e in self.errors],
         }
 
 

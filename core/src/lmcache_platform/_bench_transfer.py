@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 BANDWIDTH_SHARE = 0.5
 BLOCK_SIZE = 16
 TOKENS_PER_CHUNK = 256
-LAYERS = 32
+#: A Llama-3-8B-like model; MLA layers hold DeepSeek's 576-wide latent instead of heads.
+LAYERS, HEADS, HEAD_SIZE, MLA_HEAD_SIZE = 32, 8, 128, 576
 
 
 def layer_shape(fmt: KVFormat, num_blocks: int, heads: int, head_size: int) -> tuple[int, ...]:
@@ -49,19 +50,18 @@ def bench_transfer(report: Report, settings: Settings) -> None:
     import torch
 
     device = settings.device
-    heads, head_size, mla_head = (2, 64, 96) if settings.quick else (8, 128, 576)
-    chunks = 4 if settings.quick else 8
+    chunks = 2 if settings.quick else 8  # --quick moves fewer chunks of the same model
     runs = settings.repeats(3, 7)
     blocks_per_chunk = TOKENS_PER_CHUNK // BLOCK_SIZE
     num_blocks = chunks * blocks_per_chunk
     sync = _synchronizer(device)
     gen = torch.Generator().manual_seed(0)
     for fmt in KVFormat:
-        d = mla_head if fmt is KVFormat.MLA else head_size
+        d = MLA_HEAD_SIZE if fmt is KVFormat.MLA else HEAD_SIZE
         params = {"format": fmt.value, "layers": LAYERS, "tokens": TOKENS_PER_CHUNK,
-                  "heads": 1 if fmt is KVFormat.MLA else heads, "head_size": d}  # fmt: skip
+                  "heads": 1 if fmt is KVFormat.MLA else HEADS, "head_size": d}  # fmt: skip
         try:
-            measured = _one_format(fmt, device, num_blocks, heads, d, runs, sync, gen)
+            measured = _one_format(fmt, device, num_blocks, HEADS, d, runs, sync, gen)
         except LMCachePlatformError as exc:
             report.skipped.append(Skip("transfer", fmt.value, str(exc).splitlines()[0], params))
             continue

@@ -65,9 +65,11 @@ def scan(group: str = ENTRY_POINT_GROUP, path: list[str] | None = None) -> list[
 
 
 def _unique(dists: Iterable[Any]) -> Iterable[Any]:
+    """First copy of each distribution. The name comes from the ``*.dist-info`` folder name
+    when importlib_metadata can read it there, so most ``METADATA`` files are never parsed."""
     seen: set[str] = set()
     for dist in dists:
-        key = _normalize(dist.metadata["Name"] or "")
+        key = _normalize(getattr(dist, "_normalized_name", None) or dist.metadata["Name"] or "")
         if key not in seen:
             seen.add(key)
             yield dist

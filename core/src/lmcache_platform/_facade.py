@@ -94,7 +94,8 @@ def create_cache_context(
     kv_caches = list(kv_caches)
     if not kv_caches:
         raise ValueError("create_cache_context needs a non-empty list of KV-cache wrappers")
-    device_types = sorted({_device_type_of(w) for w in kv_caches})
+    # One wrapper per class decides (a model has 32+ layers but one or two wrapper classes).
+    device_types = sorted({_device_type_of(w) for w in {type(w): w for w in kv_caches}.values()})
     if len(device_types) != 1:
         raise ValueError(f"all KV-cache wrappers must share one device type, got {device_types}")
     cls = REGISTRY.cache_context_class(device_types[0])
