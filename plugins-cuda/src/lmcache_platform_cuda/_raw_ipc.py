@@ -17,8 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, WireField
 
@@ -95,16 +94,9 @@ class RawCudaIPCWrapper(DeviceIPCWrapper):
         ipc_handle: bytes,
         alloc_offset: int,
         storage_nbytes: int,
-        dtype: torch.dtype,
-        shape: Sequence[int],
-        stride: Sequence[int],
-        storage_offset: int,
-        device_uuid: str,
+        **base: Any,
     ) -> None:
-        super().__init__(
-            dtype=dtype, shape=tuple(shape), stride=tuple(stride),
-            storage_offset=storage_offset, device_uuid=device_uuid,
-        )  # fmt: skip
+        super().__init__(**base)  # dtype, shape, stride, storage_offset, device_uuid
         name = type(self).__name__
         if storage_nbytes and len(ipc_handle) != IPC_HANDLE_SIZE:
             raise DescriptorError(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, WireField
@@ -75,16 +74,9 @@ class CudaIPCWrapper(DeviceIPCWrapper):
         ref_counter_offset: int,
         event_handle: bytes,
         event_sync_required: int,
-        dtype: torch.dtype,
-        shape: Sequence[int],
-        stride: Sequence[int],
-        storage_offset: int,
-        device_uuid: str,
+        **base: Any,
     ) -> None:
-        super().__init__(
-            dtype=dtype, shape=tuple(shape), stride=tuple(stride),
-            storage_offset=storage_offset, device_uuid=device_uuid,
-        )  # fmt: skip
+        super().__init__(**base)  # dtype, shape, stride, storage_offset, device_uuid
         name = type(self).__name__
         if storage_nbytes:
             if not _MIN_HANDLE <= len(handle) <= _MAX_HANDLE:
