@@ -13,12 +13,23 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:  # the backport is a declared dependency; the stdlib copy serves minimal images
+if TYPE_CHECKING:
     import importlib_metadata
-except ImportError:  # pragma: no cover - exercised on hosts without the backport
-    import importlib.metadata as importlib_metadata  # type: ignore[no-redef]
+
+
+def _metadata() -> Any:
+    """importlib_metadata, imported on first scan (it costs ~15 ms; most imports never scan).
+
+    The backport is a declared dependency; the stdlib copy serves minimal images.
+    """
+    try:
+        import importlib_metadata as md
+    except ImportError:  # pragma: no cover - exercised on hosts without the backport
+        import importlib.metadata as md  # type: ignore[no-redef]
+    return md
+
 
 #: The entry-point group backends advertise themselves under.
 ENTRY_POINT_GROUP = "lmcache.platform"
@@ -60,7 +71,7 @@ def scan(group: str = ENTRY_POINT_GROUP, path: list[str] | None = None) -> list[
     distribution found twice counts once: the first copy on the path wins, as it
     is the one Python imports.
     """
-    dists = importlib_metadata.distributions(**({} if path is None else {"path": path}))
+    dists = _metadata().distributions(**({} if path is None else {"path": path}))
     return collect(ep for dist in _unique(dists) for ep in dist.entry_points.select(group=group))
 
 
