@@ -20,6 +20,7 @@ from lmcache_platform import (
     KVFormat,
     LayoutHints,
     WireField,
+    kv_cache_shape,
 )
 
 
@@ -68,13 +69,7 @@ class HostContext(BaseCacheContext):
 
 #: Shapes per format, in terms of (num_blocks, block_size, heads, head_size).
 def layer_shape(fmt: KVFormat, nb: int, bs: int, h: int, d: int) -> tuple[int, ...]:
-    return {
-        KVFormat.FLASH_ATTN: (2, nb, bs, h, d),
-        KVFormat.FLASH_ATTN_HND: (2, nb, h, bs, d),
-        KVFormat.FLASHINFER: (nb, 2, bs, h, d),
-        KVFormat.FLASHINFER_HND: (nb, 2, h, bs, d),
-        KVFormat.MLA: (nb, bs, d),
-    }[fmt]
+    return kv_cache_shape(fmt, num_blocks=nb, block_size=bs, num_kv_heads=h, head_size=d)
 
 
 def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

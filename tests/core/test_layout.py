@@ -153,3 +153,16 @@ def test_canonical_view_puts_tokens_of_a_block_in_order(fmt):
     for block in (0, NB - 1):
         got = view[:, block].reshape(kv, BS, -1)
         assert torch.equal(got.view(torch.uint8), token_rows(x, fmt, block, 0, BS).view(torch.uint8))
+
+
+def test_kv_cache_shape_gives_each_format_its_engine_shape():
+    from lmcache_platform import kv_cache_shape
+
+    dims = {"num_blocks": 7, "block_size": 16, "num_kv_heads": 4, "head_size": 64}
+    assert {f: kv_cache_shape(f, **dims) for f in KVFormat} == {
+        KVFormat.FLASH_ATTN: (2, 7, 16, 4, 64),
+        KVFormat.FLASH_ATTN_HND: (2, 7, 4, 16, 64),
+        KVFormat.FLASHINFER: (7, 2, 16, 4, 64),
+        KVFormat.FLASHINFER_HND: (7, 2, 4, 16, 64),
+        KVFormat.MLA: (7, 16, 64),
+    }

@@ -61,14 +61,11 @@ TOKEN: dict[str, Callable[[Any, int, int], Any]] = {
 
 
 def layer_shape(spec: Json) -> tuple[int, ...]:
-    nb, bs, h, d = spec["num_blocks"], spec["block_size"], spec["heads"], spec["head_size"]
-    return {
-        "flash_attn": (2, nb, bs, h, d),
-        "flash_attn_hnd": (2, nb, h, bs, d),
-        "flashinfer": (nb, 2, bs, h, d),
-        "flashinfer_hnd": (nb, 2, h, bs, d),
-        "mla": (nb, bs, d),
-    }[spec["format"]]
+    from lmcache_platform import KVFormat, kv_cache_shape
+
+    return kv_cache_shape(KVFormat(spec["format"]), num_blocks=spec["num_blocks"],
+                          block_size=spec["block_size"], num_kv_heads=spec["heads"],
+                          head_size=spec["head_size"])
 
 
 class Engine:

@@ -42,6 +42,7 @@ from ._ipc_wrapper import (
     dtype_name,
     required_elements,
 )
+from ._layout import kv_cache_shape
 from ._registry import BackendInfo, Status, TableState
 from ._transfer import ChunkTransfer, GroupTransfer
 from ._types import (
@@ -97,6 +98,7 @@ __all__ = [
     "get_kv_wrapper_factory",
     "hookimpl",
     "hookspec",
+    "kv_cache_shape",
     "refresh",
     "register_backend",
     "register_kv_wrapper",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ._bench_stats import Report, Result, Settings, Skip, Target
 from ._errors import LMCachePlatformError
+from ._layout import kv_cache_shape
 from ._types import KVFormat, LayoutHints
 
 if TYPE_CHECKING:
@@ -35,14 +36,8 @@ LAYERS, HEADS, HEAD_SIZE, MLA_HEAD_SIZE = 32, 8, 128, 576
 
 def layer_shape(fmt: KVFormat, num_blocks: int, heads: int, head_size: int) -> tuple[int, ...]:
     """One layer's paged KV shape in ``fmt`` (see :class:`KVFormat`)."""
-    b, h, d = BLOCK_SIZE, heads, head_size
-    return {
-        KVFormat.FLASH_ATTN: (2, num_blocks, b, h, d),
-        KVFormat.FLASH_ATTN_HND: (2, num_blocks, h, b, d),
-        KVFormat.FLASHINFER: (num_blocks, 2, b, h, d),
-        KVFormat.FLASHINFER_HND: (num_blocks, 2, h, b, d),
-        KVFormat.MLA: (num_blocks, b, d),
-    }[fmt]
+    return kv_cache_shape(fmt, num_blocks=num_blocks, block_size=BLOCK_SIZE, num_kv_heads=heads,
+                          head_size=head_size)
 
 
 def bench_transfer(report: Report, settings: Settings) -> None:

@@ -31,11 +31,12 @@ import argparse
 import gc
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._layout import kv_cache_shape
 from ._types import KVFormat, LayoutHints
 
 if TYPE_CHECKING:
@@ -45,13 +46,13 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 
-#: format -> (per-layer shape from (num_blocks, block_size, heads, head_size), block dim)
-_SHAPES: dict[KVFormat, tuple[Callable[[int, int, int, int], tuple[int, ...]], int]] = {
-    KVFormat.FLASH_ATTN: (lambda nb, bs, h, d: (2, nb, bs, h, d), 1),
-    KVFormat.FLASH_ATTN_HND: (lambda nb, bs, h, d: (2, nb, h, bs, d), 1),
-    KVFormat.FLASHINFER: (lambda nb, bs, h, d: (nb, 2, bs, h, d), 0),
-    KVFormat.FLASHINFER_HND: (lambda nb, bs, h, d: (nb, 2, h, bs, d), 0),
-    KVFormat.MLA: (lambda nb, bs, h, d: (nb, bs, d), 0),
+#: format -> position of the block dimension in one layer's tensor
+_BLOCK_DIM: dict[KVFormat, int] = {
+    KVFormat.FLASH_ATTN: 1,
+    KVFormat.FLASH_ATTN_HND: 1,
+    KVFormat.FLASHINFER: 0,
+    KVFormat.FLASHINFER_HND: 0,
+    KVFormat.MLA: 0,
 }
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="KV dtype (bfloat16)")
     model.add_argument(
         "--format",
-        choices=[f.value for f in _SHAPES],
+        choices=[f.value for f in _BLOCK_DIM],
         default=KVFormat.FLASH_ATTN.value,
         help="per-layer KV layout (flash_attn: [2, blocks, block_size, heads, head_size])",
     )
@@ -114,7 +115,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
             f"--num-blocks {args.num_blocks} is too small: {args.chunks} chunks of {per_chunk} "
             f"blocks need {needed} (stored from one half, retrieved into the other)"
         )
-    make_shape, block_dim = _SHAPES[KVFormat(args.format)]
+    fmt = KVFormat(args.format)
+    block_dim = _BLOCK_DIM[fmt]
     half = per_chunk * args.chunks
     src = [list(range(i * per_chunk, (i + 1) * per_chunk)) for i in range(args.chunks)]
     # Destinations: the other half, chunks in reverse order, blocks interleaved, so a
@@ -122,7 +124,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     spare = list(range(half, 2 * half))
     shuffled = spare[1::2] + spare[0::2]
     dst = [shuffled[i * per_chunk : (i + 1) * per_chunk] for i in reversed(range(args.chunks))]
-    shape = make_shape(args.num_blocks, args.block_size, args.kv_heads, args.head_size)
+    shape = kv_cache_shape(fmt, num_blocks=args.num_blocks, block_size=args.block_size,
+                           num_kv_heads=args.kv_heads, head_size=args.head_size)
     return _Plan(shape, block_dim, src, dst)
 
 

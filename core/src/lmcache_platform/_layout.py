@@ -49,6 +49,22 @@ _HND = {KVFormat.FLASH_ATTN_HND, KVFormat.FLASHINFER_HND}
 _NHD_OF_FAMILY = {0: KVFormat.FLASH_ATTN, 1: KVFormat.FLASHINFER}
 _HND_OF_FAMILY = {0: KVFormat.FLASH_ATTN_HND, 1: KVFormat.FLASHINFER_HND}
 
+def kv_cache_shape(
+    kv_format: KVFormat, *, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[int, ...]:
+    """One layer's paged KV-cache shape in ``kv_format``, as an engine allocates it.
+
+    For MLA, ``num_kv_heads`` is ignored and ``head_size`` is the latent width.
+    """
+    nb, bs, h, d = num_blocks, block_size, num_kv_heads, head_size
+    if kv_format is KVFormat.MLA:
+        return (nb, bs, d)
+    # The canonical order is [kv, blocks, block_size, heads, head]; each permutation
+    # is its own inverse, so it also maps canonical sizes back to the format's order.
+    canonical = (2, nb, bs, h, d)
+    return tuple(canonical[i] for i in _TO_CANONICAL[kv_format])
+
+
 SHAPES_HELP = (
     "supported per-layer shapes: FLASH_ATTN [2, num_blocks, block_size, num_kv_heads, "
     "head_size], FLASH_ATTN_HND [2, num_blocks, num_kv_heads, block_size, head_size], "

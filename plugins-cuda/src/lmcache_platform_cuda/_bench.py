@@ -20,16 +20,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from lmcache_platform import KVFormat, LayoutHints
+from lmcache_platform import KVFormat, LayoutHints, kv_cache_shape
 
 LAYERS, HEADS, HEAD, BLOCK, TOKENS = 32, 8, 128, 16, 256
-_SHAPES: dict[KVFormat, Callable[[int], tuple[int, ...]]] = {
-    KVFormat.FLASH_ATTN: lambda nb: (2, nb, BLOCK, HEADS, HEAD),
-    KVFormat.FLASH_ATTN_HND: lambda nb: (2, nb, HEADS, BLOCK, HEAD),
-    KVFormat.FLASHINFER: lambda nb: (nb, 2, BLOCK, HEADS, HEAD),
-    KVFormat.FLASHINFER_HND: lambda nb: (nb, 2, HEADS, BLOCK, HEAD),
-    KVFormat.MLA: lambda nb: (nb, BLOCK, 576),  # DeepSeek-style latent + rope
-}
+def _shape(fmt: KVFormat, num_blocks: int) -> tuple[int, ...]:
+    """One layer of the benchmark model; MLA holds a DeepSeek-style 576-wide latent + rope."""
+    return kv_cache_shape(fmt, num_blocks=num_blocks, block_size=BLOCK, num_kv_heads=HEADS,
+                          head_size=576 if fmt is KVFormat.MLA else HEAD)
 
 
 def _send(conn: Connection, message: Any) -> None:
@@ -152,8 +149,9 @@ def run(quick: bool) -> dict[str, Any]:
     server.start()
     theirs.close()
     try:
-        for fmt, shape in _SHAPES.items():
-            layers = [torch.randn(shape(num_blocks), device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+        for fmt in KVFormat:
+            shape = _shape(fmt, num_blocks)
+            layers = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
             torch.cuda.synchronize()
             if fmt is KVFormat.FLASH_ATTN:
                 for kind in (CudaIPCWrapper, RawCudaIPCWrapper):

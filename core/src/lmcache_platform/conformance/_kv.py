@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._layout import kv_cache_shape
 from .._types import KVFormat
 
 LAYERS = 3
@@ -30,14 +31,8 @@ FORMAT_DTYPES: dict[KVFormat, torch.dtype] = {
 
 
 def layer_shape(fmt: KVFormat) -> tuple[int, ...]:
-    nb, bs, h, d = BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE
-    return {
-        KVFormat.FLASH_ATTN: (2, nb, bs, h, d),
-        KVFormat.FLASH_ATTN_HND: (2, nb, h, bs, d),
-        KVFormat.FLASHINFER: (nb, 2, bs, h, d),
-        KVFormat.FLASHINFER_HND: (nb, 2, h, bs, d),
-        KVFormat.MLA: (nb, bs, d),
-    }[fmt]
+    return kv_cache_shape(fmt, num_blocks=BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=HEADS,
+                          head_size=HEAD_SIZE)
 
 
 def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
