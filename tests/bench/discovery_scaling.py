@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_platform._bench_stats import SCHEMA_VERSION, Target
+from lmcache_platform._bench.stats import SCHEMA_VERSION, Target
 
 APPROACHES = ("lazy", "pluggy", "walk")
 LABELS = {
@@ -103,14 +103,14 @@ _CHILD = textwrap.dedent("""\
     import importlib, inspect, pkgutil
     import pluggy
     import lmcache_platform
-    from lmcache_platform import DeviceIPCWrapper, _hookspecs
+    from lmcache_platform import DeviceIPCWrapper, hookspecs
 
     t0 = time.perf_counter()
     if approach == "lazy":
         cls = lmcache_platform.get_kv_wrapper_factory("cpu").__self__
     elif approach == "pluggy":
-        pm = pluggy.PluginManager(_hookspecs.PROJECT_NAME)
-        pm.add_hookspecs(_hookspecs)
+        pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        pm.add_hookspecs(hookspecs)
         pm.load_setuptools_entrypoints("lmcache.platform")
         cls = pm.hook.lmcache_platform_ipc_wrapper_class(device_type="cpu")
     else:
@@ -143,7 +143,7 @@ def dependency_dir(root: Path) -> Path:
     """
     probe = (
         "import sys, json; before = set(sys.modules)\n"
-        "import lmcache_platform, lmcache_platform._hookspecs, pluggy, importlib_metadata\n"
+        "import lmcache_platform, lmcache_platform.hookspecs, pluggy, importlib_metadata\n"
         "new = {n.split('.')[0] for n in set(sys.modules) - before}\n"
         "out = {}\n"
         "for n in sorted(new - set(sys.stdlib_module_names)):\n"

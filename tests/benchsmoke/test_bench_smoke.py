@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from lmcache_platform import KVFormat
-from lmcache_platform._bench import format_report, parse_sizes
-from lmcache_platform._bench_stats import Report, Result, Target
+from lmcache_platform._bench.stats import Report, Result, Target
+from lmcache_platform._cli.bench import format_report, parse_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "bench" / "discovery_scaling.py"
@@ -199,7 +199,8 @@ def _args(**overrides: Any) -> Any:
 def test_a_failing_section_is_an_error_and_the_rest_still_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lmcache_platform import _bench, _bench_dispatch
+    from lmcache_platform._bench import dispatch as _bench_dispatch
+    from lmcache_platform._cli import bench as _bench
 
     def broken(report: Report, settings: object) -> None:
         raise RuntimeError("injected failure")
@@ -219,7 +220,7 @@ def test_a_failing_section_is_an_error_and_the_rest_still_run(
 def test_bench_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
-    from lmcache_platform import _bench
+    from lmcache_platform._cli import bench as _bench
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible here")

@@ -19,7 +19,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from lmcache_platform.conformance._cli import summarize
+from lmcache_platform._cli.check import summarize
 from lmcache_platform.testing import make_distribution
 
 pytestmark = pytest.mark.slow
@@ -112,8 +112,8 @@ BROKEN = textwrap.dedent('''
             return t.clone() if "copying_reopen" in FAULTS else t
 
     class Context(CPUCacheContext):
-        def _store(self, plan):
-            super()._store(plan)
+        def store(self, plan):
+            super().store(plan)
             if "lossy_store" in FAULTS:
                 plan.groups[0].buffer.view(-1)[:1].view(torch_uint8()).bitwise_xor_(1)
 

@@ -55,7 +55,7 @@ class HeldWrapper(DeviceIPCWrapper):
         assert self.tensor is not None
         return self.tensor
 
-    def _release(self) -> None:
+    def release(self) -> None:
         self.releases += 1
         if self.fail_close:
             raise OSError(f"cannot release wrapper {self.serial}")

@@ -28,7 +28,7 @@ from lmcache_platform import (
     LayoutHints,
     TransferError,
 )
-from lmcache_platform._cache_context import NullStream
+from lmcache_platform._kv.context import NullStream
 
 CHUNK, BS, NB = 16, 4, 12
 
@@ -458,11 +458,11 @@ class CustomContext(HostContext):
         self.staging_requests: list[int] = []
         super().__init__(*args, **kwargs)
 
-    def _allocate_staging(self, nbytes):
+    def allocate_staging(self, nbytes):
         self.staging_requests.append(nbytes)
         return torch.zeros(nbytes + 64, dtype=torch.uint8)
 
-    def _create_stream(self):
+    def create_stream(self):
         return RecordingStream()
 
     @contextlib.contextmanager
@@ -471,15 +471,15 @@ class CustomContext(HostContext):
         yield
         self.events.append("exit")
 
-    def _store(self, plan):
+    def store(self, plan):
         self.events.append(f"store slot={plan.slot} n={plan.num_tokens}")
         (part,) = plan.groups
         assert part.block_id_list == (2, 3, 4)
         assert part.block_ids.tolist() == [2, 3, 4] and part.num_tokens == 9
         assert part.buffer.data_ptr() == self.get_temp_kernel_group_buffer(plan.slot, 0).data_ptr()
-        super()._store(plan)
+        super().store(plan)
 
-    def _release(self):
+    def release(self):
         self.events.append("release")
 
 
@@ -510,7 +510,7 @@ def test_backend_hooks_are_used():
 )
 def test_bad_staging_allocation_is_a_backend_bug_and_closes_the_wrappers(allocate):
     class Bad(HostContext):
-        def _allocate_staging(self, nbytes):
+        def allocate_staging(self, nbytes):
             return allocate(nbytes)
 
     wrappers = [HeldWrapper.wrap(x) for x in make_layers(KVFormat.MLA, 1, nb=NB, bs=BS)]

@@ -65,7 +65,7 @@ def test_wrap_kv_caches_releases_partial_work_and_names_the_layer(lmcache_regist
     closed = []
 
     class Tracked(wrapper_class("cpu")):
-        def _release(self) -> None:
+        def release(self) -> None:
             closed.append(self.shape)
 
         @classmethod

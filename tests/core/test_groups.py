@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_platform import EngineGroupInfo, KVFormat, LayoutError
-from lmcache_platform._groups import KVLayerGroupsManager, resolve_engine_groups
-from lmcache_platform._layout import LayerLayout
-from lmcache_platform._staging import STAGING_ALIGN, StagingLayout
-from lmcache_platform._transfer import _segments
+from lmcache_platform._kv.groups import KVLayerGroupsManager, resolve_engine_groups
+from lmcache_platform._kv.layout import LayerLayout
+from lmcache_platform._kv.staging import STAGING_ALIGN, StagingLayout
+from lmcache_platform._kv.transfer import _segments
 
 
 def lay(fmt=KVFormat.FLASH_ATTN, dtype=torch.float16, nb=8, bs=4, h=2, d=8) -> LayerLayout:

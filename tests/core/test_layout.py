@@ -7,7 +7,7 @@ import torch
 from cache_helpers import layer_shape, make_layers, token_rows
 
 from lmcache_platform import KVFormat, LayoutError, LayoutHints
-from lmcache_platform._layout import canonical_view, discover_layout, discover_layouts
+from lmcache_platform._kv.layout import canonical_view, discover_layout, discover_layouts
 
 NB, BS, H, D = 6, 4, 2, 8
 FIVE_D = [KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND, KVFormat.FLASHINFER, KVFormat.FLASHINFER_HND]

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from lmcache_platform import _demo
-from lmcache_platform._client import ServerClient
+from lmcache_platform._cli import demo as _demo
+from lmcache_platform.server import ServerClient
 
 SMALL = ["--layers", "3", "--kv-heads", "2", "--head-size", "16", "--block-size", "4",
          "--chunk-tokens", "16", "--chunks", "3"]  # fmt: skip

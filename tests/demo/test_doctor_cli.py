@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_platform import _doctor
+from lmcache_platform._cli import doctor as _doctor
 
 
 def doctor(*args: str, prelude: str = "") -> tuple[int, str]:

@@ -138,7 +138,7 @@ def load_client(
 
     import lmcache_platform as lp
     from lmcache_platform import KVFormat, LayoutHints
-    from lmcache_platform._client import ServerClient
+    from lmcache_platform.server import ServerClient
 
     torch.set_num_threads(1)  # eight clients on a few cores: no intra-op oversubscription
     gen = torch.Generator().manual_seed(seed)

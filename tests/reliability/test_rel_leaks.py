@@ -29,8 +29,7 @@ from rel_helpers import SHM_DIR, Resources, describe, emit, mappings_of, sized
 
 import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, ServerError, wire
-from lmcache_platform._client import ServerClient
-from lmcache_platform._server import ServerProcess
+from lmcache_platform.server import ServerClient, ServerProcess
 from lmcache_platform_cpu import CpuShmIPCWrapper
 
 SPAWN = multiprocessing.get_context("spawn")

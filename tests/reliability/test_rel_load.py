@@ -3,7 +3,7 @@
 Each client (a spawned process, ``rel_workers.load_client``) wraps a small model,
 registers it, then alternates store and retrieve requests, writing fresh random
 bytes before every store and comparing every retrieved byte with what it stored.
-The server is a real spawned :class:`~lmcache_platform._server.ServerProcess`.
+The server is a real spawned :class:`lmcache_platform.server.ServerProcess`.
 Leaks are judged on the server process from ``/proc``: fds, /dev/shm mappings,
 threads and RSS after all clients are gone, against a baseline taken after a
 warm-up client; and on the clients' segments in /dev/shm.
@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 from rel_helpers import Resources, describe, emit, segments_of, sized
 
-from lmcache_platform._client import ServerClient
-from lmcache_platform._server import ServerProcess
+from lmcache_platform.server import ServerClient, ServerProcess
 
 SPAWN = multiprocessing.get_context("spawn")
 CLIENTS = 8

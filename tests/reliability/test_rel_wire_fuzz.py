@@ -47,7 +47,7 @@ from rel_helpers import (
 )
 
 from lmcache_platform import DeviceIPCWrapper, EngineGroupInfo, KVFormat, LayoutHints, WireFormatError, wire
-from lmcache_platform import _protocol as P
+from lmcache_platform.server import _protocol as P
 from lmcache_platform_cpu import CpuShmIPCWrapper
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 
@@ -328,7 +328,7 @@ def live_server() -> Iterator[str]:
     """The reference server, in this process (a thread), on a socket in a private directory."""
     import tempfile
 
-    from lmcache_platform._server import ReferenceServer
+    from lmcache_platform.server import ReferenceServer
 
     directory = tempfile.mkdtemp(prefix="lmcache-rel-")  # mode 0700, as the server requires
     server = ReferenceServer(os.path.join(directory, "kv.sock"), max_host_bytes=1 << 20)
@@ -367,7 +367,7 @@ def test_a_live_server_answers_every_hostile_frame_and_keeps_serving(
             replies["ok" if reply.ok else "error"] += 1
     finally:
         sock.close()
-    from lmcache_platform._client import ServerClient
+    from lmcache_platform.server import ServerClient
 
     with ServerClient(live_server, timeout=30) as client:
         status = client.status()["server"]

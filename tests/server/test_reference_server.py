@@ -24,9 +24,8 @@ import torch
 
 import lmcache_platform
 from lmcache_platform import KVFormat, LayoutHints, WireFormatError, wire
-from lmcache_platform import _protocol as P
-from lmcache_platform._client import ServerClient, ServerError
-from lmcache_platform._server import ReferenceServer, ServerProcess
+from lmcache_platform.server import ReferenceServer, ServerClient, ServerError, ServerProcess
+from lmcache_platform.server import _protocol as P
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 32, 4, 2, 8
 CHUNK = 8  # tokens: two blocks per chunk
@@ -421,8 +420,8 @@ def test_connections_beyond_the_cap_are_refused_with_an_error_reply() -> None:
     import threading
     import time
 
-    from lmcache_platform import _protocol as P
-    from lmcache_platform._server import ReferenceServer
+    from lmcache_platform.server import ReferenceServer
+    from lmcache_platform.server import _protocol as P
 
     directory = tempfile.mkdtemp(prefix="lmcache-cap-")  # 0700, as the server requires
     server = ReferenceServer(os.path.join(directory, "kv.sock"), max_connections=2)

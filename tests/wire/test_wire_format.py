@@ -55,7 +55,7 @@ class FakeWrapper(DeviceIPCWrapper):
     def to_tensor(self) -> torch.Tensor:
         raise NotImplementedError("a descriptor-only double")
 
-    def _release(self) -> None:
+    def release(self) -> None:
         RELEASED.append(self.name)
 
 

@@ -1,6 +1,5 @@
 """lmcache-platform: the device-platform plugin layer for LLM KV caches."""
 
-from ._cache_context import BaseCacheContext, NullStream
 from ._errors import (
     AmbiguousBackendError,
     ApiVersionError,
@@ -31,8 +30,6 @@ from ._facade import (
     unregister_backend,
     wrap_kv_caches,
 )
-from ._groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
-from ._hookspecs import hookimpl, hookspec
 from ._ipc_wrapper import (
     ALLOWED_DTYPES,
     MAX_EXTENT,
@@ -42,9 +39,11 @@ from ._ipc_wrapper import (
     dtype_name,
     required_elements,
 )
-from ._layout import kv_cache_shape
+from ._kv.context import BaseCacheContext, NullStream
+from ._kv.groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
+from ._kv.layout import kv_cache_shape
+from ._kv.transfer import ChunkTransfer, GroupTransfer
 from ._registry import BackendInfo, Status, TableState
-from ._transfer import ChunkTransfer, GroupTransfer
 from ._types import (
     Availability,
     CacheContextConfig,
@@ -54,6 +53,7 @@ from ._types import (
     LayoutHints,
 )
 from ._version import API_VERSION, __version__
+from .hookspecs import hookimpl, hookspec
 
 __all__ = [
     "ALLOWED_DTYPES",

@@ -13,7 +13,7 @@ from ._types import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
 if TYPE_CHECKING:
     import torch
 
-    from ._cache_context import BaseCacheContext
+    from ._kv.context import BaseCacheContext
 
 #: Device type used when nothing else is known (upstream compatibility).
 DEFAULT_BACKEND = "cpu"

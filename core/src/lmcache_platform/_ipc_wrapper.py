@@ -125,7 +125,7 @@ class DeviceIPCWrapper(abc.ABC):
     Subclasses set ``device_type`` and ``wire_tag``, declare extra fields in
     ``wire_fields`` (their ``__init__`` takes them as keyword arguments next to
     the base fields) and implement :meth:`wrap` and :meth:`to_tensor`. Override
-    :meth:`_release` to free per-process resources; :meth:`close` calls it once.
+    :meth:`release` to free per-process resources; :meth:`close` calls it once.
     """
 
     #: torch device type this wrapper exports (``"cpu"``, ``"cuda"``, ...).
@@ -196,7 +196,7 @@ class DeviceIPCWrapper(abc.ABC):
         is exported. The default accepts everything.
         """
 
-    def _release(self) -> None:  # noqa: B027 - optional hook, no-op by default
+    def release(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free per-process resources held by this wrapper (mappings, handles)."""
 
     # -- provided ----------------------------------------------------------------------
@@ -207,7 +207,7 @@ class DeviceIPCWrapper(abc.ABC):
             if self._closed:
                 return
             self._closed = True
-        self._release()
+        self.release()
 
     @property
     def closed(self) -> bool:

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from . import _config, _discovery, _hookspecs, _selection
-from ._cache_context import BaseCacheContext
+from . import _config, _discovery, _selection, hookspecs
 from ._errors import (
     ApiVersionError,
     BackendLoadError,
@@ -32,6 +31,7 @@ from ._errors import (
     BackendSelectionError,
 )
 from ._ipc_wrapper import DeviceIPCWrapper
+from ._kv.context import BaseCacheContext
 from ._types import Availability
 from ._version import API_VERSION
 
@@ -45,7 +45,7 @@ else:
 logger = logging.getLogger("lmcache_platform")
 
 _HOOK_PREFIX = "lmcache_platform_"
-_SPEC_NAMES = frozenset(n for n in dir(_hookspecs) if n.startswith(_HOOK_PREFIX))
+_SPEC_NAMES = frozenset(n for n in dir(hookspecs) if n.startswith(_HOOK_PREFIX))
 _WHAT_CONTEXT = "cache-context class"
 _WHAT_WRAPPER = "KV-cache wrapper factory"
 
@@ -144,8 +144,8 @@ class Registry:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._pm = pluggy.PluginManager(_hookspecs.PROJECT_NAME)
-        self._pm.add_hookspecs(_hookspecs)
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
         self._backends: dict[str, _Backend] = {}
         self._scanned = False
         self._resolved: set[str] = set()

@@ -578,7 +578,7 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         view = torch.empty(0, dtype=self.dtype)
         return view.set_(storage, self.storage_offset, self.shape, self.stride)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Drop this wrapper's mapping; a producer's last wrapper also unlinks the name."""
         self._mm = None
         export, self._export = self._export, None

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import _config
-from ._hookspecs import hookimpl
 from ._registry import REGISTRY, Registry
 from ._types import Availability
 from ._version import API_VERSION
+from .hookspecs import hookimpl
 
 if TYPE_CHECKING:
     import torch

@@ -10,17 +10,20 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from lmcache_platform import API_VERSION, Availability, hookimpl
+from lmcache_platform import Availability, hookimpl
 
 if TYPE_CHECKING:
     from lmcache_platform import BaseCacheContext, DeviceIPCWrapper
 
 DEVICE_TYPE = "cpu"
+#: The backend-API major this code was written against: a literal, never
+#: ``lmcache_platform.API_VERSION``, so that a core speaking another major refuses it.
+TARGET_API = 1
 
 
 @hookimpl
 def lmcache_platform_api_version() -> int:
-    return API_VERSION
+    return TARGET_API
 
 
 @hookimpl

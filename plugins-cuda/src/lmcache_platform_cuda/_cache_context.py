@@ -26,7 +26,7 @@ class GPUCacheContext(BaseCacheContext):
 
     device_type: ClassVar[str] = "cuda"
 
-    def _create_stream(self) -> torch.cuda.Stream:
+    def create_stream(self) -> torch.cuda.Stream:
         """A dedicated stream, ordered after everything construction enqueued.
 
         Opening a torch IPC share makes the *current* stream wait for the
@@ -47,7 +47,7 @@ class GPUCacheContext(BaseCacheContext):
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             yield
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Hand the staging and block-id buffers back to torch's caching allocator.
 
         Runs after :meth:`synchronize`, so no enqueued transfer still uses them;

@@ -9,17 +9,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmcache_platform import API_VERSION, hookimpl
+from lmcache_platform import hookimpl
 
 if TYPE_CHECKING:
     from lmcache_platform import Availability, BaseCacheContext, DeviceIPCWrapper
 
 DEVICE_TYPE = "cuda"
+#: The backend-API major this code was written against: a literal, never
+#: ``lmcache_platform.API_VERSION``, so that a core speaking another major refuses it.
+TARGET_API = 1
 
 
 @hookimpl
 def lmcache_platform_api_version() -> int:
-    return API_VERSION
+    return TARGET_API
 
 
 @hookimpl

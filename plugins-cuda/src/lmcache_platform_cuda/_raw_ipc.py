@@ -171,7 +171,7 @@ class RawCudaIPCWrapper(DeviceIPCWrapper):
             self._mapping = mapping
             return mapping
 
-    def _release(self) -> None:
+    def release(self) -> None:
         with self._open_lock:
             mapping, self._mapping = self._mapping, None
         if mapping is not None:

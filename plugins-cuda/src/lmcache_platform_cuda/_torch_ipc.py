@@ -184,7 +184,7 @@ class CudaIPCWrapper(DeviceIPCWrapper):
             )
         return storage
 
-    def _release(self) -> None:
+    def release(self) -> None:
         with self._open_lock:
             share, self._share, self._storage = self._share, None, None
         if share is not None:

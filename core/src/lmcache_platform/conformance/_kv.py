@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._layout import kv_cache_shape
+from .._kv.layout import kv_cache_shape
 from .._types import KVFormat
 
 LAYERS = 3

@@ -21,8 +21,8 @@ from .._registry import REGISTRY, BackendInfo, Status
 from .._types import KVFormat
 
 if TYPE_CHECKING:
-    from .._cache_context import BaseCacheContext
     from .._ipc_wrapper import DeviceIPCWrapper
+    from .._kv.context import BaseCacheContext
 
 
 class TargetError(Exception):

@@ -16,8 +16,8 @@ from lmcache_platform import (
     BaseCacheContext,
     DeviceIPCWrapper,
     WireField,
+    hookspecs,
 )
-from lmcache_platform import _hookspecs as hookspecs
 from lmcache_platform._ipc_wrapper import BASE_FIELDS
 from lmcache_platform._registry import Status, selected_backend
 from lmcache_platform.conformance._target import Target

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._errors import LayoutError
-from ._layout import FormatDims, LayerLayout
-from ._types import EngineGroupInfo, KVFormat
+from .._errors import LayoutError
+from .._types import EngineGroupInfo, KVFormat
+from .layout import FormatDims, LayerLayout
 
 if TYPE_CHECKING:
     import torch

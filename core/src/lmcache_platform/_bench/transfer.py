@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ._bench_stats import Report, Result, Settings, Skip, Target
-from ._errors import LMCachePlatformError
-from ._layout import kv_cache_shape
-from ._types import KVFormat, LayoutHints
+from .._errors import LMCachePlatformError
+from .._kv.layout import kv_cache_shape
+from .._types import KVFormat, LayoutHints
+from .stats import Report, Result, Settings, Skip, Target
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +81,7 @@ def _one_format(
 ) -> tuple[int, dict[str, list[float]]]:  # fmt: skip
     import torch
 
-    from . import create_cache_context, wrap_kv_caches
+    from .. import create_cache_context, wrap_kv_caches
 
     shape = layer_shape(fmt, num_blocks, heads, head_size)
     # Contents do not matter for bandwidth; writing them does (every page is touched).

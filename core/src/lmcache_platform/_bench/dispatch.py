@@ -15,8 +15,8 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from ._bench_stats import Report, Result, Settings, Skip, Target
-from ._errors import LMCachePlatformError
+from .._errors import LMCachePlatformError
+from .stats import Report, Result, Settings, Skip, Target
 
 #: Cached factory lookup may cost at most this many dict lookups.
 DISPATCH_LIMIT = 3.0
@@ -28,7 +28,7 @@ def bench_dispatch(report: Report, settings: Settings) -> None:
     """Cached ``get_kv_wrapper_factory`` against a dict lookup and a pluggy hook call."""
     import pluggy
 
-    from . import _hookspecs, get_kv_wrapper_factory
+    from .. import get_kv_wrapper_factory, hookspecs
 
     device_type = settings.device
     try:
@@ -38,8 +38,8 @@ def bench_dispatch(report: Report, settings: Settings) -> None:
         return
     table = {device_type: factory}
 
-    pm = pluggy.PluginManager(_hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(_hookspecs)
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
     pm.register(_one_impl(device_type, factory), name="bench")
     hook = pm.hook.lmcache_platform_ipc_wrapper_class
     if hook(device_type=device_type) is not factory:
@@ -92,7 +92,7 @@ def per_call(
 
 
 def _one_impl(device_type: str, factory: object) -> object:
-    from ._hookspecs import hookimpl
+    from ..hookspecs import hookimpl
 
     @hookimpl
     def lmcache_platform_ipc_wrapper_class(device_type: str) -> object:
@@ -111,9 +111,9 @@ def bench_create_dispatch(report: Report, settings: Settings, *, layers: int = 3
     """
     import torch
 
-    from . import create_cache_context
-    from ._registry import REGISTRY
-    from ._types import CacheContextConfig
+    from .. import create_cache_context
+    from .._registry import REGISTRY
+    from .._types import CacheContextConfig
 
     ctx_cls, wrapper_cls, plugin = _null_backend()
     wrappers = [
@@ -145,10 +145,10 @@ def bench_create_dispatch(report: Report, settings: Settings, *, layers: int = 3
 
 def _null_backend() -> tuple[type[Any], type[Any], object]:
     """A backend whose context and wrapper do nothing, for measuring the facade alone."""
-    from ._cache_context import BaseCacheContext
-    from ._hookspecs import hookimpl
-    from ._ipc_wrapper import DeviceIPCWrapper
-    from ._version import API_VERSION
+    from .._ipc_wrapper import DeviceIPCWrapper
+    from .._kv.context import BaseCacheContext
+    from .._version import API_VERSION
+    from ..hookspecs import hookimpl
 
     def unused(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("benchmark stand-in")

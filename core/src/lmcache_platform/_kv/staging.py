@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._groups import KVLayerGroupsManager
+from .groups import KVLayerGroupsManager
 
 #: Alignment of slots and object groups: enough for any vector load and for DMA engines.
 STAGING_ALIGN = 256

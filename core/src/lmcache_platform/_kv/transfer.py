@@ -1,10 +1,10 @@
 """Chunk transfer plans and their generic torch implementation.
 
 A :class:`ChunkTransfer` is what :meth:`BaseCacheContext.store_chunk` and
-``retrieve_chunk`` hand to a backend's ``_store``/``_retrieve`` after validation:
+``retrieve_chunk`` hand to a backend's ``store``/``retrieve`` after validation:
 per kernel group, the staged block ids, the chunk positions moved and the staging
 view. A native kernel needs nothing else (plus the group's pointer tensor and
-:class:`~lmcache_platform._groups.KernelGroup` geometry).
+:class:`~lmcache_platform._kv.groups.KernelGroup` geometry).
 
 :class:`GroupMover` is the portable implementation: ``index_select``/``index_copy_``
 over whole blocks and ``copy_`` for partial edge blocks, on canonical

@@ -36,13 +36,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._layout import kv_cache_shape
-from ._types import KVFormat, LayoutHints
+from .._kv.layout import kv_cache_shape
+from .._types import KVFormat, LayoutHints
 
 if TYPE_CHECKING:
     import torch
 
-    from ._ipc_wrapper import DeviceIPCWrapper
+    from .._ipc_wrapper import DeviceIPCWrapper
 
 SCHEMA = 1
 
@@ -222,8 +222,8 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Set up both sides, run :func:`_exchange`, verify, and always clean up."""
     import torch
 
-    from . import _registry
-    from ._server import ServerProcess
+    from .. import _registry
+    from ..server._server import ServerProcess
 
     plan = _plan(args)
     report["config"] = {
@@ -285,9 +285,9 @@ def _exchange(
     ``wrappers`` receives the wrappers as soon as they exist, so the caller closes
     them whatever fails later.
     """
-    from . import wire
-    from ._client import ServerClient
-    from ._facade import wrap_kv_caches
+    from .. import wire
+    from .._facade import wrap_kv_caches
+    from ..server._client import ServerClient
 
     kv_bytes = report["sizes"]["kv_cache_bytes"]
     # 1. Export the per-layer KV tensors (once, after allocating them).

@@ -2,7 +2,7 @@
 
 One blocking request at a time per client, over the server's UNIX socket. Wrappers
 travel as :mod:`lmcache_platform.wire` messages; everything else as the typed
-requests of :mod:`lmcache_platform._protocol`. A server-side failure raises
+requests of :mod:`lmcache_platform.server._protocol`. A server-side failure raises
 :class:`ServerError` carrying the server's exception type and message.
 """
 
@@ -13,14 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _codec, _protocol, wire
-from ._errors import ServerError, WireFormatError
+from .. import _codec, wire
+from .._errors import ServerError, WireFormatError
+from . import _protocol
 from ._protocol import Chunk
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from ._ipc_wrapper import DeviceIPCWrapper
+    from .._ipc_wrapper import DeviceIPCWrapper
 
 #: A chunk to move: its id in server memory and the engine block ids of each KV group.
 ChunkSpec = tuple[str, Sequence[Sequence[int]]]
@@ -44,7 +45,7 @@ _REGISTRATION_KEYS = frozenset(Registration.__dataclass_fields__)
 
 
 class ServerClient:
-    """A connection to a :class:`~lmcache_platform._server.ReferenceServer`."""
+    """A connection to a :class:`lmcache_platform.server.ReferenceServer`."""
 
     def __init__(self, socket_path: str, *, timeout: float | None = 120.0) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

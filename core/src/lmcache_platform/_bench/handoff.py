@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _bench_child
-from ._bench_stats import Report, Result, Settings, Skip, Target, ratio_rows
-from ._errors import LMCachePlatformError
+from .._errors import LMCachePlatformError
+from . import child as _bench_child
+from .stats import Report, Result, Settings, Skip, Target, ratio_rows
 
 if TYPE_CHECKING:
     import torch
@@ -239,7 +239,7 @@ def _params(size: int, device: str) -> dict[str, Any]:
 
 
 def _handoff_ours(report: Report, recv: Receiver, sizes: list[int], device: str, runs: int) -> None:
-    from . import wire, wrap_kv_caches
+    from .. import wire, wrap_kv_caches
 
     sets: dict[int, list[torch.Tensor]] = {}
     bases: dict[int, list[Any]] = {}
@@ -401,7 +401,7 @@ def bench_migration(report: Report, settings: Settings) -> None:
 
 def _migrate_once(size: int, device: str, strategy: str | None) -> float:
     """Milliseconds to move a fresh set into shared memory: ours if ``strategy`` is None."""
-    from . import wrap_kv_caches
+    from .. import wrap_kv_caches
 
     tensors = kv_set(size, device)
     wrappers = []

@@ -57,7 +57,7 @@ def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namesp
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._target import installed_names
+    from ..conformance._target import installed_names
 
     installed = installed_names()
     if args.name not in installed:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from ._cache_context import BaseCacheContext
     from ._ipc_wrapper import DeviceIPCWrapper
+    from ._kv.context import BaseCacheContext
     from ._types import Availability
 
 PROJECT_NAME = "lmcache_platform"

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._errors import LayoutError
-from ._types import KVFormat, LayoutHints
+from .._errors import LayoutError
+from .._types import KVFormat, LayoutHints
 
 if TYPE_CHECKING:
     import torch

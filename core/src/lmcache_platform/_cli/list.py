@@ -16,9 +16,9 @@ import argparse
 import json
 from typing import Any
 
-from ._errors import AmbiguousBackendError, BackendSelectionError
-from ._registry import REGISTRY, Status
-from ._version import API_VERSION
+from .._errors import AmbiguousBackendError, BackendSelectionError
+from .._registry import REGISTRY, Status
+from .._version import API_VERSION
 
 SCHEMA = 1
 

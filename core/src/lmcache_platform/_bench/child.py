@@ -34,7 +34,7 @@ def serve(conn: Connection, queue: Any) -> None:
     """Answer hand-offs until told to stop. ``queue`` carries the torch methods' tensors."""
     import torch.multiprocessing  # noqa: F401 - registers torch's sharing reductions
 
-    from . import wire
+    from .. import wire
 
     while True:
         command = json.loads(conn.recv_bytes())

@@ -15,17 +15,17 @@ Contract with backends (stable within an API major):
   them, and a failing constructor closes those it already reopened.
 * Customization points, all optional:
 
-  - :meth:`_allocate_staging` -- staging memory on the device (default
+  - :meth:`allocate_staging` -- staging memory on the device (default
     ``torch.empty`` on :attr:`device`; a backend may pin or register it).
-  - :meth:`_create_stream` -- the object :attr:`stream` returns (default a
+  - :meth:`create_stream` -- the object :attr:`stream` returns (default a
     :class:`NullStream` for devices that copy synchronously, like the host).
   - :meth:`stream_context` -- a context manager that makes work issued inside it
     run on :attr:`stream` (default: does nothing).
-  - :meth:`_store` / :meth:`_retrieve` -- move one validated
+  - :meth:`store` / :meth:`retrieve` -- move one validated
     :class:`~._transfer.ChunkTransfer`; override these with native kernels and keep
     the validation and block-id staging of :meth:`store_chunk`/:meth:`retrieve_chunk`.
   - :meth:`synchronize` -- wait for enqueued transfers (default: ``stream.synchronize()``).
-  - :meth:`_release` -- free device resources on :meth:`close`, after
+  - :meth:`release` -- free device resources on :meth:`close`, after
     :meth:`synchronize` and before the wrappers are closed.
 
   Hooks run inside the base ``__init__``, so a subclass sets any attribute they
@@ -43,11 +43,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._errors import LayoutError, TransferError
-from ._groups import KVLayerGroupsManager, resolve_engine_groups
-from ._layout import canonical_view, discover_layouts
-from ._staging import StagingLayout
-from ._transfer import (
+from .._errors import LayoutError, TransferError
+from .groups import KVLayerGroupsManager, resolve_engine_groups
+from .layout import canonical_view, discover_layouts
+from .staging import StagingLayout
+from .transfer import (
     GATHER_WORD_DTYPES,
     SCATTER_WORD_DTYPES,
     ChunkTransfer,
@@ -61,8 +61,8 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-    from ._ipc_wrapper import DeviceIPCWrapper
-    from ._types import CacheContextConfig, KVFormat
+    from .._ipc_wrapper import DeviceIPCWrapper
+    from .._types import CacheContextConfig, KVFormat
 
 
 _log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         ]
 
         self._staging_layout = StagingLayout.build(manager, cfg.max_batch_size)
-        staging = self._allocate_staging(self._staging_layout.total_nbytes)
+        staging = self.allocate_staging(self._staging_layout.total_nbytes)
         if (
             staging.dtype != torch.uint8
             or staging.dim() != 1
@@ -191,7 +191,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             or staging.data_ptr() % _STAGING_BASE_ALIGN
         ):
             raise TypeError(
-                f"{type(self).__name__}._allocate_staging must return a 1-D uint8 tensor of at "
+                f"{type(self).__name__}.allocate_staging must return a 1-D uint8 tensor of at "
                 f"least {self._staging_layout.total_nbytes} bytes on {device}, "
                 f"{_STAGING_BASE_ALIGN}-byte aligned; got {staging.dtype} {tuple(staging.shape)} "
                 f"on {staging.device} at {staging.data_ptr():#x}"
@@ -227,17 +227,17 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         self._block_ids_buffer: torch.Tensor | None = torch.empty(
             self._block_ids_capacity, dtype=torch.int64, device=device
         )
-        self._stream = self._create_stream()
+        self._stream = self.create_stream()
 
     # -- customization points ----------------------------------------------------------
 
-    def _allocate_staging(self, nbytes: int) -> torch.Tensor:
+    def allocate_staging(self, nbytes: int) -> torch.Tensor:
         """Return a 64-byte aligned 1-D uint8 tensor of at least ``nbytes`` on :attr:`device`."""
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
 
-    def _create_stream(self) -> Any:
+    def create_stream(self) -> Any:
         """Return the stream object :attr:`stream` exposes (default :class:`NullStream`)."""
         return NullStream()
 
@@ -254,17 +254,17 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """Block until every transfer enqueued on :attr:`stream` has finished."""
         self._stream.synchronize()
 
-    def _store(self, plan: ChunkTransfer) -> None:
+    def store(self, plan: ChunkTransfer) -> None:
         """Gather ``plan`` from the paged blocks into its staging slot (runs on the stream)."""
         for part in plan.groups:
             self._movers[part.kernel_group_idx].gather(plan.slot, part)
 
-    def _retrieve(self, plan: ChunkTransfer) -> None:
+    def retrieve(self, plan: ChunkTransfer) -> None:
         """Scatter ``plan``'s staging slot into its paged blocks (runs on the stream)."""
         for part in plan.groups:
             self._movers[part.kernel_group_idx].scatter(plan.slot, part)
 
-    def _release(self) -> None:  # noqa: B027 - optional hook, no-op by default
+    def release(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free device resources (registrations, events). Called once by :meth:`close`."""
 
     # -- properties --------------------------------------------------------------------
@@ -294,7 +294,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     @property
     def stream(self) -> Any:
-        """The stream transfers run on (see :meth:`_create_stream`)."""
+        """The stream transfers run on (see :meth:`create_stream`)."""
         return self._stream
 
     @property
@@ -571,7 +571,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
             with self.stream_context():
-                self._store(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+                self.store(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
 
     def retrieve_chunk(
         self,
@@ -591,7 +591,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
             with self.stream_context():
-                self._retrieve(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+                self.retrieve(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -604,7 +604,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         try:
             with self._transfer_lock:
                 self.synchronize()
-                self._release()
+                self.release()
         finally:
             # Drop every reference to device memory, so it can be freed before the
             # wrappers unmap what the layer views point into.

@@ -2,7 +2,7 @@
 
 Subcommand modules are imported only when their command runs, so ``--help`` and
 ``list`` stay fast and never import torch. Each exposes ``add_arguments(parser)``
-and ``run(args) -> int``.
+and ``run(args) -> int``. ``python -m lmcache_platform._cli`` runs it too (``__main__``).
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ._version import API_VERSION, __version__
+from .._version import API_VERSION, __version__
 
 #: command -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "list": ("lmcache_platform._report", "list installed backends and the one selected per device"),
-    "demo": ("lmcache_platform._demo", "run an engine/server KV-cache round trip and time it"),
-    "doctor": ("lmcache_platform._doctor", "diagnose this host: Python, torch, backends, /dev/shm"),
-    "gc": ("lmcache_platform._gc", "reclaim resources left behind by dead producers"),
-    "check": ("lmcache_platform.conformance._cli", "run the conformance suite against a backend"),
-    "bench": ("lmcache_platform._bench", "benchmark hand-off, transfers and dispatch"),
+    "list": ("lmcache_platform._cli.list", "list installed backends and the one selected per device"),
+    "demo": ("lmcache_platform._cli.demo", "run an engine/server KV-cache round trip and time it"),
+    "doctor": ("lmcache_platform._cli.doctor", "diagnose this host: Python, torch, backends, /dev/shm"),
+    "gc": ("lmcache_platform._cli.gc", "reclaim resources left behind by dead producers"),
+    "check": ("lmcache_platform._cli.check", "run the conformance suite against a backend"),
+    "bench": ("lmcache_platform._cli.bench", "benchmark hand-off, transfers and dispatch"),
 }
 
 
@@ -44,7 +44,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    # Not list(...): importing the ``list`` subcommand binds that name in this package.
+    argv = [*(sys.argv[1:] if argv is None else argv)]
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
@@ -55,6 +56,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

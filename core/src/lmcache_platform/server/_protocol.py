@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _codec, wire
-from ._codec import (
+from .. import _codec, wire
+from .._codec import (
     expect_bool,
     expect_bytes,
     expect_int,
@@ -27,8 +27,8 @@ from ._codec import (
     expect_map,
     expect_str,
 )
-from ._errors import WireFormatError
-from ._types import EngineGroupInfo, EngineType, KVFormat, LayoutHints
+from .._errors import WireFormatError
+from .._types import EngineGroupInfo, EngineType, KVFormat, LayoutHints
 
 MAGIC = b"LMCP"
 VERSION = 1

@@ -1,7 +1,7 @@
 """``lmcache-platform bench``: hand-off, migration, transfer, dispatch and import figures.
 
 Speed goals are measured here and printed as pass/miss next to the figures; no
-test asserts a timing. Sections live in ``_bench_*`` modules; this one runs them,
+test asserts a timing. Sections live in :mod:`lmcache_platform._bench`; this one runs them,
 then prints a table (or ``--json``) and optionally plots the hand-off. torch is
 imported only by the sections that need it, so ``--help`` stays light.
 
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._bench_stats import NOISY_SPREAD, Report, Result, Settings, Skip
-from ._errors import LMCachePlatformError
+from .._bench.stats import NOISY_SPREAD, Report, Result, Settings, Skip
+from .._errors import LMCachePlatformError
 
 #: section -> (title, parameter columns, what ratios compare with)
 SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -164,28 +164,28 @@ def _sigterm_exits() -> Iterator[None]:
 
 def _sections(settings: Settings, report: Report) -> dict[str, Callable[[], None]]:
     def imports() -> None:
-        from ._bench_dispatch import bench_import
+        from .._bench.dispatch import bench_import
 
         bench_import(report, settings)
 
     def dispatch() -> None:
-        from ._bench_dispatch import bench_create_dispatch, bench_dispatch
+        from .._bench.dispatch import bench_create_dispatch, bench_dispatch
 
         bench_dispatch(report, settings)
         bench_create_dispatch(report, settings)
 
     def handoff() -> None:
-        from ._bench_handoff import bench_handoff
+        from .._bench.handoff import bench_handoff
 
         bench_handoff(report, settings)
 
     def migration() -> None:
-        from ._bench_handoff import bench_migration
+        from .._bench.handoff import bench_migration
 
         bench_migration(report, settings)
 
     def transfer() -> None:
-        from ._bench_transfer import bench_transfer
+        from .._bench.transfer import bench_transfer
 
         bench_transfer(report, settings)
 
@@ -209,8 +209,8 @@ def _loadavg() -> list[float] | None:
 def _meta(settings: Settings) -> dict[str, Any]:
     import torch
 
-    from ._bench_handoff import memory_available
-    from ._version import __version__
+    from .._bench.handoff import memory_available
+    from .._version import __version__
 
     mem, shm = memory_available()
     meta: dict[str, Any] = {
@@ -229,7 +229,7 @@ def _meta(settings: Settings) -> dict[str, Any]:
         "loadavg_start": _loadavg(),
     }
     try:
-        from ._registry import selected_backend
+        from .._registry import selected_backend
 
         b = selected_backend(settings.device)
         meta["backend"] = {"name": b.name, "distribution": b.distribution, "version": b.version}

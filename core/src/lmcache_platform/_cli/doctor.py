@@ -73,10 +73,11 @@ def _torch() -> dict[str, Any]:
 
 
 def _backends() -> tuple[dict[str, Any] | None, dict[str, list[str]], str | None]:
-    from . import _gc, _report
+    from . import gc as _gc
+    from . import list as _list
 
     try:
-        report = _report.collect(load=True)
+        report = _list.collect(load=True)
         stale, _failed = _gc.reclaim(dry_run=True)
     except Exception as exc:  # the registry itself failing is the finding
         return None, {}, f"{type(exc).__name__}: {exc}"

@@ -35,14 +35,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import _protocol, wire
-from ._errors import LMCachePlatformError, TransferError, WireFormatError
+from .. import wire
+from .._errors import LMCachePlatformError, TransferError, WireFormatError
+from . import _protocol
 from ._protocol import Chunk, Request
 
 if TYPE_CHECKING:
     import torch
 
-    from ._cache_context import BaseCacheContext
+    from .._kv.context import BaseCacheContext
 
 logger = logging.getLogger("lmcache_platform.server")
 
@@ -75,7 +76,7 @@ class _Connection:
 
 
 class ReferenceServer:
-    """Serve the protocol of :mod:`lmcache_platform._protocol` on one UNIX socket."""
+    """Serve the protocol of :mod:`lmcache_platform.server._protocol` on one UNIX socket."""
 
     def __init__(
         self,
@@ -248,8 +249,8 @@ class ReferenceServer:
         return self._entries[req.context]
 
     def _register(self, req: Request, conn: _Connection) -> dict[str, Any]:
-        from ._facade import create_cache_context
-        from ._registry import selected_backend
+        from .._facade import create_cache_context
+        from .._registry import selected_backend
 
         wrappers = wire.decode(req.wrappers)
         if not wrappers:
@@ -464,7 +465,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         """Spawn the server and wait until it listens; raise :class:`ServerError` if not."""
-        from ._errors import ServerError
+        from .._errors import ServerError
 
         self.directory = tempfile.mkdtemp(prefix="lmcache-platform-")  # mode 0700
         self.socket_path = os.path.join(self.directory, SOCKET_NAME)
