@@ -16,7 +16,6 @@ from ._errors import (
     WrapError,
 )
 from ._facade import (
-    DEFAULT_BACKEND,
     create_cache_context,
     get_kv_wrapper_factory,
     refresh,
@@ -53,12 +52,11 @@ from ._types import (
     LayoutHints,
 )
 from ._version import API_VERSION, __version__
-from .hookspecs import hookimpl, hookspec
+from .hookspecs import hookimpl
 
 __all__ = [
     "ALLOWED_DTYPES",
     "API_VERSION",
-    "DEFAULT_BACKEND",
     "MAX_EXTENT",
     "AmbiguousBackendError",
     "ApiVersionError",
@@ -97,7 +95,6 @@ __all__ = [
     "dtype_name",
     "get_kv_wrapper_factory",
     "hookimpl",
-    "hookspec",
     "kv_cache_shape",
     "refresh",
     "register_backend",

@@ -15,9 +15,6 @@ if TYPE_CHECKING:
 
     from ._kv.context import BaseCacheContext
 
-#: Device type used when nothing else is known (upstream compatibility).
-DEFAULT_BACKEND = "cpu"
-
 # The hot path reads this dict directly; the registry mutates it in place, never rebinds it.
 _WRAPPER_FACTORIES: dict[str, WrapperFactory] = REGISTRY.wrappers.entries
 

@@ -87,6 +87,13 @@ class _Backend:
     def usable(self) -> bool:
         return self.status is Status.OK
 
+    def error_of(self, message: str, kind: type[BackendLoadError] = BackendLoadError) -> BackendLoadError:
+        """A load error of ``kind`` that names this backend, its distribution and entry point."""
+        return kind(
+            message, backend=self.name, distribution=self.distribution,
+            version=self.version, entry_point=self.entry_point,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -105,7 +112,11 @@ class BackendInfo:
 
 @dataclass(frozen=True)
 class TableState:
-    """A snapshot of one lookup table and whether it counts as discovered."""
+    """A snapshot of one lookup table and whether it counts as discovered.
+
+    ``discovered`` keeps the upstream name: a discovered table is frozen, so a lookup
+    that misses raises instead of loading backends.
+    """
 
     entries: Mapping[str, Any]
     discovered: bool
@@ -113,25 +124,25 @@ class TableState:
 
 @dataclass
 class _Table:
-    """device type -> class or factory. ``discovered`` freezes it: misses do not resolve."""
+    """device type -> class or factory. A ``frozen`` table does not resolve misses."""
 
     entries: dict[str, Any] = field(default_factory=dict)
-    discovered: bool = False
+    frozen: bool = False
     #: Device types whose entries came from selection (dropped when backends change).
     auto: set[str] = field(default_factory=set)
 
     def snapshot(self) -> TableState:
-        return TableState(dict(self.entries), self.discovered)
+        return TableState(dict(self.entries), self.frozen)
 
     def restore(self, state: TableState | Mapping[str, Any]) -> None:
         self.entries.clear()  # in place: the hot path holds a reference to this dict
         self.auto.clear()
         if isinstance(state, TableState):
             self.entries.update(state.entries)
-            self.discovered = state.discovered
+            self.frozen = state.discovered
         else:
             self.entries.update(state)
-            self.discovered = True
+            self.frozen = True
 
     def forget(self, device_type: str) -> None:
         if device_type in self.auto:
@@ -148,7 +159,6 @@ class Registry:
         self._pm.add_hookspecs(hookspecs)
         self._backends: dict[str, _Backend] = {}
         self._scanned = False
-        self._resolved: set[str] = set()
         #: Directories to read metadata from; ``None`` means ``sys.path`` (tests narrow it).
         self.search_path: list[str] | None = None
         self.contexts = _Table()
@@ -191,7 +201,6 @@ class Registry:
             for table in (self.contexts, self.wrappers):
                 for device_type in list(table.auto):
                     table.forget(device_type)
-            self._resolved.clear()
             self._scanned = False
 
     # -- loading ------------------------------------------------------------------------
@@ -211,10 +220,7 @@ class Registry:
         """Import, register and validate one backend; on any failure record it and roll back."""
         try:
             if backend.problem:
-                raise BackendLoadError(
-                    backend.problem, backend=backend.name, distribution=backend.distribution,
-                    version=backend.version, entry_point=backend.entry_point,
-                )  # fmt: skip
+                raise backend.error_of(backend.problem)
             plugin = backend.load()
             self._register(backend, plugin)
             self._validate(backend)
@@ -226,12 +232,10 @@ class Registry:
             backend.status = Status.FAILED
             tb = traceback.format_exc()
             where = f"{backend.distribution} {backend.version}" if backend.distribution else "manual"
-            error = exc if isinstance(exc, BackendLoadError) else BackendLoadError(
+            error = exc if isinstance(exc, BackendLoadError) else backend.error_of(
                 f"backend {backend.name!r} ({where}, entry point {backend.entry_point!r}) "
-                f"failed to load: {type(exc).__name__}: {exc}",
-                backend=backend.name, distribution=backend.distribution,
-                version=backend.version, entry_point=backend.entry_point,
-            )  # fmt: skip
+                f"failed to load: {type(exc).__name__}: {exc}"
+            )
             error.traceback = tb
             if error is not exc:
                 error.__cause__ = exc
@@ -246,12 +250,10 @@ class Registry:
             n for n in dir(plugin) if n.startswith(_HOOK_PREFIX) and n not in _SPEC_NAMES
         )
         if unknown:
-            raise BackendLoadError(
+            raise backend.error_of(
                 f"backend {backend.name!r} implements unknown hooks: {', '.join(unknown)} "
-                f"(known: {', '.join(sorted(_SPEC_NAMES))})",
-                backend=backend.name, distribution=backend.distribution,
-                version=backend.version, entry_point=backend.entry_point,
-            )  # fmt: skip
+                f"(known: {', '.join(sorted(_SPEC_NAMES))})"
+            )
         # pluggy validates argument names against the specs here (PluginValidationError).
         self._pm.register(plugin, name=backend.name)
         backend.plugin = plugin
@@ -260,14 +262,13 @@ class Registry:
         name, dt = backend.name, backend.device_type
         api = self._call(backend, "lmcache_platform_api_version")
         if api != API_VERSION:
-            raise ApiVersionError(
+            raise backend.error_of(
                 f"backend {name!r} from {backend.distribution or 'a manual registration'} "
                 f"{backend.version or ''} targets backend API {api!r}, but this lmcache-platform "
                 f"speaks API {API_VERSION}"
                 + ("" if api is not None else " (it must implement lmcache_platform_api_version)"),
-                backend=name, distribution=backend.distribution, version=backend.version,
-                entry_point=backend.entry_point,
-            )  # fmt: skip
+                ApiVersionError,
+            )
         ctx = self._call(backend, "lmcache_platform_cache_context_class", device_type=dt)
         wrapper = self._call(backend, "lmcache_platform_ipc_wrapper_class", device_type=dt)
         wire = self._call(backend, "lmcache_platform_wire_classes", device_type=dt)
@@ -317,17 +318,16 @@ class Registry:
                 (self.contexts, chosen.context_class),
                 (self.wrappers, chosen.wrapper_class.wrap if chosen.wrapper_class else None),
             ):
-                if value is not None and device_type not in table.entries and not table.discovered:
+                if value is not None and device_type not in table.entries and not table.frozen:
                     table.entries[device_type] = value
                     table.auto.add(device_type)
-            self._resolved.add(device_type)
 
     def _lookup(self, table: _Table, device_type: str, what: str) -> Any:
         try:
             return table.entries[device_type]
         except KeyError:
             pass
-        if not table.discovered:
+        if not table.frozen:
             self._fill(device_type, what)
             if device_type in table.entries:
                 return table.entries[device_type]
@@ -350,7 +350,7 @@ class Registry:
         owner = getattr(factory, "__self__", factory)
         if isinstance(owner, type) and issubclass(owner, DeviceIPCWrapper):
             classes.append(owner)
-        if not self.wrappers.discovered:
+        if not self.wrappers.frozen:
             try:
                 classes.extend(self._select(device_type, _WHAT_WRAPPER).wire_classes)
             except BackendSelectionError:
@@ -369,28 +369,26 @@ class Registry:
     # -- manual registration ------------------------------------------------------------
 
     def register_backend(
-        self, plugin: object, name: str, *, distribution: str | None = None,
-        version: str | None = None, lazy: bool = False,
-    ) -> None:  # fmt: skip
+        self, plugin: object, name: str, *, distribution: str | None = None, version: str | None = None
+    ) -> None:
         """Register a plugin object under a backend name, in this process only.
 
-        Validated at once (unless ``lazy``): a failing backend raises its
-        :class:`BackendLoadError` and is not registered at all.
+        Validated at once: a failing backend raises its :class:`BackendLoadError` and is
+        not registered at all.
         """
         if not _discovery.BACKEND_NAME_RE.match(name):
             raise ValueError(f"invalid backend name {name!r}")
         backend = _Backend(
             name=name, distribution=distribution, version=version,
-            entry_point=None, load=lambda: plugin, manual=not lazy,
+            entry_point=None, load=lambda: plugin, manual=True,
         )  # fmt: skip
         with self._lock:
             if name in self._backends:
                 raise ValueError(f"a backend named {name!r} is already registered")
-            if not lazy:
-                self._load(backend)
-                if backend.status is Status.FAILED:
-                    assert backend.error is not None
-                    raise backend.error
+            self._load(backend)
+            if backend.status is Status.FAILED:
+                assert backend.error is not None
+                raise backend.error
             self._backends[name] = backend
             self._forget(backend.device_type)
 
@@ -418,7 +416,6 @@ class Registry:
     def _forget(self, device_type: str) -> None:
         self.contexts.forget(device_type)
         self.wrappers.forget(device_type)
-        self._resolved.discard(device_type)
 
     def register_kv_wrapper(self, device_type: str, factory: WrapperFactory) -> None:
         """Upstream shortcut: use ``factory`` for ``device_type``, over any backend."""
@@ -474,7 +471,6 @@ class Registry:
             return {
                 "backends": dict(self._backends),
                 "scanned": self._scanned,
-                "resolved": set(self._resolved),
                 "contexts": (self.contexts.snapshot(), set(self.contexts.auto)),
                 "wrappers": (self.wrappers.snapshot(), set(self.wrappers.auto)),
                 "plugins": list(self.plugins()),
@@ -489,7 +485,6 @@ class Registry:
                 self._pm.register(plugin, name=name)
             self._backends = dict(state["backends"])
             self._scanned = state["scanned"]
-            self._resolved = set(state["resolved"])
             self.search_path = state["search_path"]
             for table, (snap, auto) in ((self.contexts, state["contexts"]),
                                         (self.wrappers, state["wrappers"])):  # fmt: skip
@@ -503,7 +498,6 @@ class Registry:
                 self._pm.unregister(name=name)
             self._backends = {}
             self._scanned = scanned
-            self._resolved = set()
             self.contexts.restore(TableState({}, False))
             self.wrappers.restore(TableState({}, False))
 
