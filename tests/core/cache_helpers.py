@@ -116,7 +116,11 @@ def context(
 
 
 def token_rows(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> torch.Tensor:
-    """Reference: tokens ``[lo, hi)`` of ``block`` as ``[kv, tokens, hidden]`` bytes."""
+    """Reference: tokens ``[lo, hi)`` of ``block`` as ``[kv, tokens, hidden]`` bytes.
+
+    Written per format by hand, independently of the layout model under test. For the
+    slot formats the page size is ``hi``'s block size: pass slot-relative positions.
+    """
     if fmt is KVFormat.MLA:
         rows = t[block, lo:hi].unsqueeze(0)
     elif fmt is KVFormat.FLASH_ATTN:
@@ -125,9 +129,23 @@ def token_rows(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> 
         rows = t[:, block, :, lo:hi].transpose(1, 2)
     elif fmt is KVFormat.FLASHINFER:
         rows = t[block, :, lo:hi]
-    else:
+    elif fmt is KVFormat.FLASHINFER_HND:
         rows = t[block, :, :, lo:hi].transpose(1, 2)
+    elif fmt is KVFormat.VLLM:
+        d = t.shape[3] // 2
+        page = t[block, :, lo:hi].transpose(0, 1)  # [tokens, heads, 2 * d]
+        rows = torch.stack([page[..., :d], page[..., d:]])
+    elif fmt is KVFormat.VLLM_MLA:
+        rows = t[block, 0, lo:hi].unsqueeze(0)
+    else:
+        raise ValueError(f"token_rows has no reference for {fmt}; use slot_rows")
     return rows.reshape(rows.shape[0], hi - lo, -1)
+
+
+def slot_rows(planes: tuple[torch.Tensor, ...], page: int, block: int, lo: int, hi: int) -> torch.Tensor:
+    """Reference for the slot formats: tokens ``[lo, hi)`` of page ``block``, ``[kv, tokens, hidden]``."""
+    start = block * page
+    return torch.stack([p[start + lo : start + hi].reshape(hi - lo, -1) for p in planes])
 
 
 __all__ = [
@@ -139,5 +157,6 @@ __all__ = [
     "layer_shape",
     "make_layers",
     "random_bytes",
+    "slot_rows",
     "token_rows",
 ]

@@ -64,8 +64,18 @@ HINTS = {
 }
 
 
-# Dense 5-D layers need a hint (see test_ambiguous_layout_*); MLA needs none.
-CASES = [(f, h) for f in KVFormat for h in HINTS if h != "none" or f is KVFormat.MLA]
+#: Formats of one tensor per layer and block-major memory; SGLang's slot pools have
+#: their own tests (tests/core/test_engine_layouts.py).
+BLOCK_FORMATS = [f for f in KVFormat if f not in (KVFormat.SGLANG, KVFormat.SGLANG_MLA)]
+# Dense 5-D layers need a hint (see test_ambiguous_layout_*); MLA and vLLM's current
+# layout (more than one head) need none; vLLM's MLA (one head) needs the format or head size.
+NEEDS_NO_HINT = (KVFormat.MLA, KVFormat.VLLM)
+CASES = [
+    (f, h)
+    for f in BLOCK_FORMATS
+    for h in HINTS
+    if (h != "none" or f in NEEDS_NO_HINT) and (h != "group" or f is not KVFormat.VLLM_MLA)
+]
 
 
 @pytest.mark.parametrize(("fmt", "hint"), CASES, ids=[f"{f.name}-{h}" for f, h in CASES])
@@ -101,6 +111,8 @@ def _written_mask(x, fmt, ids, lo, hi, bs=BS):
         b, o = ids[pos // bs], pos % bs
         if fmt is KVFormat.MLA:
             mask[b, o] = True
+        elif fmt in (KVFormat.VLLM, KVFormat.VLLM_MLA):
+            mask[b, :, o] = True
         elif fmt is KVFormat.FLASH_ATTN:
             mask[:, b, o] = True
         elif fmt is KVFormat.FLASH_ATTN_HND:
@@ -524,7 +536,7 @@ def test_bad_staging_allocation_is_a_backend_bug_and_closes_the_wrappers(allocat
 
 @settings(max_examples=40, deadline=None)
 @given(
-    fmt=st.sampled_from(list(KVFormat)),
+    fmt=st.sampled_from(BLOCK_FORMATS),
     window=st.one_of(st.none(), st.integers(1, 20)),
     num_tokens=st.integers(1, CHUNK),
     shared=st.booleans(),

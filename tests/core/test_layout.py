@@ -7,7 +7,7 @@ import torch
 from cache_helpers import layer_shape, make_layers, token_rows
 
 from lmcache_platform import KVFormat, LayoutError, LayoutHints
-from lmcache_platform._kv.layout import canonical_view, discover_layout, discover_layouts
+from lmcache_platform._kv.layout import discover_layout, discover_layouts, plane_views
 
 NB, BS, H, D = 6, 4, 2, 8
 FIVE_D = [KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND, KVFormat.FLASHINFER, KVFormat.FLASHINFER_HND]
@@ -17,16 +17,23 @@ def t(fmt: KVFormat, nb: int = NB, bs: int = BS, h: int = H, d: int = D) -> torc
     return torch.zeros(layer_shape(fmt, nb, bs, h, d), dtype=torch.bfloat16)
 
 
+BLOCK_FORMATS = [f for f in KVFormat if f not in (KVFormat.SGLANG, KVFormat.SGLANG_MLA)]
+ONE_HEAD = (KVFormat.MLA, KVFormat.VLLM_MLA, KVFormat.SGLANG_MLA)
+
+
 def check(lay, fmt, nb=NB, bs=BS, h=H, d=D):
     assert (lay.kv_format, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_size) == (
-        fmt, nb, bs, 1 if fmt is KVFormat.MLA else h, d)  # fmt: skip
+        fmt, nb, bs, 1 if fmt in ONE_HEAD else h, d)  # fmt: skip
     assert lay.dtype == torch.bfloat16
-    assert lay.kv_size == (1 if fmt is KVFormat.MLA else 2)
+    assert lay.kv_size == (1 if fmt in ONE_HEAD else 2)
 
 
 @pytest.mark.parametrize("fmt", list(KVFormat))
 def test_format_hint_is_obeyed(fmt):
-    check(discover_layout(t(fmt), layer=0, kv_format=fmt), fmt)
+    x = t(fmt)
+    layer = (x, x.clone()) if fmt is KVFormat.SGLANG else x
+    slots = fmt in (KVFormat.SGLANG, KVFormat.SGLANG_MLA)
+    check(discover_layout(layer, layer=0, kv_format=fmt, block_size=BS if slots else None), fmt)
 
 
 @pytest.mark.parametrize("fmt", FIVE_D)
@@ -143,15 +150,18 @@ def test_bad_per_layer_index_and_contradicting_block_sizes():
         discover_layouts(xs, LayoutHints(block_size=8), {0: 4})
 
 
-@pytest.mark.parametrize("fmt", list(KVFormat))
-def test_canonical_view_puts_tokens_of_a_block_in_order(fmt):
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_plane_views_put_tokens_of_a_block_in_order(fmt):
     (x,) = make_layers(fmt, 1, nb=NB, bs=BS, h=H, d=D)
-    view = canonical_view(x, fmt)
-    kv = 1 if fmt is KVFormat.MLA else 2
-    assert view.shape == (kv, NB, BS, 1 if fmt is KVFormat.MLA else H, D)
-    assert view.data_ptr() == x.data_ptr()
+    lay = discover_layout(x, layer=0, kv_format=fmt)
+    planes = plane_views(x, lay)
+    kv = 1 if fmt in ONE_HEAD else 2
+    assert len(planes) == kv
+    for p in planes:
+        assert p.shape == (NB, BS, 1 if fmt in ONE_HEAD else H, D)
+        assert p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     for block in (0, NB - 1):
-        got = view[:, block].reshape(kv, BS, -1)
+        got = torch.stack([p[block].reshape(BS, -1) for p in planes])
         assert torch.equal(got.view(torch.uint8), token_rows(x, fmt, block, 0, BS).view(torch.uint8))
 
 
@@ -165,4 +175,8 @@ def test_kv_cache_shape_gives_each_format_its_engine_shape():
         KVFormat.FLASHINFER: (7, 2, 16, 4, 64),
         KVFormat.FLASHINFER_HND: (7, 2, 4, 16, 64),
         KVFormat.MLA: (7, 16, 64),
+        KVFormat.VLLM: (7, 4, 16, 128),
+        KVFormat.VLLM_MLA: (7, 1, 16, 64),
+        KVFormat.SGLANG: (112, 4, 64),
+        KVFormat.SGLANG_MLA: (112, 1, 64),
     }

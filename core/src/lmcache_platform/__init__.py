@@ -40,12 +40,13 @@ from ._ipc_wrapper import (
 )
 from ._kv.context import BaseCacheContext, NullStream
 from ._kv.groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
-from ._kv.layout import kv_cache_shape
+from ._kv.layout import allocate_kv_caches, kv_cache_shape
 from ._kv.transfer import ChunkTransfer, GroupTransfer
-from ._registry import BackendInfo, Status, TableState
+from ._registry import BackendInfo, Status, TableState, list_backends, selected_backend
 from ._types import (
     Availability,
     CacheContextConfig,
+    DoctorFinding,
     EngineGroupInfo,
     EngineType,
     KVFormat,
@@ -71,6 +72,7 @@ __all__ = [
     "ChunkTransfer",
     "DescriptorError",
     "DeviceIPCWrapper",
+    "DoctorFinding",
     "EngineGroupInfo",
     "EngineType",
     "GroupTransfer",
@@ -95,7 +97,9 @@ __all__ = [
     "dtype_name",
     "get_kv_wrapper_factory",
     "hookimpl",
+    "allocate_kv_caches",
     "kv_cache_shape",
+    "list_backends",
     "refresh",
     "register_backend",
     "register_kv_wrapper",
@@ -103,6 +107,7 @@ __all__ = [
     "reset_for_tests",
     "restore",
     "restore_backends",
+    "selected_backend",
     "snapshot",
     "snapshot_backends",
     "unregister_backend",

@@ -15,21 +15,32 @@ class EngineType(enum.Enum):
 
 
 class KVFormat(enum.Enum):
-    """Per-layer paged KV layouts understood by the base cache context.
+    """Names of the per-layer KV layouts the base cache context understands.
 
-    Names say where K/V and the heads sit; shapes are given for one layer.
+    Each is a case of one axis-meaning model (see the layouts page), not a code path.
+    Shapes are given for one layer; ``H`` = num_kv_heads, ``D`` = head_size.
     """
 
-    #: vLLM flash-attention: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+    #: Current vLLM: ``[num_blocks, H, block_size, 2 * D]`` (K then V in the last
+    #: dim), in any of vLLM's six physical ``KVCacheLayout`` orders.
+    VLLM = "vllm"
+    #: Current vLLM multi-head latent attention: ``[num_blocks, 1, block_size, latent]``
+    VLLM_MLA = "vllm_mla"
+    #: Older vLLM flash-attention: ``[2, num_blocks, block_size, H, D]``
     FLASH_ATTN = "flash_attn"
-    #: flash-attention, heads before tokens: ``[2, num_blocks, num_kv_heads, block_size, head_size]``
+    #: flash-attention, heads before tokens: ``[2, num_blocks, H, block_size, D]``
     FLASH_ATTN_HND = "flash_attn_hnd"
-    #: FlashInfer-style: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
+    #: FlashInfer-style: ``[num_blocks, 2, block_size, H, D]``
     FLASHINFER = "flashinfer"
-    #: FlashInfer-style, heads before tokens: ``[num_blocks, 2, num_kv_heads, block_size, head_size]``
+    #: FlashInfer-style, heads before tokens: ``[num_blocks, 2, H, block_size, D]``
     FLASHINFER_HND = "flashinfer_hnd"
-    #: Multi-head latent attention: ``[num_blocks, block_size, head_size]``
+    #: Older vLLM multi-head latent attention: ``[num_blocks, block_size, latent]``
     MLA = "mla"
+    #: SGLang's MHA pool: a pair of tensors per layer, K and V, each ``[slots, H, D]``
+    #: (pages of ``block_size`` token slots)
+    SGLANG = "sglang"
+    #: SGLang's MLA pool: ``[slots, 1, latent]``
+    SGLANG_MLA = "sglang_mla"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,12 +49,19 @@ class LayoutHints:
 
     ``kv_format`` applies to every layer unless ``per_layer`` names a format for a
     layer index. ``block_size`` and ``num_kv_heads`` disambiguate NHD from HND.
+    ``engine_layout`` is the engine's own layout name: one of vLLM's ``KVCacheLayout``
+    members (``"LBHNC"``, ``"LBNHC"``, ``"LHBNC"``, ``"BLHNC"``, ``"BLNHC"``,
+    ``"BHLNC"``) or the older ``"NHD"``/``"HND"``; the strides are checked against it.
+    ``head_size`` splits current vLLM's packed content dim (``2 * head_size`` is K and
+    V, ``head_size`` with one head an MLA latent).
     """
 
     kv_format: KVFormat | None = None
     per_layer: dict[int, KVFormat] = field(default_factory=dict)
     block_size: int | None = None
     num_kv_heads: int | None = None
+    engine_layout: str | None = None
+    head_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +84,16 @@ class CacheContextConfig:
     lmcache_tokens_per_chunk: int = 256
     layout_hints: LayoutHints | None = None
     engine_group_infos: tuple[EngineGroupInfo, ...] = ()
+    #: Decides what an otherwise ambiguous shape means (a 3-D layer is SGLang's
+    #: token-slot pool for ``SGLANG``, vLLM's older MLA layout for ``VLLM``).
     engine_type: EngineType = EngineType.VLLM
     separate_object_groups: bool = True
     full_sw_kv: bool = False
     #: Chunk slots in the staging buffer.
     max_batch_size: int = 4
+    #: The engine's layer names in layer order (``model.layers.3.self_attn.attn``), so
+    #: that every error names the engine's layer; empty means "use the index".
+    layer_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.lmcache_tokens_per_chunk <= 0:
@@ -97,3 +120,38 @@ class Availability:
         if not reason:
             raise ValueError("an unavailable backend must say why")
         return cls(False, reason)
+
+
+#: The levels of a :class:`DoctorFinding`, mildest first.
+DOCTOR_LEVELS = ("info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class DoctorFinding:
+    """One line a backend adds to ``lmcache-platform doctor`` (the optional doctor hook).
+
+    ``info`` states a fact (where the memory lives, how much is free); ``warning`` and
+    ``error`` say what to fix, and the message says how. An ``error`` means the backend
+    cannot serve KV caches on this host as it stands: doctor then exits 1.
+    """
+
+    level: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.level not in DOCTOR_LEVELS:
+            raise ValueError(f"DoctorFinding level {self.level!r} is not one of {', '.join(DOCTOR_LEVELS)}")
+        if not isinstance(self.message, str) or not self.message.strip() or "\n" in self.message:
+            raise ValueError(f"DoctorFinding message must be one non-empty line, got {self.message!r}")
+
+    @classmethod
+    def info(cls, message: str) -> DoctorFinding:
+        return cls("info", message)
+
+    @classmethod
+    def warning(cls, message: str) -> DoctorFinding:
+        return cls("warning", message)
+
+    @classmethod
+    def error(cls, message: str) -> DoctorFinding:
+        return cls("error", message)

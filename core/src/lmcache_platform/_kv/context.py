@@ -41,11 +41,11 @@ import logging
 import operator
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from .._errors import LayoutError, TransferError
 from .groups import KVLayerGroupsManager, resolve_engine_groups
-from .layout import canonical_view, discover_layouts
+from .layout import LayerTensors, discover_layouts, plane_views
 from .staging import StagingLayout
 from .transfer import (
     GATHER_WORD_DTYPES,
@@ -64,6 +64,9 @@ if TYPE_CHECKING:
     from .._ipc_wrapper import DeviceIPCWrapper
     from .._types import CacheContextConfig, KVFormat
 
+
+#: One layer's registration: its wrapper, or a (K, V) pair of wrappers (SGLang).
+KVCacheEntry = Union["DeviceIPCWrapper", tuple["DeviceIPCWrapper", "DeviceIPCWrapper"]]
 
 _log = logging.getLogger(__name__)
 #: Alignment the staging buffer's start must have (torch's allocators give at least this).
@@ -101,11 +104,15 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     store_word_dtypes: ClassVar[tuple[str, ...]] = GATHER_WORD_DTYPES
     retrieve_word_dtypes: ClassVar[tuple[str, ...]] = SCATTER_WORD_DTYPES
 
-    def __init__(self, kv_caches: Sequence[DeviceIPCWrapper], config: CacheContextConfig) -> None:
+    def __init__(self, kv_caches: Sequence[KVCacheEntry], config: CacheContextConfig) -> None:
         if not type(self).device_type:
             raise TypeError(f"{type(self).__name__} has no device_type: subclass BaseCacheContext and set it")
-        #: The IPC wrappers this context owns, one per layer.
-        self.kv_caches: list[DeviceIPCWrapper] = list(kv_caches)
+        #: Per layer, its wrappers: one, or a (K, V) pair for SGLang-style layers.
+        self.layer_wrappers: list[tuple[DeviceIPCWrapper, ...]] = [
+            entry if isinstance(entry, tuple) else (entry,) for entry in kv_caches
+        ]
+        #: Every IPC wrapper this context owns, in layer order (one per layer, two for a pair).
+        self.kv_caches: list[DeviceIPCWrapper] = [w for entry in self.layer_wrappers for w in entry]
         self.config = config
         self.lmcache_tokens_per_chunk = config.lmcache_tokens_per_chunk
         self._closed = False
@@ -117,11 +124,22 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         try:
             if not self.kv_caches:
                 raise LayoutError("a cache context needs a non-empty list of KV-cache wrappers")
-            tensors = []
-            for wrapper in self.kv_caches:
-                opened += 1
-                tensors.append(wrapper.to_tensor())
-            self._build(tensors)
+            names = config.layer_names
+            if names and len(names) != len(self.layer_wrappers):
+                raise LayoutError(
+                    f"{len(names)} layer names for {len(self.layer_wrappers)} layers; "
+                    f"CacheContextConfig.layer_names must name every layer or none"
+                )
+            layers: list[LayerTensors] = []
+            for entry in self.layer_wrappers:
+                if len(entry) not in (1, 2):
+                    raise LayoutError(f"a layer is one wrapper or a (K, V) pair, got {len(entry)} wrappers")
+                opened_now = []
+                for wrapper in entry:
+                    opened += 1
+                    opened_now.append(wrapper.to_tensor())
+                layers.append(opened_now[0] if len(entry) == 1 else (opened_now[0], opened_now[1]))
+            self._build(layers)
         except BaseException:
             self._closed = True
             try:
@@ -135,27 +153,35 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     # -- construction ----------------------------------------------------------------
 
-    def _build(self, tensors: list[torch.Tensor]) -> None:
+    def layer_name(self, layer: int) -> str:
+        """``layer 3 (model.layers.3.self_attn.attn)``: how messages name a layer."""
+        names = self.config.layer_names
+        return f"layer {layer} ({names[layer]})" if layer < len(names) else f"layer {layer}"
+
+    def _build(self, layers: list[LayerTensors]) -> None:
         import torch
 
-        devices = sorted({str(t.device) for t in tensors})
+        flat = [t for entry in layers for t in _tensors_of(entry)]
+        devices = sorted({str(t.device) for t in flat})
         if len(devices) != 1:
             raise LayoutError(f"KV tensors must live on one device, got {devices}")
-        device = tensors[0].device
+        device = flat[0].device
         if device.type != type(self).device_type:
             raise LayoutError(
                 f"{type(self).__name__} serves {type(self).device_type!r} tensors, got tensors on {device}"
             )
         cfg = self.config
-        engine_groups = resolve_engine_groups(cfg.engine_group_infos, len(tensors))
+        engine_groups = resolve_engine_groups(cfg.engine_group_infos, len(layers))
         block_sizes = {layer: eg.block_size for eg in engine_groups or () for layer in eg.layer_indices}
-        layouts = discover_layouts(tensors, cfg.layout_hints, block_sizes)
+        layouts = discover_layouts(
+            layers, cfg.layout_hints, block_sizes, names=cfg.layer_names, engine_type=cfg.engine_type
+        )
         supported = type(self).supported_kv_formats
         if supported is not None:
             for index, lay in enumerate(layouts):
                 if lay.kv_format not in supported:
                     raise LayoutError(
-                        f"layer {index}: {type(self).__name__} does not serve the "
+                        f"{self.layer_name(index)}: {type(self).__name__} does not serve the "
                         f"{lay.kv_format.value} format (it serves: "
                         f"{', '.join(f.value for f in supported)})"
                     )
@@ -167,17 +193,19 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             full_sw_kv=cfg.full_sw_kv,
         )
         self._device = device
-        self._tensors = tensors
+        self._tensors = flat
         self._layouts = layouts
         self._manager = manager
         self._num_blocks = min(lay.num_blocks for lay in layouts)
-        # Engine group -> the block-id space all its kernel groups can address.
+        # Engine group -> the engine block ids all its kernel groups can address.
         self._engine_group_blocks = [
-            min(kg.num_blocks for kg in manager.kernel_groups if kg.engine_group_idx == eg.index)
+            min(kg.num_engine_blocks for kg in manager.kernel_groups if kg.engine_group_idx == eg.index)
             for eg in manager.engine_groups
         ]
         self._kv_pointers = [
-            torch.tensor([tensors[i].data_ptr() for i in kg.layer_indices], dtype=torch.int64).to(device)
+            torch.tensor(
+                [t.data_ptr() for i in kg.layer_indices for t in _tensors_of(layers[i])], dtype=torch.int64
+            ).to(device)
             for kg in manager.kernel_groups
         ]
 
@@ -211,7 +239,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         ]
         self._movers = [
             GroupMover(
-                [canonical_view(tensors[i], kg.kv_format) for i in kg.layer_indices],
+                [plane_views(layers[i], layouts[i]) for i in kg.layer_indices],
                 [self._slot_kg_views[s][kg.index] for s in range(cfg.max_batch_size)],
                 block_size=kg.block_size,
                 num_kv_heads=kg.num_kv_heads,
@@ -226,6 +254,14 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         self._block_ids_capacity = cfg.max_batch_size * per_chunk
         self._block_ids_buffer: torch.Tensor | None = torch.empty(
             self._block_ids_capacity, dtype=torch.int64, device=device
+        )
+        # The tensor block ids one chunk's transfer plan needs, over all kernel groups.
+        kernel_ids = sum(
+            -(-cfg.lmcache_tokens_per_chunk // kg.engine_block_size) * kg.blocks_per_engine_block
+            for kg in manager.kernel_groups
+        )
+        self._kernel_ids_buffer: torch.Tensor | None = torch.empty(
+            kernel_ids, dtype=torch.int64, device=device
         )
         self._stream = self.create_stream()
 
@@ -532,23 +568,38 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """
         self._plan(block_ids_per_group, 0, num_tokens, retrieve=retrieve)
 
-    def _transfer_plan(
-        self, slot: int, num_tokens: int, ids: list[list[int]], staged: list[torch.Tensor]
-    ) -> ChunkTransfer:
-        parts = []
+    def _transfer_plan(self, slot: int, num_tokens: int, ids: list[list[int]]) -> ChunkTransfer:
+        """Per kernel group, its kept positions and the tensor blocks holding them, staged.
+
+        Engine block ``b`` of a group split into ``r`` kernel blocks is tensor blocks
+        ``b * r .. b * r + r - 1``; all groups' ids go to the device in one copy.
+        """
+        import torch
+
+        lists = []
         for kg in self._manager.kernel_groups:
+            first, _ = self._manager.kept_range(num_tokens, kg.index)
+            r = kg.blocks_per_engine_block
+            tensor_ids = [b * r + j for b in ids[kg.engine_group_idx] for j in range(r)]
+            lists.append(tensor_ids[first // kg.block_size :])
+        flat = [x for ids_ in lists for x in ids_]
+        assert self._kernel_ids_buffer is not None  # callers check the context is open
+        staged = self._kernel_ids_buffer[: len(flat)]
+        staged.copy_(torch.tensor(flat, dtype=torch.int64), non_blocking=True)
+        parts, start = [], 0
+        for kg, tensor_ids in zip(self._manager.kernel_groups, lists, strict=True):
             first, count = self._manager.kept_range(num_tokens, kg.index)
-            lo = first // kg.block_size
             parts.append(
                 GroupTransfer(
                     kernel_group_idx=kg.index,
                     first_token=first,
                     num_tokens=count,
-                    block_ids=staged[kg.engine_group_idx][lo:],
-                    block_id_list=tuple(ids[kg.engine_group_idx][lo:]),
+                    block_ids=staged.narrow(0, start, len(tensor_ids)),
+                    block_id_list=tuple(tensor_ids),
                     buffer=self._slot_kg_views[slot][kg.index],
                 )
             )
+            start += len(tensor_ids)
         return ChunkTransfer(slot=slot, num_tokens=num_tokens, groups=tuple(parts))
 
     def store_chunk(
@@ -571,7 +622,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
             with self.stream_context():
-                self.store(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+                self.store(self._transfer_plan(slot, num_tokens, ids))
 
     def retrieve_chunk(
         self,
@@ -591,7 +642,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
             with self.stream_context():
-                self.retrieve(self._transfer_plan(slot, num_tokens, ids, self._stage(ids)))
+                self.retrieve(self._transfer_plan(slot, num_tokens, ids))
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -614,6 +665,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             self._tensors = []
             self._staging = None
             self._block_ids_buffer = None
+            self._kernel_ids_buffer = None
             _close_all(self.kv_caches)
 
     def __enter__(self) -> Self:
@@ -635,6 +687,10 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 def _is_int(value: object) -> bool:
     """An int index, but not a bool (``True`` is never meant as slot 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensors_of(layer: LayerTensors) -> tuple[torch.Tensor, ...]:
+    return layer if isinstance(layer, tuple) else (layer,)
 
 
 def _as_list(ids: Sequence[int]) -> list[Any]:

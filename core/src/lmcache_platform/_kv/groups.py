@@ -16,6 +16,11 @@ Sliding windows. With ``full_sw_kv=False`` a kernel group of a sliding-window en
 group keeps, of each chunk, only the last ``min(tokens_per_chunk, sliding_window)``
 tokens, the only ones a later token can attend to; its staging region is that many
 tokens long. With ``full_sw_kv=True`` it keeps the whole chunk like any other group.
+
+Kernel blocks. A layer's tensor may use blocks smaller than its engine group's (vLLM
+splits a manager block into ``ratio`` kernel blocks and shows ``ratio`` times as many
+blocks). The kernel group records ``blocks_per_engine_block``; block ids stay the
+engine's, and the transfer plan translates each into its ``ratio`` kernel blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from .._errors import LayoutError
 from .._types import EngineGroupInfo, KVFormat
-from .layout import FormatDims, LayerLayout
+from .layout import FORMATS, FormatDims, LayerLayout
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +70,19 @@ class KernelGroup(FormatDims):
     head_size: int
     sliding_window: int | None
     tokens_per_slot: int
+    #: Tensor blocks per engine block (1 unless the engine splits into kernel blocks);
+    #: ``block_size`` and ``num_blocks`` are the tensor's.
+    blocks_per_engine_block: int = 1
+
+    @property
+    def engine_block_size(self) -> int:
+        """Tokens per block of the engine group's block table."""
+        return self.block_size * self.blocks_per_engine_block
+
+    @property
+    def num_engine_blocks(self) -> int:
+        """Engine block ids this group's layers can address."""
+        return self.num_blocks // self.blocks_per_engine_block
 
     @property
     def num_layers(self) -> int:
@@ -150,8 +168,6 @@ class KVLayerGroupsManager:
                 )
             engine_groups = (EngineGroup(0, tuple(range(len(layouts))), sizes[0], None),)
         self.tokens_per_chunk = tokens_per_chunk
-        self.separate_object_groups = separate_object_groups
-        self.full_sw_kv = full_sw_kv
         self.engine_groups = engine_groups
 
         # Kernel groups: layers of one engine group with equal format, shape, stride, dtype.
@@ -165,7 +181,8 @@ class KVLayerGroupsManager:
                 )
             for layer in eg.layer_indices:
                 lay = layouts[layer]
-                if lay.block_size != eg.block_size:
+                splits = FORMATS[lay.kv_format].kernel_blocks
+                if eg.block_size % lay.block_size if splits else eg.block_size != lay.block_size:
                     raise LayoutError(
                         f"layer {layer} has block size {lay.block_size} but engine group "
                         f"{eg.index} says {eg.block_size}"
@@ -209,6 +226,7 @@ class KVLayerGroupsManager:
                     head_size=lay.head_size,
                     sliding_window=eg.sliding_window,
                     tokens_per_slot=per_slot,
+                    blocks_per_engine_block=eg.block_size // lay.block_size,
                 )
             )
         self.kernel_groups: tuple[KernelGroup, ...] = tuple(kernel_groups)
@@ -250,4 +268,4 @@ class KVLayerGroupsManager:
 
     def blocks_for(self, num_tokens: int, kernel_group_idx: int) -> int:
         """Block ids the engine passes for a chunk of ``num_tokens`` tokens in this group."""
-        return -(-num_tokens // self.kernel_groups[kernel_group_idx].block_size)
+        return -(-num_tokens // self.kernel_groups[kernel_group_idx].engine_block_size)

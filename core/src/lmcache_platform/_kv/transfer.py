@@ -98,23 +98,60 @@ def word_views(tensors: Sequence[torch.Tensor], dtype_names: Sequence[str]) -> l
     return list(tensors)
 
 
+def _stack(views: Sequence[torch.Tensor], steps: Sequence[int], counts: Sequence[int]) -> torch.Tensor | None:
+    """One ``[*counts, *shape]`` view over same-shape views placed at ``steps`` apart, or None.
+
+    ``views`` are in row-major order over ``counts``; every step must be positive and
+    every view must sit exactly where the steps put it, in one storage.
+    """
+    first = views[0]
+    base = first.untyped_storage().data_ptr()
+    if any(st <= 0 for st in steps):
+        return None
+    for flat, v in enumerate(views):
+        if v.untyped_storage().data_ptr() != base or v.shape != first.shape or v.stride() != first.stride():
+            return None
+        offset, rest = first.storage_offset(), flat
+        for count, step in zip(reversed(counts), reversed(steps), strict=True):
+            rest, index = divmod(rest, count)
+            offset += index * step
+        if v.storage_offset() != offset:
+            return None
+    return first.as_strided((*counts, *first.shape), (*steps, *first.stride()), first.storage_offset())
+
+
 def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One ``[layers, *shape]`` view over equally spaced same-shape layer views, or None."""
     if len(views) < 2:
         return None
-    first = views[0]
-    base = first.untyped_storage().data_ptr()
-    if any(v.untyped_storage().data_ptr() != base for v in views):
-        return None
-    step = views[1].storage_offset() - first.storage_offset()
-    if step <= 0:
-        return None
-    for i, v in enumerate(views):
-        if v.storage_offset() != first.storage_offset() + i * step:
-            return None
-        if v.shape != first.shape or v.stride() != first.stride():
-            return None
-    return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
+    return _stack(views, [_step(views[0], views[1])], [len(views)])
+
+
+def stack_planes(planes: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Views with leading ``[layers, planes]`` dims, as few as the memory allows.
+
+    ``planes[l][p]`` is plane ``p`` of layer ``l``. Layers at a constant step whose
+    planes are at a constant step become one ``[L, P, ...]`` view (one op moves the
+    whole kernel group); otherwise each layer whose planes are evenly spaced becomes
+    a ``[1, P, ...]`` view, and each remaining plane a ``[1, 1, ...]`` view.
+    """
+    num_layers, num_planes = len(planes), len(planes[0])
+    flat = [v for layer in planes for v in layer]
+    layer_step = _step(flat[0], flat[num_planes]) if num_layers > 1 else 1
+    plane_step = _step(flat[0], flat[1]) if num_planes > 1 else 1
+    whole = _stack(flat, [layer_step, plane_step], [num_layers, num_planes])
+    if whole is not None:
+        return [whole]
+    out = []
+    for layer in planes:
+        one = _stack(layer, [1, _step(layer[0], layer[1]) if num_planes > 1 else 1], [1, num_planes])
+        out.extend([one] if one is not None else [v.unsqueeze(0).unsqueeze(0) for v in layer])
+    return out
+
+
+def _step(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements from ``a``'s start to ``b``'s in their storage."""
+    return int(b.storage_offset()) - int(a.storage_offset())
 
 
 def _split(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
@@ -148,36 +185,45 @@ def _segments(first: int, count: int, block_size: int) -> list[tuple[int, int, i
 class _Views:
     """A kernel group's paged and staging views, reinterpreted with one word type.
 
-    Stacked: paged ``[L, kv, blocks, B, H, D]`` with staging ``[L, kv, tokens, H, D]``;
-    otherwise one pair per layer, ``[kv, blocks, B, H, D]`` with ``[kv, tokens, H, D]``.
-    The paged block dim and the staging token dim have the same index, ``dim``.
+    Paged views ``[l, p, blocks, B, H, D]`` pair with staging views ``[l, p, tokens, H,
+    D]`` over the same layers and planes (``l``/``p`` all of them when the memory
+    stacks, else one layer or one plane each; see :func:`stack_planes`). The paged
+    block dim and the staging token dim are both dim 2.
     """
 
     #: Cached staging views per (slot, position, blocks); chunks repeat few shapes.
     MAX_CACHED = 256
+    dim = 2
 
     def __init__(
         self,
-        layer_views: Sequence[torch.Tensor],
+        planes: Sequence[Sequence[torch.Tensor]],
         slots: Sequence[torch.Tensor],
         block_size: int,
         word_dtypes: Sequence[str],
     ) -> None:
-        words = word_views([*layer_views, *slots], word_dtypes)
-        layers, staged = words[: len(layer_views)], words[len(layer_views) :]
-        stacked = stack_layers(layers)
-        self.stacked = stacked is not None
-        self.pages: list[torch.Tensor] = [stacked] if stacked is not None else list(layers)
+        num_planes = len(planes[0])
+        flat = [v for layer in planes for v in layer]
+        words = word_views([*flat, *slots], word_dtypes)
+        paged = [words[i * num_planes : (i + 1) * num_planes] for i in range(len(planes))]
+        staged = words[len(flat) :]
+        self.pages = stack_planes(paged)
+        self.stacked = len(self.pages) == 1 and len(planes) > 1
+        # Which (first layer, layers, first plane, planes) of staging each paged view covers.
+        spans: list[tuple[int, int, int, int]] = []
+        for view in self.pages:
+            nl, np_ = int(view.shape[0]), int(view.shape[1])
+            done = sum(s[1] * s[3] for s in spans)
+            layer, plane = divmod(done, num_planes)
+            spans.append((layer, nl, plane, np_))
         self.stage: list[list[torch.Tensor]] = [
-            [s.transpose(0, 1)] if stacked is not None else [s[:, i] for i in range(len(layers))]
-            for s in staged
+            [s.transpose(0, 1)[lo : lo + nl, po : po + np_] for lo, nl, po, np_ in spans] for s in staged
         ]
-        self.dim = self.pages[0].dim() - 4
         self.block_size = block_size
         self._runs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
 
     def runs(self, slot: int, pos: int, n: int) -> list[torch.Tensor]:
-        """Staging views ``[..., n, block_size, H, D]`` of ``n`` whole blocks at ``pos``."""
+        """Staging views ``[l, p, n, block_size, H, D]`` of ``n`` whole blocks at ``pos``."""
         key = (slot, pos, n)
         views = self._runs.get(key)
         if views is None:
@@ -192,16 +238,17 @@ class _Views:
 class GroupMover:
     """Generic gather/scatter for one kernel group between paged layers and staging.
 
-    ``layer_views`` are the group's canonical layer views
-    ``[kv, blocks, block_size, heads, head_size]``; ``slot_buffers`` its staging
-    views ``[kv, layers, tokens, hidden]``, one per slot. Gather and scatter each use
+    ``planes[l][p]`` is plane ``p`` (K, V, or MLA's latent) of the group's layer ``l``,
+    a strided view ``[blocks, block_size, heads, head_size]`` of the engine's memory
+    (:func:`~.layout.plane_views`); ``slot_buffers`` the group's staging views
+    ``[kv, layers, tokens, hidden]``, one per slot. Gather and scatter each use
     their own word types: torch's ``index_select`` is fastest on 8-byte words and
     ``index_copy_`` on 16-byte ones.
     """
 
     def __init__(
         self,
-        layer_views: Sequence[torch.Tensor],
+        planes: Sequence[Sequence[torch.Tensor]],
         slot_buffers: Sequence[torch.Tensor],
         *,
         block_size: int,
@@ -212,8 +259,8 @@ class GroupMover:
         self.block_size = block_size
         # Staging as [kv, layers, tokens, heads, head_size], matching the layer views.
         slots = [_split(b, b.dim() - 1, num_kv_heads) for b in slot_buffers]
-        self._gather = _Views(layer_views, slots, block_size, gather_words)
-        self._scatter = _Views(layer_views, slots, block_size, scatter_words)
+        self._gather = _Views(planes, slots, block_size, gather_words)
+        self._scatter = _Views(planes, slots, block_size, scatter_words)
         self.stacked = self._gather.stacked
 
     def gather(self, slot: int, part: GroupTransfer) -> None:

