@@ -20,6 +20,7 @@ from lmcache_platform import (
     KVFormat,
     LayoutError,
     LayoutHints,
+    TransferError,
     allocate_kv_caches,
 )
 
@@ -181,7 +182,7 @@ def test_kernel_blocks_translate_engine_block_ids(order):
         for i, x in enumerate(layers):
             got = chunk_ref(x, KVFormat.VLLM, [2, 3, 18, 19], 0, 16, bs=kernel_bs)
             assert torch.equal(as_bytes(got), as_bytes(want[i]))
-        with pytest.raises(Exception, match="out of range 0..9"):
+        with pytest.raises(TransferError, match=r"out of range 0\.\.9"):
             ctx.store_chunk([[3, 10]])
 
 

@@ -83,11 +83,13 @@ class BackendUnavailableError(BackendSelectionError):
 
 
 class WrapError(LMCachePlatformError, RuntimeError):
-    """Wrapping one tensor of a batch failed; ``layer`` is its index in the batch."""
+    """Wrapping one layer of a batch failed: ``layer`` is its index, ``layer_name`` the
+    engine's name for it (None when the layers came as a sequence)."""
 
-    def __init__(self, message: str, *, layer: int) -> None:
+    def __init__(self, message: str, *, layer: int, layer_name: str | None = None) -> None:
         super().__init__(message)
         self.layer = layer
+        self.layer_name = layer_name
 
 
 class LayoutError(LMCachePlatformError, ValueError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union, overload
 
 from ._errors import WrapError
 from ._ipc_wrapper import DeviceIPCWrapper
@@ -13,7 +13,7 @@ from ._types import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
 if TYPE_CHECKING:
     import torch
 
-    from ._kv.context import BaseCacheContext
+    from ._kv.context import BaseCacheContext, KVCacheEntry
 
 # The hot path reads this dict directly; the registry mutates it in place, never rebinds it.
 _WRAPPER_FACTORIES: dict[str, WrapperFactory] = REGISTRY.wrappers.entries
@@ -35,59 +35,94 @@ def register_kv_wrapper(device_type: str, factory: WrapperFactory) -> None:
     REGISTRY.register_kv_wrapper(device_type, factory)
 
 
-def wrap_kv_caches(tensors: Sequence[torch.Tensor]) -> list[DeviceIPCWrapper]:
+#: One layer as an engine hands it over: a tensor, or SGLang's (K, V) pair of tensors.
+LayerKV = Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]
+
+
+@overload
+def wrap_kv_caches(kv_caches: Mapping[str, LayerKV]) -> dict[str, KVCacheEntry]: ...
+@overload
+def wrap_kv_caches(kv_caches: Sequence[LayerKV]) -> list[KVCacheEntry]: ...
+def wrap_kv_caches(
+    kv_caches: Mapping[str, LayerKV] | Sequence[LayerKV],
+) -> dict[str, KVCacheEntry] | list[KVCacheEntry]:
     """Wrap per-layer KV tensors, each with the factory of its device type.
 
+    Takes what engines pass: vLLM's ``dict[layer_name, Tensor]`` (order kept; the
+    result is a dict with the same keys, ready for :func:`create_cache_context`, and
+    every error names the engine's layer), or a sequence (the result is a list). A
+    layer may be a (K, V) pair of tensors (SGLang); it becomes a pair of wrappers.
+    Layers that are views of one allocation share one export (the backend's wrapper
+    decides how; see the backend-author guide).
+
     All or nothing: each wrapper class first checks its whole batch
-    (:meth:`DeviceIPCWrapper.preflight`, e.g. shared-memory capacity); then, if layer
-    ``i`` fails, the wrappers already made are closed and :class:`WrapError` names
-    layer ``i`` (the original error is its ``__cause__``).
+    (:meth:`DeviceIPCWrapper.preflight`, e.g. shared-memory capacity); then, if a layer
+    fails, the wrappers already made are closed and :class:`WrapError` names the layer
+    (index and engine name; the original error is its ``__cause__``).
     """
-    if isinstance(tensors, Mapping):
-        raise TypeError("wrap_kv_caches takes a sequence of per-layer tensors, not a mapping")
-    tensors = list(tensors)
+    names: list[str] | None = None
+    if isinstance(kv_caches, Mapping):
+        names = [str(k) for k in kv_caches]
+        layers = list(kv_caches.values())
+    else:
+        layers = list(kv_caches)
+    flat = [(i, t) for i, one in enumerate(layers) for t in (one if isinstance(one, tuple) else [one])]
     by_device: dict[str, list[torch.Tensor]] = {}
-    for tensor in tensors:
+    for _, tensor in flat:
         by_device.setdefault(tensor.device.type, []).append(tensor)
     for device_type, batch in by_device.items():
         owner = getattr(get_kv_wrapper_factory(device_type), "__self__", None)
         if isinstance(owner, type) and issubclass(owner, DeviceIPCWrapper):
             owner.preflight(batch)
     wrappers: list[DeviceIPCWrapper] = []
-    for index, tensor in enumerate(tensors):
+    for index, tensor in flat:
         try:
             wrappers.append(get_kv_wrapper_factory(tensor.device.type)(tensor))
         except Exception as exc:
             for made in reversed(wrappers):
                 made.close()
+            name = f" ({names[index]})" if names is not None else ""
             raise WrapError(
-                f"wrapping KV-cache layer {index} ({tensor.device}, shape {tuple(tensor.shape)}) "
+                f"wrapping KV-cache layer {index}{name} ({tensor.device}, shape {tuple(tensor.shape)}) "
                 f"failed: {type(exc).__name__}: {exc}",
                 layer=index,
+                layer_name=names[index] if names is not None else None,
             ) from exc
-    return wrappers
+    entries: list[KVCacheEntry] = []
+    made_iter = iter(wrappers)
+    for layer in layers:
+        entries.append((next(made_iter), next(made_iter)) if isinstance(layer, tuple) else next(made_iter))
+    return dict(zip(names, entries, strict=True)) if names is not None else entries
 
 
-def _device_type_of(wrapper: DeviceIPCWrapper) -> str:
+def _device_type_of(entry: KVCacheEntry) -> str:
+    wrapper = entry[0] if isinstance(entry, tuple) else entry
     declared = getattr(type(wrapper), "device_type", "")
     return declared if declared else str(wrapper.to_tensor().device.type)
 
 
 def create_cache_context(
-    kv_caches: Sequence[DeviceIPCWrapper],
+    kv_caches: Mapping[str, KVCacheEntry] | Sequence[KVCacheEntry],
     lmcache_tokens_per_chunk: int = 256,
     layout_hints: LayoutHints | None = None,
     engine_group_infos: Sequence[EngineGroupInfo] = (),
     engine_type: EngineType = EngineType.VLLM,
     separate_object_groups: bool = True,
     full_sw_kv: bool = False,
+    layer_names: Sequence[str] = (),
 ) -> BaseCacheContext:
     """Build the cache context for one engine's per-layer wrappers (server side).
 
-    The device type comes from the wrappers' classes; every wrapper must share it.
-    The backend's class receives ``(kv_caches, config)`` with a frozen
-    :class:`CacheContextConfig`.
+    ``kv_caches`` is what :func:`wrap_kv_caches` returned: a dict keyed by engine
+    layer name (the names become ``layer_names``), or a list. The device type comes
+    from the wrappers' classes; every wrapper must share it. The backend's class
+    receives ``(kv_caches, config)`` with a frozen :class:`CacheContextConfig`.
     """
+    if isinstance(kv_caches, Mapping):
+        if layer_names:
+            raise ValueError("pass layer names as the dict's keys or as layer_names, not both")
+        layer_names = [str(k) for k in kv_caches]
+        kv_caches = list(kv_caches.values())
     kv_caches = list(kv_caches)
     if not kv_caches:
         raise ValueError("create_cache_context needs a non-empty list of KV-cache wrappers")
@@ -103,6 +138,7 @@ def create_cache_context(
         engine_type=engine_type,
         separate_object_groups=separate_object_groups,
         full_sw_kv=full_sw_kv,
+        layer_names=tuple(layer_names),
     )
     return cls(kv_caches, config)
 
