@@ -90,10 +90,16 @@ CONFIG: dict[str, Any] = dict(
 
 def test_every_op_round_trips() -> None:
     chunks = [P.Chunk("a", ((1, 2), (3,))), P.Chunk("b", ((),))]
+    keyed = [P.Chunk(b"\x00" * 32, ((1, 2), (3,))), P.Chunk(b"k" * P.MAX_KEY_LEN, ((4, 5), (6,)))]
     cases: list[tuple[str, dict[str, Any]]] = [
         ("register", {"wrappers": b"LMCW\x01\x90", "config": CONFIG}),
+        ("register", {"wrappers": b"LMCW\x01\x90", "config": CONFIG, "namespace": b"n" * 32}),
         ("store", {"context": 7, "chunks": chunks}),
         ("retrieve", {"context": 7, "chunks": chunks}),
+        ("put", {"context": 7, "chunks": keyed}),
+        ("get", {"context": 7, "chunks": keyed}),
+        ("lookup", {"namespace": b"n", "keys": (b"a", b"b" * 64)}),
+        ("lookup", {"namespace": b"n", "keys": ()}),
         ("unregister", {"context": 7}),
         ("status", {}),
         ("status", {"context": 7}),
@@ -125,6 +131,18 @@ def good_store(**over: Any) -> dict[str, Any]:
     return msg
 
 
+def good_put(**over: Any) -> dict[str, Any]:
+    msg: dict[str, Any] = {"op": "put", "id": 1, "context": 1, "chunks": [[b"k", [[1, 2]]]]}
+    msg.update(over)
+    return msg
+
+
+def good_lookup(**over: Any) -> dict[str, Any]:
+    msg: dict[str, Any] = {"op": "lookup", "id": 1, "namespace": b"n", "keys": [b"k"]}
+    msg.update(over)
+    return msg
+
+
 @pytest.mark.parametrize(
     ("msg", "match"),
     [
@@ -147,6 +165,25 @@ def good_store(**over: Any) -> dict[str, Any]:
         (good_store(chunks=[["c", [[0]]]] * (P.MAX_CHUNKS + 1)), "exceed the limit"),
         ({"op": "register", "id": 1, "wrappers": "x", "config": {}}, "wrappers: expected bytes"),
         ({"op": "register", "id": 1, "wrappers": b"", "config": {}}, "config: missing keys"),
+        # keyed chunks and lookups: keys are 1..64 bytes, never text
+        (good_put(chunks=[["k", [[1, 2]]]]), "put chunk 0 key: expected bytes, got str"),
+        (good_put(chunks=[[b"", [[1, 2]]]]), "put chunk 0 key: must not be empty"),
+        (good_put(chunks=[[b"k" * 65, [[1, 2]]]]), "put chunk 0 key: length 65 exceeds the limit of 64"),
+        (good_put(chunks=[[b"k"]]), "expected \\[key, block_ids_per_group\\]"),
+        (good_put(op="get", chunks=[[b"k", [[1, -1]]]]), "get chunk 0 group 0\\[1\\]: -1 is outside"),
+        (good_store(chunks=[[b"k", [[1]]]]), "store chunk 0 id: expected str, got bytes"),
+        (good_put(namespace=b"n"), "put request: .*unknown keys \\[\"'namespace'\"\\]"),
+        (good_lookup(keys=b"k"), "lookup keys: expected a list"),
+        (good_lookup(keys=[b"a", "b"]), "lookup key 1: expected bytes, got str"),
+        (good_lookup(keys=[b"a", b""]), "lookup key 1: must not be empty"),
+        (good_lookup(keys=[b"k"] * (P.MAX_CHUNKS + 1)), "lookup keys: 4097 items exceed the limit of 4096"),
+        (good_lookup(namespace=b""), "lookup namespace: must not be empty"),
+        (good_lookup(namespace=b"n" * 65), "lookup namespace: length 65 exceeds"),
+        (good_lookup(namespace="n"), "lookup namespace: expected bytes"),
+        ({"op": "lookup", "id": 1, "keys": [b"k"]}, "missing keys \\['namespace'\\]"),
+        (good_lookup(context=1), "unknown keys"),
+        ({"op": "register", "id": 1, "wrappers": b"", "config": P.encode_config(), "namespace": 7},
+         "register namespace: expected bytes, got int"),
     ],
 )
 def test_bad_requests_name_the_culprit(msg: object, match: str) -> None:
@@ -248,7 +285,9 @@ def test_malformed_replies_are_refused(msg: object) -> None:
 
 _VALID_REQUESTS = [
     P.encode_request("store", 5, context=3, chunks=[P.Chunk("a", ((1, 2), (3,)))]),
-    P.encode_request("register", 6, wrappers=b"LMCW\x01\x90", config=CONFIG),
+    P.encode_request("register", 6, wrappers=b"LMCW\x01\x90", config=CONFIG, namespace=b"n" * 32),
+    P.encode_request("put", 7, context=3, chunks=[P.Chunk(b"k" * 32, ((1, 2), (3,)))]),
+    P.encode_request("lookup", 8, namespace=b"n" * 32, keys=[b"a" * 32, b"b" * 32]),
 ]
 
 

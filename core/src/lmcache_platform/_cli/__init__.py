@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gc": ("lmcache_platform._cli.gc", "reclaim resources left behind by dead producers"),
     "check": ("lmcache_platform._cli.check", "run the conformance suite against a backend"),
     "bench": ("lmcache_platform._cli.bench", "benchmark hand-off, transfers and dispatch"),
+    "serve": ("lmcache_platform._cli.serve", "run the reference KV-cache server in the foreground"),
 }
 
 

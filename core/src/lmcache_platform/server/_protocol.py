@@ -7,6 +7,10 @@ read. Each frame holds one envelope (see :mod:`lmcache_platform._codec`) with ma
 are checked field by field against :data:`_SCHEMA`; registration embeds the
 wrapper list as a :mod:`lmcache_platform.wire` message, which the server decodes
 with its own allow-list.
+
+Two ways to name a chunk: ``store``/``retrieve`` take chunk ids (``str``) private to
+one context; ``put``/``get``/``lookup`` take content keys (``bytes``) in the
+namespace a context registered with, shared by every context of that namespace.
 """
 
 from __future__ import annotations
@@ -28,22 +32,26 @@ from .._codec import (
     expect_str,
 )
 from .._errors import WireFormatError
+from .._kv.layout import ENGINE_LAYOUTS
 from .._types import EngineGroupInfo, EngineType, KVFormat, LayoutHints
 
 MAGIC = b"LMCP"
 VERSION = 1
 #: Largest frame either side accepts, length prefix excluded.
 MAX_FRAME_BYTES = 16 << 20
-#: Most chunks in one store or retrieve request.
+#: Most chunks in one store, retrieve, put or get request, and keys in one lookup.
 MAX_CHUNKS = 4096
 #: Most KV-cache groups per chunk, and block ids per group.
 MAX_GROUPS = 64
 MAX_BLOCKS_PER_GROUP = 1 << 16
 MAX_CHUNK_ID_LEN = 256
+#: Longest content key and namespace (bytes; both at least 1). Also BLAKE2b's key
+#: limit, which ``chunk_keys`` relies on: it keys the hash with the namespace.
+MAX_KEY_LEN = 64
 MAX_ID = (1 << 63) - 1
 MAX_LAYERS = wire.MAX_WRAPPERS
 
-OPS = ("register", "store", "retrieve", "unregister", "status", "shutdown")
+OPS = ("register", "store", "retrieve", "put", "get", "lookup", "unregister", "status", "shutdown")
 
 _PREFIX = struct.Struct(">I")
 _LIMITS = _codec.Limits(
@@ -100,9 +108,13 @@ def _recv_exact(sock: socket.socket, n: int, *, at_boundary: bool) -> bytes | No
 
 @dataclass(frozen=True)
 class Chunk:
-    """One chunk to move: its id in server memory and the engine block ids per group."""
+    """One chunk to move: its name in server memory and the engine block ids per group.
 
-    chunk_id: str
+    The name is a chunk id (``str``, for ``store``/``retrieve``) or a content key
+    (``bytes``, for ``put``/``get``).
+    """
+
+    chunk_id: str | bytes
     block_ids: tuple[tuple[int, ...], ...]
 
 
@@ -116,13 +128,18 @@ class Request:
     wrappers: bytes = b""
     config: dict[str, Any] = field(default_factory=dict)
     chunks: tuple[Chunk, ...] = ()
+    namespace: bytes = b""
+    keys: tuple[bytes, ...] = ()
 
 
 #: op -> (required keys, optional keys), beyond "op" and "id".
 _SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "register": (frozenset({"wrappers", "config"}), frozenset()),
+    "register": (frozenset({"wrappers", "config"}), frozenset({"namespace"})),
     "store": (frozenset({"context", "chunks"}), frozenset()),
     "retrieve": (frozenset({"context", "chunks"}), frozenset()),
+    "put": (frozenset({"context", "chunks"}), frozenset()),
+    "get": (frozenset({"context", "chunks"}), frozenset()),
+    "lookup": (frozenset({"namespace", "keys"}), frozenset()),
     "unregister": (frozenset({"context"}), frozenset()),
     "status": (frozenset(), frozenset({"context"})),
     "shutdown": (frozenset(), frozenset()),
@@ -137,6 +154,8 @@ def encode_request(
     wrappers: bytes | None = None,
     config: dict[str, Any] | None = None,
     chunks: Sequence[Chunk] | None = None,
+    namespace: bytes | None = None,
+    keys: Sequence[bytes] | None = None,
 ) -> bytes:
     """Build a request frame payload; the same schema as :func:`decode_request` checks."""
     msg: dict[str, object] = {"op": op, "id": request_id}
@@ -148,6 +167,10 @@ def encode_request(
         msg["config"] = encode_config(**config)
     if chunks is not None:
         msg["chunks"] = [[c.chunk_id, [list(g) for g in c.block_ids]] for c in chunks]
+    if namespace is not None:
+        msg["namespace"] = namespace
+    if keys is not None:
+        msg["keys"] = list(keys)
     payload = _codec.pack(MAGIC, VERSION, msg, max_bytes=MAX_FRAME_BYTES, what="request")
     decode_request(payload)  # refuse to send what the server would refuse
     return payload
@@ -182,18 +205,36 @@ def decode_request(payload: bytes) -> Request:
     if "config" in msg:
         kwargs["config"] = decode_config(msg["config"])
     if "chunks" in msg:
-        kwargs["chunks"] = _decode_chunks(msg["chunks"], op)
+        kwargs["chunks"] = _decode_chunks(msg["chunks"], op, keyed=op in ("put", "get"))
+    if "namespace" in msg:
+        kwargs["namespace"] = _key(msg["namespace"], f"{op} namespace")
+    if "keys" in msg:
+        keys = expect_list(msg["keys"], f"{op} keys", max_len=MAX_CHUNKS)
+        kwargs["keys"] = tuple(_key(k, f"{op} key {i}") for i, k in enumerate(keys))
     return Request(op=op, request_id=rid, **kwargs)
 
 
-def _decode_chunks(value: object, op: str) -> tuple[Chunk, ...]:
+def _key(value: object, where: str) -> bytes:
+    key = expect_bytes(value, where, max_len=MAX_KEY_LEN)
+    if not key:
+        raise WireFormatError(f"{where}: must not be empty")
+    return key
+
+
+def _decode_chunks(value: object, op: str, *, keyed: bool) -> tuple[Chunk, ...]:
     chunks = []
     for i, item in enumerate(expect_list(value, f"{op} chunks", max_len=MAX_CHUNKS)):
         where = f"{op} chunk {i}"
         pair = expect_list(item, where, max_len=2)
         if len(pair) != 2:
-            raise WireFormatError(f"{where}: expected [chunk_id, block_ids_per_group]")
-        chunk_id = expect_str(pair[0], f"{where} id", max_len=MAX_CHUNK_ID_LEN)
+            raise WireFormatError(
+                f"{where}: expected [{'key' if keyed else 'chunk_id'}, block_ids_per_group]"
+            )
+        chunk_id: str | bytes
+        if keyed:
+            chunk_id = _key(pair[0], f"{where} key")
+        else:
+            chunk_id = expect_str(pair[0], f"{where} id", max_len=MAX_CHUNK_ID_LEN)
         groups = expect_list(pair[1], f"{where} block ids", max_len=MAX_GROUPS)
         block_ids = tuple(
             tuple(expect_int_list(g, f"{where} group {j}", lo=0, hi=MAX_ID, max_len=MAX_BLOCKS_PER_GROUP))
@@ -207,9 +248,13 @@ def _decode_chunks(value: object, op: str) -> tuple[Chunk, ...]:
 
 _CONFIG_KEYS = frozenset(
     {"lmcache_tokens_per_chunk", "layout_hints", "engine_group_infos", "engine_type",
-     "separate_object_groups", "full_sw_kv"}
+     "separate_object_groups", "full_sw_kv", "layer_names"}
 )  # fmt: skip
-_HINT_KEYS = frozenset({"kv_format", "per_layer", "block_size", "num_kv_heads"})
+_HINT_KEYS = frozenset(
+    {"kv_format", "per_layer", "block_size", "num_kv_heads", "engine_layout", "head_size"}
+)
+#: Longest engine layer name (``model.layers.3.self_attn.attn`` and the like).
+MAX_LAYER_NAME_LEN = 256
 _GROUP_KEYS = frozenset({"layer_indices", "block_size", "sliding_window"})
 _MAX_TOKENS = 1 << 24
 
@@ -222,6 +267,7 @@ def encode_config(
     engine_type: EngineType = EngineType.VLLM,
     separate_object_groups: bool = True,
     full_sw_kv: bool = False,
+    layer_names: Sequence[str] = (),
 ) -> dict[str, object]:
     """The keyword arguments of ``create_cache_context`` (after the wrappers) as primitives."""
     hints: dict[str, object] | None = None
@@ -231,6 +277,8 @@ def encode_config(
             "per_layer": [[i, f.value] for i, f in sorted(layout_hints.per_layer.items())],
             "block_size": layout_hints.block_size,
             "num_kv_heads": layout_hints.num_kv_heads,
+            "engine_layout": layout_hints.engine_layout,
+            "head_size": layout_hints.head_size,
         }
     return {
         "lmcache_tokens_per_chunk": lmcache_tokens_per_chunk,
@@ -246,6 +294,7 @@ def encode_config(
         "engine_type": engine_type.value,
         "separate_object_groups": separate_object_groups,
         "full_sw_kv": full_sw_kv,
+        "layer_names": list(layer_names),
     }
 
 
@@ -260,6 +309,10 @@ def decode_config(value: object) -> dict[str, Any]:
         "separate_object_groups": expect_bool(msg["separate_object_groups"], "config separate_object_groups"),
         "full_sw_kv": expect_bool(msg["full_sw_kv"], "config full_sw_kv"),
         "layout_hints": None,
+        "layer_names": tuple(
+            expect_str(name, f"config layer_names[{i}]", max_len=MAX_LAYER_NAME_LEN)
+            for i, name in enumerate(expect_list(msg["layer_names"], "layer_names", max_len=MAX_LAYERS))
+        ),
     }
     if msg["layout_hints"] is not None:
         hints = expect_map(msg["layout_hints"], "config layout_hints", keys=_HINT_KEYS)
@@ -275,6 +328,8 @@ def decode_config(value: object) -> dict[str, Any]:
             per_layer=per_layer,
             block_size=_optional(hints["block_size"], lambda v: _count(v, "block_size")),
             num_kv_heads=_optional(hints["num_kv_heads"], lambda v: _count(v, "num_kv_heads")),
+            engine_layout=_optional(hints["engine_layout"], _engine_layout),
+            head_size=_optional(hints["head_size"], lambda v: _count(v, "head_size")),
         )
     groups = []
     for i, g in enumerate(expect_list(msg["engine_group_infos"], "groups", max_len=MAX_GROUPS)):
@@ -299,6 +354,13 @@ def decode_config(value: object) -> dict[str, Any]:
         )
     out["engine_group_infos"] = tuple(groups)
     return out
+
+
+def _engine_layout(value: object) -> str:
+    name = expect_str(value, "config layout_hints engine_layout", max_len=8)
+    if name not in ENGINE_LAYOUTS:
+        raise WireFormatError(f"config layout_hints engine_layout: {name!r} is not a known layout")
+    return name
 
 
 def _count(value: object, where: str) -> int:

@@ -8,14 +8,21 @@ the context's ``store_chunk`` / ``retrieve_chunk`` and staging slots. It shows
 exactly which calls a production server (LMCache) makes; see
 ``docs/engine-integration.md``.
 
-Concurrency: one thread per client connection, and one lock around all context
-and host-memory work, because a cache context's staging slots are not safe to
-share between concurrent transfers. A context belongs to the connection that
-registered it: other connections cannot see it, and it is closed when that
-connection ends.
+What it holds is a cache (``server._index``): chunks named by content keys in a
+namespace are shared by every context registered with that namespace, outlive the
+context that stored them, and are evicted least recently used first when the host
+memory cap is reached. A context's chunk-id ``store`` keeps private chunks that go
+with the context.
 
-Run it in its own process with :class:`ServerProcess` (spawn), or in-process
-with :class:`ReferenceServer` for embedding.
+Concurrency: one thread per client connection. Each context has its own transfer
+lock (its staging slots are not safe to share between concurrent transfers); the
+chunk index has a short lock of its own, never held while bytes are copied. So
+transfers of different contexts run in parallel. A context belongs to the
+connection that registered it: other connections cannot use it, and it is closed
+when that connection ends.
+
+Run it in its own process with :class:`ServerProcess` (spawn) or ``lmcache-platform
+serve``, or in-process with :class:`ReferenceServer` for embedding.
 """
 
 from __future__ import annotations
@@ -28,16 +35,18 @@ import os
 import shutil
 import signal
 import socket
-import stat
+import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
-from .._errors import LMCachePlatformError, TransferError, WireFormatError
+from .._errors import LayoutError, LMCachePlatformError, TransferError, WireFormatError
 from . import _protocol
+from ._index import ChunkIndex, Reservation, StoredChunk
+from ._listen import Listener
 from ._protocol import Chunk, Request
 
 if TYPE_CHECKING:
@@ -54,29 +63,50 @@ DEFAULT_MAX_CONNECTIONS = 64
 _ACCEPT_POLL_S = 1.0  # a fallback: stop() wakes accept() at once
 
 
-@dataclass
-class _Entry:
-    """One registered cache context and the chunks stored for it."""
+def log_event(level: int, event: str, message: str, **fields: Any) -> None:
+    """One server log line: ``message`` for people, ``event`` and ``fields`` for ``--json-log``."""
+    logger.log(level, message, extra={"event": event, "fields": fields})
 
+
+@dataclass(eq=False)
+class _Entry:
+    """One registered cache context."""
+
+    context: int
     ctx: BaseCacheContext
     device_type: str
-    chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: The namespace of its keyed chunks; empty when registered without one.
+    namespace: bytes
+    #: Bytes of one chunk in host memory (all object groups).
+    chunk_bytes: int
+    #: Held for each transfer on this context: its staging slots are not shareable.
+    lock: threading.Lock
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for ts in self.chunks.values() for t in ts)
+
+@dataclass
+class _Binding:
+    """The KV layout a namespace holds chunks of, and how many contexts use it now."""
+
+    layout: dict[str, Any]
+    contexts: int = 0
 
 
 @dataclass(eq=False)  # identity semantics: kept in a set
 class _Connection:
     sock: socket.socket
+    #: Who connected, for logs (``pid 1234 uid 1000`` from ``SO_PEERCRED``).
+    peer: str = ""
     contexts: set[int] = field(default_factory=set)
     #: Set by a ``shutdown`` request: stop the server once its reply is sent.
     stop_after_reply: bool = False
 
 
 class ReferenceServer:
-    """Serve the protocol of :mod:`lmcache_platform.server._protocol` on one UNIX socket."""
+    """Serve the protocol of ``lmcache_platform.server._protocol`` on one UNIX socket.
+
+    ``parallel_transfers=False`` makes every context share one transfer lock, the
+    server's behaviour before per-context locks; it exists to measure the difference.
+    """
 
     def __init__(
         self,
@@ -84,22 +114,30 @@ class ReferenceServer:
         *,
         max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        parallel_transfers: bool = True,
     ) -> None:
         self.socket_path = socket_path
         self.max_host_bytes = max_host_bytes
         #: Concurrent clients; each may hold one frame buffer (up to 16 MiB) at a time.
         self.max_connections = max_connections
-        self._lock = threading.Lock()
+        self.parallel_transfers = parallel_transfers
+        self._serial_lock = threading.Lock()  # the one transfer lock without parallel_transfers
+        self._lock = threading.Lock()  # entries, bindings, connections: never held while copying
+        self._index = ChunkIndex(max_host_bytes)
         self._stop = threading.Event()
         self._ids = itertools.count(1)
         self._entries: dict[int, _Entry] = {}
+        self._bindings: dict[bytes, _Binding] = {}
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
-        self._listener: socket.socket | None = None
+        self._listener: Listener | None = None
         self._handlers: dict[str, Callable[[Request, _Connection], dict[str, Any]]] = {
             "register": self._register,
             "store": self._store,
             "retrieve": self._retrieve,
+            "put": self._put,
+            "get": self._get,
+            "lookup": self._lookup,
             "unregister": self._unregister,
             "status": self._status,
             "shutdown": self._shutdown,
@@ -108,24 +146,20 @@ class ReferenceServer:
     # -- lifecycle ---------------------------------------------------------------------
 
     def bind(self) -> None:
-        """Create the listening socket with mode 0600 (no window with looser rights)."""
-        parent = os.path.dirname(self.socket_path) or "."
-        st = os.stat(parent)
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise PermissionError(f"socket directory {parent} must be owned by this user with mode 0700")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        finally:
-            os.umask(old)
-        os.chmod(self.socket_path, 0o600)
-        sock.listen(16)
-        sock.settimeout(_ACCEPT_POLL_S)
-        self._listener = sock
+        """Take the socket path (see ``server._listen``) and listen on it.
+
+        Raises :class:`PermissionError` for a directory others can enter, and
+        :class:`~lmcache_platform.ServerError` when a live server holds the path or
+        something other than a socket is there. A dead server's socket is replaced.
+        """
+        self._listener = Listener(self.socket_path)
+        self._listener.sock.settimeout(_ACCEPT_POLL_S)
+        log_event(
+            logging.INFO, "listening",
+            f"listening on {self.socket_path} (pid {os.getpid()}, host memory cap "
+            f"{self.max_host_bytes} bytes)",
+            socket=self.socket_path, pid=os.getpid(), max_host_bytes=self.max_host_bytes,
+        )  # fmt: skip
 
     def serve_forever(self) -> None:
         """Accept clients until :meth:`stop` or a ``shutdown`` request; then clean up."""
@@ -135,33 +169,39 @@ class ReferenceServer:
         try:
             while not self._stop.is_set():
                 try:
-                    client, _ = self._listener.accept()
+                    client, _ = self._listener.sock.accept()
                 except TimeoutError:
                     continue
                 if self._stop.is_set():  # the wake-up from stop(), or a late client
                     client.close()
                     break
-                with self._lock:
-                    busy = len(self._connections) >= self.max_connections
-                if busy:  # bound the memory clients can pin with announced frames
-                    logger.warning("refusing a client: %d connections open", self.max_connections)
-                    with contextlib.suppress(OSError):
-                        _protocol.send_frame(client, _protocol.encode_error(
-                            0, "ServerError", f"too many connections (limit {self.max_connections})"))
-                    client.close()
-                    continue
-                client.settimeout(None)
-                conn = _Connection(client)
-                thread = threading.Thread(
-                    target=self._serve_client, args=(conn,), name="lmcache-client", daemon=True
-                )
-                with self._lock:
-                    self._connections.add(conn)
-                    self._threads = [t for t in self._threads if t.is_alive()]
-                    self._threads.append(thread)
-                thread.start()
+                self._accept(client)
         finally:
             self._teardown()
+
+    def _accept(self, client: socket.socket) -> None:
+        peer = _peer(client)
+        with self._lock:
+            busy = len(self._connections) >= self.max_connections
+        if busy:  # bound the memory clients can pin with announced frames
+            log_event(
+                logging.WARNING, "refused_connection",
+                f"refusing a client ({peer}): {self.max_connections} connections open",
+                peer=peer, limit=self.max_connections,
+            )  # fmt: skip
+            with contextlib.suppress(OSError):
+                _protocol.send_frame(client, _protocol.encode_error(
+                    0, "ServerError", f"too many connections (limit {self.max_connections})"))  # fmt: skip
+            client.close()
+            return
+        client.settimeout(None)
+        conn = _Connection(client, peer)
+        thread = threading.Thread(target=self._serve_client, args=(conn,), name="lmcache-client", daemon=True)
+        with self._lock:
+            self._connections.add(conn)
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
 
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (from any thread or a signal handler)."""
@@ -173,8 +213,6 @@ class ReferenceServer:
     def _teardown(self) -> None:
         assert self._listener is not None
         self._listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
         with self._lock:
             connections = list(self._connections)
         for conn in connections:  # wake the client threads blocked in recv()
@@ -183,8 +221,15 @@ class ReferenceServer:
         for thread in self._threads:
             thread.join(timeout=10)
         with self._lock:
-            for ctx_id in list(self._entries):
-                self._close_entry(ctx_id)
+            remaining = list(self._entries)
+        for ctx_id in remaining:
+            self._close_entry(ctx_id, "server stopping")
+        stats = self._index.stats()
+        log_event(
+            logging.INFO, "stopped",
+            f"stopped: {stats['chunks']} chunks ({stats['host_bytes']} bytes) released, socket removed",
+            socket=self.socket_path, **stats,
+        )  # fmt: skip
 
     # -- per connection ----------------------------------------------------------------
 
@@ -194,6 +239,7 @@ class ReferenceServer:
                 try:
                     payload = _protocol.recv_frame(conn.sock)
                 except WireFormatError as exc:  # stream out of sync: answer, then hang up
+                    self._refused(conn, "frame", 0, exc)
                     self._send(conn, _protocol.encode_error(0, type(exc).__name__, str(exc)))
                     return
                 except OSError:
@@ -206,10 +252,11 @@ class ReferenceServer:
                 if not sent:
                     return
         finally:
+            reason = "server stopping" if self._stop.is_set() else "disconnect"
+            for ctx_id in sorted(conn.contexts):
+                self._close_entry(ctx_id, reason)
+            conn.contexts.clear()
             with self._lock:
-                for ctx_id in sorted(conn.contexts):
-                    self._close_entry(ctx_id)
-                conn.contexts.clear()
                 self._connections.discard(conn)
             conn.sock.close()
 
@@ -225,28 +272,39 @@ class ReferenceServer:
         """Answer one request. Every failure becomes an error reply; the server goes on."""
         try:
             req = _protocol.decode_request(payload)
-        except WireFormatError as exc:
+        except Exception as exc:
             rid = _protocol.request_id_of(payload)
+            if not isinstance(exc, WireFormatError):  # a decoder bug must not cost the client its reply
+                logger.exception("decoding a request failed")
+                exc = WireFormatError(f"malformed request: {exc}")
+            self._refused(conn, "request", rid, exc)
             return _protocol.encode_error(rid, type(exc).__name__, str(exc))
-        except Exception as exc:  # a decoder bug must not cost the client its reply
-            logger.exception("decoding a request failed")
-            rid = _protocol.request_id_of(payload)
-            return _protocol.encode_error(rid, "WireFormatError", f"malformed request: {exc}")
         try:
             result = self._handlers[req.op](req, conn)
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault
+            self._refused(conn, req.op, req.request_id, exc)
             return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
         except Exception as exc:  # a bug or a backend failure: report it, keep serving
             logger.exception("%s request %d failed", req.op, req.request_id)
+            self._refused(conn, req.op, req.request_id, exc)
             return _protocol.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
         return _protocol.encode_reply(req.request_id, result)
+
+    @staticmethod
+    def _refused(conn: _Connection, op: str, request_id: int, exc: BaseException) -> None:
+        log_event(
+            logging.WARNING, "refused",
+            f"refused {op} request {request_id} from {conn.peer}: {type(exc).__name__}: {exc}",
+            op=op, request_id=request_id, peer=conn.peer, error_type=type(exc).__name__, error=str(exc),
+        )  # fmt: skip
 
     # -- operations --------------------------------------------------------------------
 
     def _entry(self, req: Request, conn: _Connection) -> _Entry:
         if req.context not in conn.contexts:
             raise TransferError(f"unknown context {req.context}: not registered on this connection")
-        return self._entries[req.context]
+        with self._lock:
+            return self._entries[req.context]
 
     def _register(self, req: Request, conn: _Connection) -> dict[str, Any]:
         from .._facade import create_cache_context
@@ -262,12 +320,30 @@ class ReferenceServer:
             for w in wrappers:
                 w.close()
             raise
-        backend = selected_backend(device_type)
-        with self._lock:
-            ctx_id = next(self._ids)
-            self._entries[ctx_id] = _Entry(ctx, device_type)
-            conn.contexts.add(ctx_id)
-        slot_bytes = [ctx.get_temp_object_group_buffer(0, og).nbytes for og in range(_num_object_groups(ctx))]
+        try:
+            backend = selected_backend(device_type)
+            n_groups = _num_object_groups(ctx)
+            chunk_bytes = sum(ctx.get_temp_object_group_buffer(0, og).nbytes for og in range(n_groups))
+            layout = _layout_of(ctx) if req.namespace else {}
+            with self._lock:
+                if req.namespace:
+                    self._bind(req.namespace, layout)
+                ctx_id = next(self._ids)
+                lock = threading.Lock() if self.parallel_transfers else self._serial_lock
+                self._entries[ctx_id] = _Entry(ctx_id, ctx, device_type, req.namespace, chunk_bytes, lock)
+                conn.contexts.add(ctx_id)
+        except BaseException:
+            ctx.close()
+            raise
+        log_event(
+            logging.INFO, "register",
+            f"registered context {ctx_id} for {conn.peer}: {len(wrappers)} {device_type} layers "
+            f"({backend.name}), {chunk_bytes} bytes per chunk of {ctx.lmcache_tokens_per_chunk} tokens, "
+            f"namespace {_show_namespace(req.namespace)}",
+            context=ctx_id, peer=conn.peer, device_type=device_type, backend=backend.name,
+            num_layers=len(wrappers), chunk_bytes=chunk_bytes, tokens_per_chunk=ctx.lmcache_tokens_per_chunk,
+            namespace=req.namespace.hex(),
+        )  # fmt: skip
         return {
             "context": ctx_id,
             "device_type": device_type,
@@ -277,102 +353,167 @@ class ReferenceServer:
                 "version": backend.version,
             },
             "num_layers": len(wrappers),
-            "num_object_groups": len(slot_bytes),
+            "num_object_groups": n_groups,
             "max_batch_size": ctx.max_batch_size,
-            "chunk_bytes": sum(slot_bytes),
+            "chunk_bytes": chunk_bytes,
+            "namespace": req.namespace,
         }
 
-    def _store(self, req: Request, conn: _Connection) -> dict[str, Any]:
-        with self._lock:
-            entry = self._entry(req, conn)
-            ctx = entry.ctx
-            _check_unique(req.chunks)
-            per_chunk = sum(
-                ctx.get_temp_object_group_buffer(0, og).nbytes for og in range(_num_object_groups(ctx))
+    def _bind(self, namespace: bytes, layout: dict[str, Any]) -> None:
+        """Tie ``namespace`` to one KV layout while it has contexts or chunks. Caller holds the lock."""
+        for ns in [ns for ns, b in self._bindings.items() if not b.contexts and not self._index.count(ns)]:
+            del self._bindings[ns]  # nothing of it is left: it may be bound afresh
+        binding = self._bindings.setdefault(namespace, _Binding(layout))
+        if binding.layout != layout:
+            raise LayoutError(
+                f"namespace {_show_namespace(namespace)} holds chunks of another KV layout "
+                f"({_first_difference(binding.layout, layout)}); a namespace must name one layout"
             )
-            replaced = sum(sum(t.nbytes for t in entry.chunks.get(c.chunk_id, ())) for c in req.chunks)
-            used = sum(e.nbytes for e in self._entries.values()) - replaced
-            need = per_chunk * len(req.chunks)
-            if used + need > self.max_host_bytes:
-                raise TransferError(
-                    f"store of {need} bytes exceeds the server's host memory "
-                    f"({used} of {self.max_host_bytes} bytes in use); nothing was stored"
-                )
-            _precheck(ctx, req.chunks, retrieve=False)
-            staged: dict[str, list[torch.Tensor]] = {}
-            for batch in _batches(req.chunks, ctx.max_batch_size):
+        binding.contexts += 1
+
+    def _store(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        entry = self._entry(req, conn)
+        _check_unique(req.chunks)
+        with entry.lock:
+            _precheck(entry.ctx, req.chunks, retrieve=False)
+            res = self._index.reserve(entry.context, _names(req.chunks), entry.chunk_bytes, shared=False)
+            self._gather(entry, req.chunks, res)
+        return {"stored": len(res.keys), "bytes": len(res.keys) * entry.chunk_bytes}
+
+    def _put(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        entry = self._entry(req, conn)
+        namespace = _namespace_of(entry, "put")
+        _check_unique(req.chunks)
+        with entry.lock:
+            _precheck(entry.ctx, req.chunks, retrieve=False)
+            res = self._index.reserve(namespace, _names(req.chunks), entry.chunk_bytes, shared=True)
+            self._gather(entry, req.chunks, res)
+        return {
+            "stored": len(res.keys),
+            "present": res.present,
+            "dropped": res.dropped,
+            "evicted": res.evicted,
+            "bytes": len(res.keys) * entry.chunk_bytes,
+        }
+
+    def _gather(self, entry: _Entry, chunks: Sequence[Chunk], res: Reservation) -> None:
+        """Copy the reserved chunks out of the engine's blocks, then commit them. Caller holds entry.lock."""
+        ctx = entry.ctx
+        todo = set(res.keys)
+        payloads: list[tuple[list[torch.Tensor], int]] = []
+        try:
+            for batch in _batches([c for c in chunks if c.chunk_id in todo], ctx.max_batch_size):
                 for slot, chunk in enumerate(batch):
                     ctx.store_chunk(chunk.block_ids, slot=slot)
                     with ctx.stream_context():  # ordered after the gather on the same stream
-                        staged[chunk.chunk_id] = [
+                        tensors = [
                             _host_copy(ctx.get_temp_object_group_buffer(slot, og))
                             for og in range(_num_object_groups(ctx))
                         ]
+                    payloads.append((tensors, sum(t.nbytes for t in tensors)))
                 ctx.synchronize()
-            entry.chunks.update(staged)  # commit only when every chunk made it
-        return {"stored": len(staged), "bytes": need}
+        except BaseException:
+            self._index.abort(res)
+            raise
+        self._index.commit(res, payloads)  # readable only once every byte has landed
 
     def _retrieve(self, req: Request, conn: _Connection) -> dict[str, Any]:
-        with self._lock:
-            entry = self._entry(req, conn)
-            ctx = entry.ctx
-            missing = [c.chunk_id for c in req.chunks if c.chunk_id not in entry.chunks]
+        entry = self._entry(req, conn)
+        names = _names(req.chunks)
+        with entry.lock:
+            missing = self._index.missing(entry.context, names)
             if missing:
                 raise TransferError(
                     f"unknown chunk ids {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
                     "nothing was retrieved"
                 )
-            _precheck(ctx, req.chunks, retrieve=True)
-            total = 0
-            for batch in _batches(req.chunks, ctx.max_batch_size):
-                for slot, chunk in enumerate(batch):
+            _precheck(entry.ctx, req.chunks, retrieve=True)
+            total = self._scatter(entry, req.chunks, self._index.acquire(entry.context, names))
+        return {"retrieved": len(req.chunks), "bytes": total}
+
+    def _get(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        entry = self._entry(req, conn)
+        namespace = _namespace_of(entry, "get")
+        with entry.lock:
+            _precheck(entry.ctx, req.chunks, retrieve=True)
+            held = self._index.acquire(namespace, _names(req.chunks))
+            total = self._scatter(entry, req.chunks[: len(held)], held)
+        return {"retrieved": len(held), "bytes": total}
+
+    def _scatter(self, entry: _Entry, chunks: Sequence[Chunk], held: Sequence[StoredChunk]) -> int:
+        """Write pinned chunks into the engine's blocks, then unpin them. Caller holds entry.lock."""
+        ctx = entry.ctx
+        total = 0
+        try:
+            for stored in held:  # a namespace has one layout, so this holds; check before writing
+                if len(stored.payload) != _num_object_groups(ctx) or stored.nbytes != entry.chunk_bytes:
+                    raise TransferError(
+                        "a stored chunk does not match this context's layout; nothing written"
+                    )
+            pairs = list(zip(chunks, held, strict=True))
+            for batch in _batches(pairs, ctx.max_batch_size):
+                for slot, (chunk, stored) in enumerate(batch):
                     with ctx.stream_context():
-                        for og, host in enumerate(entry.chunks[chunk.chunk_id]):
-                            buf = ctx.get_temp_object_group_buffer(slot, og)
-                            buf.copy_(host, non_blocking=True)
+                        for og, host in enumerate(stored.payload):
+                            ctx.get_temp_object_group_buffer(slot, og).copy_(host, non_blocking=True)
                             total += host.nbytes
                     ctx.retrieve_chunk(chunk.block_ids, slot=slot)
                 ctx.synchronize()
-        return {"retrieved": len(req.chunks), "bytes": total}
+        finally:
+            self._index.release(held)
+        return total
+
+    def _lookup(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        return {"hits": self._index.lookup(req.namespace, req.keys)}
 
     def _unregister(self, req: Request, conn: _Connection) -> dict[str, Any]:
-        with self._lock:
-            self._entry(req, conn)
-            self._close_entry(req.context)
-            conn.contexts.discard(req.context)
+        self._entry(req, conn)
+        self._close_entry(req.context, "unregister")
+        conn.contexts.discard(req.context)
         return {}
 
     def _status(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        stats = self._index.stats()
         with self._lock:
-            out: dict[str, Any] = {
-                "server": {
-                    "pid": os.getpid(),
-                    "contexts": len(self._entries),
-                    "chunks": sum(len(e.chunks) for e in self._entries.values()),
-                    "host_bytes": sum(e.nbytes for e in self._entries.values()),
-                    "max_host_bytes": self.max_host_bytes,
-                }
+            server = {
+                "pid": os.getpid(),
+                "contexts": len(self._entries),
+                "connections": len(self._connections),
+                "namespaces": len(self._bindings),
+                "parallel_transfers": self.parallel_transfers,
+                **stats,
             }
-            if req.context:
-                entry = self._entry(req, conn)
-                out["context"] = _plain(entry.ctx.report_status())
-                out["context"]["stored_chunks"] = len(entry.chunks)
+        out: dict[str, Any] = {"server": server}
+        if req.context:
+            entry = self._entry(req, conn)
+            out["context"] = _plain(entry.ctx.report_status())
+            out["context"]["stored_chunks"] = self._index.count(entry.context)
+            out["context"]["namespace"] = entry.namespace
         return out
 
     def _shutdown(self, req: Request, conn: _Connection) -> dict[str, Any]:
         conn.stop_after_reply = True  # stopping now could close this socket before the reply
         return {}
 
-    def _close_entry(self, ctx_id: int) -> None:
-        """Close one context and free its chunks. Caller holds the lock."""
-        entry = self._entries.pop(ctx_id, None)
-        if entry is None:
-            return
-        entry.chunks.clear()
-        try:
-            entry.ctx.close()
-        except Exception:  # closing must not take the server down; say what happened
-            logger.exception("closing context %d failed", ctx_id)
+    def _close_entry(self, ctx_id: int, reason: str) -> None:
+        """Close one context and drop its own chunks; its keyed chunks stay in the cache."""
+        with self._lock:
+            entry = self._entries.pop(ctx_id, None)
+            if entry is None:
+                return
+            if entry.namespace:
+                self._bindings[entry.namespace].contexts -= 1
+        with entry.lock:  # wait for a transfer still running on it (a stopping server)
+            dropped = self._index.drop(ctx_id)
+            try:
+                entry.ctx.close()
+            except Exception:  # closing must not take the server down; say what happened
+                logger.exception("closing context %d failed", ctx_id)
+        log_event(
+            logging.INFO, "close",
+            f"closed context {ctx_id} ({reason}); {dropped} chunks of its own dropped",
+            context=ctx_id, reason=reason, dropped=dropped,
+        )  # fmt: skip
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -382,16 +523,42 @@ def _num_object_groups(ctx: BaseCacheContext) -> int:
     return int(ctx.kv_layer_groups_manager.num_object_groups)
 
 
-def _batches(chunks: tuple[Chunk, ...], size: int) -> Iterator[tuple[Chunk, ...]]:
-    for start in range(0, len(chunks), size):
-        yield chunks[start : start + size]
+def _names(chunks: Sequence[Chunk]) -> list[str | bytes]:
+    return [c.chunk_id for c in chunks]
 
 
-def _check_unique(chunks: tuple[Chunk, ...]) -> None:
-    seen: set[str] = set()
+def _namespace_of(entry: _Entry, op: str) -> bytes:
+    if not entry.namespace:
+        raise TransferError(
+            f"{op}: context {entry.context} was registered without a namespace; "
+            "keyed chunks need one (register with namespace=...)"
+        )
+    return entry.namespace
+
+
+def _show_namespace(namespace: bytes) -> str:
+    return _short_hex(namespace) if namespace else "(none)"
+
+
+def _show_name(chunk_id: str | bytes) -> str:
+    """A chunk id as its repr; a content key as ``key <hex prefix>``."""
+    return f"key {_short_hex(chunk_id)}" if isinstance(chunk_id, bytes) else repr(chunk_id)
+
+
+def _short_hex(data: bytes) -> str:
+    return data.hex()[:16] + ("..." if len(data) > 8 else "")
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _check_unique(chunks: Sequence[Chunk]) -> None:
+    seen: set[str | bytes] = set()
     for c in chunks:
         if c.chunk_id in seen:
-            raise TransferError(f"chunk id {c.chunk_id!r} appears twice in one request")
+            raise TransferError(f"{_show_name(c.chunk_id)} appears twice in one request")
         seen.add(c.chunk_id)
 
 
@@ -405,13 +572,39 @@ def _host_copy(buf: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _precheck(ctx: BaseCacheContext, chunks: tuple[Chunk, ...], *, retrieve: bool) -> None:
+def _precheck(ctx: BaseCacheContext, chunks: Sequence[Chunk], *, retrieve: bool) -> None:
     """Check every chunk before any chunk moves, so a bad request writes nothing."""
     for i, chunk in enumerate(chunks):
         try:
             ctx.validate_transfer(chunk.block_ids, retrieve=retrieve)
         except TransferError as exc:
-            raise TransferError(f"chunk {i} ({chunk.chunk_id!r}): {exc}; nothing was transferred") from exc
+            name = _show_name(chunk.chunk_id)
+            raise TransferError(f"chunk {i} ({name}): {exc}; nothing was transferred") from exc
+
+
+def _layout_of(ctx: BaseCacheContext) -> dict[str, Any]:
+    """What two contexts must agree on to share chunks: the status report minus block counts."""
+    status = _plain(ctx.report_status())
+    per_engine = {"num_blocks", "layer_shape"}  # the engine's block count is not part of a chunk
+    return {
+        "tokens_per_chunk": status["tokens_per_chunk"],
+        "kernel_groups": [
+            {k: v for k, v in kg.items() if k not in per_engine} for kg in status["kernel_groups"]
+        ],
+        "object_groups": status["object_groups"],
+    }
+
+
+def _first_difference(a: Any, b: Any, path: str = "layout") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{i}]")
+    return f"{path} is {a!r} there, {b!r} here"
 
 
 def _plain(value: Any) -> Any:
@@ -425,13 +618,29 @@ def _plain(value: Any) -> Any:
     return str(getattr(value, "value", value))
 
 
+_PEERCRED = struct.Struct("3i")
+
+
+def _peer(sock: socket.socket) -> str:
+    """``pid N uid M`` of the process at the other end (Linux), for logs."""
+    try:
+        pid, uid, _gid = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+    except (AttributeError, OSError):  # not Linux, or the peer is already gone
+        return "unknown peer"
+    return f"pid {pid} uid {uid}"
+
+
 # -- running in a child process ----------------------------------------------------------
 
 
-def _child_main(socket_path: str, max_host_bytes: int, ready: Any) -> None:
+def _child_main(socket_path: str, max_host_bytes: int, parallel_transfers: bool, ready: Any) -> None:
     """Entry point of the spawned server process."""
     logging.basicConfig(level=logging.WARNING, format="lmcache server: %(message)s")
-    server = ReferenceServer(socket_path, max_host_bytes=max_host_bytes)
+    server = ReferenceServer(
+        socket_path, max_host_bytes=max_host_bytes, parallel_transfers=parallel_transfers
+    )
     try:
         import torch  # noqa: F401 - pay the import before "ready", not in the first request
 
@@ -452,8 +661,15 @@ class ServerProcess:
     terminates if needed, and always removes the socket directory.
     """
 
-    def __init__(self, *, max_host_bytes: int = DEFAULT_MAX_HOST_BYTES, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
+        start_timeout: float = 60.0,
+        parallel_transfers: bool = True,
+    ) -> None:
         self.max_host_bytes = max_host_bytes
+        self.parallel_transfers = parallel_transfers
         self.start_timeout = start_timeout
         self.directory: str | None = None
         self.socket_path = ""
@@ -473,7 +689,7 @@ class ServerProcess:
         parent_end, child_end = mp.Pipe(duplex=False)
         self._process = mp.Process(
             target=_child_main,
-            args=(self.socket_path, self.max_host_bytes, child_end),
+            args=(self.socket_path, self.max_host_bytes, self.parallel_transfers, child_end),
             name="lmcache-platform-server",
             daemon=True,
         )

@@ -1,0 +1,173 @@
+"""``lmcache-platform serve`` as an operator runs it: a real subprocess, its real socket and log."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serve_kit import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir, stale_socket
+
+from lmcache_platform._cli.serve import parse_size
+from lmcache_platform.server import ServerClient, ServerError, chunk_keys
+
+
+def serve_cmd(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``serve`` to completion (it fails to start, or prints help)."""
+    return subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "serve", *args],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_help_documents_every_option_and_environment_variable() -> None:
+    out = serve_cmd("--help")
+    assert out.returncode == 0
+    for word in ("--socket", "--max-host-bytes", "--max-connections", "--json-log",
+                 "LMCACHE_PLATFORM_SOCKET", "LMCACHE_PLATFORM_MAX_HOST_BYTES", "LMCACHE_PLATFORM_BACKEND",
+                 "0700", "SIGTERM", "died"):  # fmt: skip
+        assert word in out.stdout, word
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_it_closing_every_context_and_removing_the_socket(tmp_path: Path, sig: int) -> None:
+    sock = tmp_path / "run" / "kv.sock"  # a missing directory is created private
+    engine = TinyEngine()
+    try:
+        with Serve(sock, "--json-log") as serve:
+            assert stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o700
+            assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o600
+            client = ServerClient(str(sock), timeout=30)
+            ctx = engine.register(client, namespace())
+            engine.fill(0, seed=1)
+            assert client.put(ctx, [(b"k" * 32, [engine.blocks(0)])]).stored == 1
+            assert serve.stop(sig) == 0
+            with pytest.raises((ServerError, OSError)):  # the server hung up on the client
+                client.status()
+            client.close()
+        assert not sock.exists() and not (sock.parent / "kv.sock.lock").exists()
+        events = serve.events()
+        names = [e["event"] for e in events]
+        assert names[0] == "mkdir" and "listening" in names and names[-1] == "stopped"
+        closed = [e for e in events if e["event"] == "close"]
+        assert [(e["context"], e["reason"]) for e in closed] == [(ctx, "server stopping")]
+        assert next(e for e in events if e["event"] == "signal")["signal"] == signal.Signals(sig).name
+    finally:
+        engine.close()
+
+
+def test_a_stale_socket_is_replaced(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    stale_socket(sock)
+    assert stat.S_ISSOCK(os.lstat(sock).st_mode)
+    with Serve(sock, "--json-log") as serve:
+        with ServerClient(str(sock), timeout=30) as c:
+            assert c.status()["server"]["pid"] == serve.proc.pid
+        assert serve.stop() == 0
+    assert [e["socket"] for e in serve.events() if e["event"] == "stale_socket"] == [str(sock)]
+
+
+def test_a_live_servers_socket_is_refused(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    with Serve(sock) as first:
+        second = serve_cmd("--socket", str(sock))
+        assert second.returncode == 2
+        assert "cannot start: ServerError: another server is serving" in second.stderr
+        with ServerClient(str(sock), timeout=30) as c:  # the first one is untouched
+            assert c.status()["server"]["pid"] == first.proc.pid
+        assert first.stop() == 0
+
+
+def test_a_live_foreign_listener_is_refused(tmp_path: Path) -> None:
+    """No lock file, but something answers on the socket: it is not ours to remove."""
+    sock = private_dir(tmp_path) / "kv.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+        other.bind(str(sock))
+        other.listen(1)
+        out = serve_cmd("--socket", str(sock))
+        assert out.returncode == 2 and "a server is already listening on" in out.stderr
+        assert stat.S_ISSOCK(os.lstat(sock).st_mode)
+
+
+def test_something_else_at_the_socket_path_is_left_alone(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    sock.write_text("precious")
+    out = serve_cmd("--socket", str(sock))
+    assert out.returncode == 2 and "exists and is not a socket" in out.stderr
+    assert sock.read_text() == "precious"
+
+
+def test_a_directory_others_can_enter_is_refused(tmp_path: Path) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    out = serve_cmd("--socket", str(loose / "kv.sock"))
+    assert out.returncode == 2 and "must be owned by this user with mode 0700" in out.stderr
+    assert list(loose.iterdir()) == []
+
+
+def test_no_socket_path_is_a_clear_error(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LMCACHE_PLATFORM_SOCKET"}
+    out = subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "serve"], capture_output=True,
+                         text=True, timeout=120, env=env)  # fmt: skip
+    assert out.returncode == 2 and "pass --socket PATH or set LMCACHE_PLATFORM_SOCKET" in out.stderr
+
+
+def test_socket_and_memory_cap_from_the_environment(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    env = {"LMCACHE_PLATFORM_SOCKET": str(sock), "LMCACHE_PLATFORM_MAX_HOST_BYTES": "64KiB"}
+    with Serve(sock, env=env) as serve, ServerClient(str(sock), timeout=30) as c:
+        assert c.status()["server"]["max_host_bytes"] == 64 << 10
+        assert serve.stop() == 0
+
+
+def test_a_bad_memory_cap_is_a_usage_error(tmp_path: Path) -> None:
+    out = serve_cmd("--socket", str(tmp_path / "kv.sock"), "--max-host-bytes", "lots")
+    assert out.returncode == 2 and "not a positive size: 'lots'" in out.stderr
+
+
+@pytest.mark.parametrize(("text", "value"), [("1048576", 1 << 20), ("16G", 16 << 30), ("512MiB", 512 << 20),
+                                             ("64kb", 64 << 10), (" 2T ", 2 << 40), ("3B", 3)])  # fmt: skip
+def test_sizes_take_binary_units(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1", "1.5G", "G", "16X", "16 GB extra"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a positive size"):
+        parse_size(text)
+
+
+def test_json_log_has_one_object_per_line_for_registrations_and_refusals(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    engine = TinyEngine()
+    ns = namespace()
+    try:
+        with Serve(sock, "--json-log", "--max-host-bytes", str(4 * CHUNK_BYTES)) as serve:
+            with ServerClient(str(sock), timeout=30) as c:
+                ctx = engine.register(c, ns)
+                keys = chunk_keys(list(range(3 * 8)), 8, ns)
+                c.put(ctx, [(k, [engine.blocks(i)]) for i, k in enumerate(keys)])
+                assert c.lookup(ns, keys) == 3
+                with pytest.raises(ServerError, match="out of range"):
+                    c.get(ctx, [(keys[0], [[0, 99]])])
+                c.send_raw(b"not a request")
+                assert not c.recv_reply().ok
+            assert serve.stop() == 0
+        events = serve.events()  # every line parses as one JSON object
+        assert all({"time", "level", "logger", "event", "message"} <= e.keys() for e in events)
+        (reg,) = [e for e in events if e["event"] == "register"]
+        assert (reg["context"], reg["namespace"], reg["chunk_bytes"]) == (ctx, ns.hex(), CHUNK_BYTES)
+        assert reg["peer"] == f"pid {os.getpid()} uid {os.getuid()}"
+        refused = [e for e in events if e["event"] == "refused"]
+        assert [(e["op"], e["error_type"]) for e in refused] == [("get", "TransferError"),
+                                                                 ("request", "WireFormatError")]  # fmt: skip
+        assert all(e["level"] == "warning" for e in refused)
+        stopped = events[-1]
+        assert stopped["event"] == "stopped" and stopped["chunks"] == 3 and stopped["hits"] == 3
+    finally:
+        engine.close()
