@@ -43,9 +43,19 @@ def server_main(conn: Connection) -> None:
 
 
 def our_mappings() -> int:
-    """Mappings of our segments in this process (lines of /proc/self/maps)."""
+    """Mappings of our memory in this process, either kind (lines of /proc/self/maps)."""
     with open("/proc/self/maps") as f:
-        return sum(1 for line in f if "/dev/shm/lmcache_platform_" in line)
+        return sum(1 for line in f if "/dev/shm/lmcache_platform_" in line or "/memfd:lmcache_platform_" in line)
+
+
+def exported(handle: Json) -> bool:
+    """Whether the memory ``handle`` names is still exported by this process."""
+    if "shm_name" in handle:
+        return os.path.exists("/dev/shm/" + handle["shm_name"])
+    try:  # a memfd export lives as long as its fd
+        return os.readlink(f"/proc/self/fd/{handle['memfd_fd']}") == f"/memfd:{handle['memfd_name']} (deleted)"
+    except FileNotFoundError:
+        return False
 
 
 # -- engine -----------------------------------------------------------------------------
@@ -173,14 +183,14 @@ class Engine:
     def op_close(self, drop_only: bool = False) -> Json:
         """Close the wrappers (unless ``drop_only``), drop the tensors; report what remains.
 
-        No ``gc.collect()``: reference counting alone must release every segment.
+        No ``gc.collect()``: reference counting alone must release every segment or memfd.
         """
-        names = sorted({w.shm_name for w in self.wrappers if w.shm_name})
+        handles = [json.loads(h) for h in sorted({json.dumps(w.handle) for w in self.wrappers if w.memory_nbytes})]
         if not drop_only:
             for w in self.wrappers:
                 w.close()
         self.wrappers, self.layers, self.before, self.after = [], [], {}, {}
-        return {"names": names, "remaining": [n for n in names if os.path.exists("/dev/shm/" + n)]}
+        return {"handles": handles, "remaining": [h for h in handles if exported(h)]}
 
 
 # -- server -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,13 +28,31 @@ CHUNKS = [32, 20, 32, 32, 32]
 SPAWN = multiprocessing.get_context("spawn")
 
 
+#: Per IPC kind: its size and name fields, and what refusing a bad name or a gone export says.
+KINDS = {
+    "memfd": {"nbytes": "memfd_nbytes", "name": "memfd_name", "bad_name": "not one of this project's",
+              "gone": "closed the export"},
+    "shm": {"nbytes": "shm_nbytes", "name": "shm_name", "bad_name": "not a segment of this project",
+            "gone": "does not exist"},
+}  # fmt: skip
+
+
 class Peer:
     """A spawned worker process spoken to with JSON over a pipe."""
 
-    def __init__(self, target: Any, child_pids: set[int]) -> None:
+    def __init__(self, target: Any, child_pids: set[int], env: dict[str, str] | None = None) -> None:
         self.conn, child = SPAWN.Pipe()
         self.proc = SPAWN.Process(target=target, args=(child,), daemon=True)
-        self.proc.start()
+        saved = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})  # a spawned child starts with a copy of this environment
+        try:
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         child.close()
         assert self.proc.pid is not None
         child_pids.add(self.proc.pid)
@@ -61,9 +80,15 @@ class Peer:
         assert self.proc.exitcode == 0
 
 
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def kind(request: pytest.FixtureRequest) -> str:
+    """The IPC kind the engine exports with (``LMCACHE_PLATFORM_CPU_IPC``); the server takes both."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def peers(child_pids: set[int]) -> Iterator[tuple[Peer, Peer]]:
-    engine = Peer(workers.engine_main, child_pids)
+def peers(child_pids: set[int], kind: str) -> Iterator[tuple[Peer, Peer]]:
+    engine = Peer(workers.engine_main, child_pids, env={"LMCACHE_PLATFORM_CPU_IPC": kind})
     server = Peer(workers.server_main, child_pids)
     yield engine, server
     server.stop()
@@ -192,12 +217,12 @@ def test_store_then_retrieve_into_other_blocks_is_bit_exact(peers: tuple[Peer, P
     result = engine.ok("check_retrieved", groups=case.verify_groups(), transfers=transfers)
     assert result["written_tokens"] > 0
     assert result["mismatched_bytes"] == 0, result
-    assert server.ok("close")["mappings"] == 0  # the server unmapped every segment
+    assert server.ok("close")["mappings"] == 0  # the server unmapped every segment or memfd
     closed = engine.ok("close")
-    assert closed["names"] and closed["remaining"] == []
+    assert closed["handles"] and closed["remaining"] == []
     shared = {spec["shared"] for spec in case.layers if "shared" in spec}
     unshared = [spec for spec in case.layers if "shared" not in spec]
-    assert len(closed["names"]) == len(shared) + len(unshared)  # one segment per allocation
+    assert len(closed["handles"]) == len(shared) + len(unshared)  # one export per allocation
 
 
 # -- error paths across the processes ---------------------------------------------------
@@ -235,21 +260,24 @@ def test_out_of_range_retrieve_writes_nothing(peers: tuple[Peer, Peer]) -> None:
     engine.ok("close")
 
 
-def test_tampered_or_dangling_descriptors_are_refused(peers: tuple[Peer, Peer]) -> None:
+def test_tampered_or_dangling_descriptors_are_refused(peers: tuple[Peer, Peer], kind: str) -> None:
     engine, server = peers
+    fields_of = KINDS[kind]
     wrappers = engine.ok("setup", layers=[layer("mla", "float16")], seed=5)["wrappers"]
     w = wrappers[0]
+    assert w["tag"] == f"cpu.{kind}/1"
     assert server.ok("open", tag=w["tag"], fields=w["fields"])["shape"] == [48, 16, 8]
-    for change, kind, text in [
-        ({"shm_nbytes": w["fields"]["shm_nbytes"] + 4096}, "DescriptorError", "descriptor says"),
-        ({"shm_name": "../../dev/shm/x"}, "DescriptorError", "not a segment of this project"),
+    nbytes = fields_of["nbytes"]
+    for change, error, text in [
+        ({nbytes: w["fields"][nbytes] + 4096}, "DescriptorError", "descriptor says"),
+        ({fields_of["name"]: "../../dev/shm/x"}, "DescriptorError", fields_of["bad_name"]),
         ({"shape": [48, 16, 8, 2]}, "DescriptorError", "differ in rank"),
         ({"dtype": "object"}, "DescriptorError", "not allowed"),
     ]:
         reply = server.call("open", tag=w["tag"], fields={**w["fields"], **change})
-        assert (reply["ok"], reply["type"]) == (False, kind) and text in reply["error"], reply
-    closed = engine.ok("close", drop_only=True)  # dropping the tensor unlinks its segment
+        assert (reply["ok"], reply["type"]) == (False, error) and text in reply["error"], reply
+    closed = engine.ok("close", drop_only=True)  # dropping the tensor releases its export
     assert closed["remaining"] == []
     reply = server.call("open", tag=w["tag"], fields=w["fields"])
-    assert not reply["ok"] and "does not exist" in reply["error"]
+    assert not reply["ok"] and fields_of["gone"] in reply["error"], reply
     assert server.ok("close")["mappings"] == 0

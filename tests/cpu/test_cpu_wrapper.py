@@ -1,4 +1,7 @@
-"""``CpuShmIPCWrapper`` lifecycle in one process: migration, aliasing, lifetimes, refusals."""
+"""``CpuShmIPCWrapper`` (named segments) in one process: migration, aliasing, lifetimes, refusals.
+
+The memfd kind has the same tests in ``test_cpu_memfd.py``, plus its own refusals.
+"""
 
 from __future__ import annotations
 
@@ -268,10 +271,11 @@ def good_fields() -> dict[str, object]:
         ({"shm_name": "lmcache_platform_1_1_" + "a" * 32 + "/x"}, "not a segment"),
         ({"shm_name": "other_prefix_1_1_" + "a" * 32}, "not a segment"),
         ({"shm_name": "x" * 200}, "exceeds the limit"),
-        ({"shm_nbytes": 63}, "spans 64 bytes but segment .* holds only 63"),
+        ({"shm_nbytes": 63}, "spans 64 bytes but the memory holds only 63"),
         ({"storage_offset": 1}, "spans 68 bytes"),
-        ({"shm_name": "", "shm_nbytes": 64}, "no segment is named"),
-        ({"shm_name": ""}, "no segment is named"),
+        ({"shm_name": "", "shm_nbytes": 64}, "shm_nbytes is 64 but no memory is named"),
+        ({"shm_name": ""}, "no memory is named"),
+        ({"shm_nbytes": 0, "shape": [0, 4]}, "memory is named but shm_nbytes is 0"),
         ({"device_uuid": "GPU-1234"}, "device_uuid must be 'cpu'"),
         ({"shm_nbytes": -1}, "below the minimum"),
     ],
@@ -326,7 +330,7 @@ def test_preflight_checks_a_whole_batch_before_creating_anything(
     done.close()
 
 
-def test_failed_batch_through_the_facade_leaves_no_segment_behind() -> None:
+def test_failed_batch_through_the_facade_leaves_no_segment_behind(ipc_kind: str) -> None:
     good = [pattern(8, 8) for _ in range(3)]
     expected = [t.clone() for t in good]
     before = set(os.listdir(_shm.SHM_DIR))

@@ -106,7 +106,8 @@ def test_an_empty_tensor_needs_no_file(kv_dir: Path) -> None:
 PRODUCER = textwrap.dedent("""
     import os, signal, sys
     from lmcache_platform_cpu_file import FileStore
-    name, mm = FileStore().create(4096)
+    handle, mm = FileStore().create(4096)
+    name = handle["file_name"]
     print(name, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs
 """)
@@ -117,7 +118,8 @@ def test_gc_reclaims_the_files_of_a_killed_producer_only(kv_dir: Path) -> None:
                           env={**os.environ}, check=False)  # fmt: skip
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     stale = proc.stdout.strip()
-    live, mm = _store.FileStore().create(4096)  # this process's: alive
+    handle, mm = _store.FileStore().create(4096)  # this process's: alive
+    live = handle["file_name"]
     try:
         assert _plugin.lmcache_platform_gc(dry_run=True) == [str(kv_dir / stale)]
         assert (kv_dir / stale).exists()
@@ -125,7 +127,7 @@ def test_gc_reclaims_the_files_of_a_killed_producer_only(kv_dir: Path) -> None:
         assert sorted(os.listdir(kv_dir)) == [live]
     finally:
         mm.close()
-        _store.FileStore().unlink(live)
+        _store.FileStore().release(handle)
 
 
 def test_gc_without_a_directory_finds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

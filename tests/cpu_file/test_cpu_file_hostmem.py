@@ -31,12 +31,13 @@ def test_names_are_ascii_only_and_never_paths() -> None:
         SegmentNames("../")
 
 
-def test_the_wire_fields_come_from_the_subclass_declaration() -> None:
+def test_the_wire_fields_come_from_the_stores_handle_schema() -> None:
     assert CpuFileIPCWrapper.wire_fields == {
         "file_name": WireField(str, max_len=_store.NAMES.max_len),
         "file_nbytes": WireField(int, lo=0, hi=1 << 48),
     }
     assert CpuFileIPCWrapper.device_type == "cpu"
+    assert HostMemoryIPCWrapper.nbytes_field == "mem_nbytes"  # the default a store's wrapper may rename
 
 
 def test_a_wrapper_class_without_a_store_says_so() -> None:
@@ -45,6 +46,61 @@ def test_a_wrapper_class_without_a_store_says_so() -> None:
 
     with pytest.raises(TypeError, match="Storeless has no store"):
         Storeless.wrap(torch.ones(4))
+
+
+class HalfStore:
+    """A store with a handle schema but only two of the five methods."""
+
+    handle_fields = {"vendor_name": WireField(str, max_len=64)}
+
+    def create(self, nbytes: int) -> None: ...
+
+    def release(self, handle: object) -> bool:
+        return False
+
+
+def test_a_store_missing_members_is_refused_when_the_class_is_made_listing_them() -> None:
+    with pytest.raises(TypeError, match=r"Half.store \(HalfStore\) is not a HostMemoryStore: it lacks "
+                                        r"check_handle, check_capacity, open_existing$"):  # fmt: skip
+
+        class Half(HostMemoryIPCWrapper):
+            wire_tag = "vendor.half/1"
+            store = HalfStore()  # type: ignore[assignment]
+
+
+def test_declared_wire_fields_that_disagree_with_the_store_are_refused() -> None:
+    """Declaring ``wire_fields`` used to replace the kit's own silently; wrap() then broke."""
+    with pytest.raises(TypeError, match="derives them from its store's handle_fields and its nbytes_field "
+                                        r"\(file_name, file_nbytes\): remove the declaration"):  # fmt: skip
+
+        class Extra(CpuFileIPCWrapper):
+            wire_fields = {**CpuFileIPCWrapper.wire_fields, "file_path": WireField(str, max_len=4096)}
+
+    class Same(CpuFileIPCWrapper):  # the derived fields, spelled out: harmless
+        wire_fields = dict(CpuFileIPCWrapper.wire_fields)
+
+    assert Same.wire_fields == CpuFileIPCWrapper.wire_fields and Same._memory() is CpuFileIPCWrapper._memory()
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"file_nbytes": WireField(int, lo=0)}, r"reuses \['file_nbytes'\]"),
+        ({"shape": WireField(list, max_len=4)}, r"reuses \['shape'\]"),
+        ({"vendor_pid": WireField(int, lo=1, hi=99)}, r"must admit the empty value 0"),
+        ({"vendor_name": "str"}, "must map field names to WireField declarations"),
+        ({}, "must map field names to WireField declarations"),
+    ],
+)
+def test_a_handle_schema_the_kit_cannot_carry_is_refused(fields: dict[str, object], match: str) -> None:
+    odd_store = FileStore()
+    odd_store.handle_fields = fields  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=match):
+
+        class Odd(HostMemoryIPCWrapper):
+            wire_tag = "vendor.odd/1"
+            nbytes_field = "file_nbytes"
+            store = odd_store
 
 
 def test_two_stores_never_mistake_each_others_memory(kv_dir: Path) -> None:
@@ -69,13 +125,14 @@ def test_find_stale_judges_only_our_files_of_dead_producers(kv_dir: Path) -> Non
     (kv_dir / stale).write_bytes(b"")
     (kv_dir / stale).chmod(0o600)
     (kv_dir / "unrelated").write_bytes(b"")
-    live, mm = FileStore().create(4096)
+    handle, mm = FileStore().create(4096)
+    live = handle["file_name"]
     try:
         assert find_stale(d.fd, _store.NAMES) == [stale]
         assert find_stale(d.path, _store.NAMES) == [stale]
     finally:
         mm.close()
-        FileStore().unlink(live)
+        FileStore().release(handle)
         (kv_dir / stale).unlink()
         (kv_dir / "unrelated").unlink()
     assert producer_alive(os.getpid(), segment_ctime=0.0)

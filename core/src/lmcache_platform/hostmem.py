@@ -1,27 +1,35 @@
-"""Named, file-backed host memory shared between processes: the kit behind host-memory backends.
+"""Host memory shared between processes through file descriptors: the kit behind host-memory backends.
 
-A *store* names, creates and opens memory that can be mapped: POSIX shared memory
-for the ``cpu`` backend, files in an operator's directory for ``cpu.file``, anything
-a vendor can ``mmap``. The store is the only thing a host-memory backend writes
-(:class:`HostMemoryStore`). This module does the rest, which every such backend
-needs and which is easy to get subtly wrong:
+A *store* creates, opens and releases memory that can be mapped: sealed memfds and
+POSIX shared memory for the ``cpu`` backend, files in an operator's directory for
+``cpu.file``, anything a vendor can ``mmap``. The store is the only thing a
+host-memory backend writes (:class:`HostMemoryStore`). It declares the *handle* a
+consumer needs to find the memory as named, bounded wire fields
+(``handle_fields``); this module turns that schema into the wrapper's wire fields
+and validates it on the receiving side, so a store never parses anything. The rest,
+which every such backend needs and which is easy to get subtly wrong, is here:
 
 * **Migration.** :meth:`HostMemoryIPCWrapper.wrap` copies a tensor's *whole storage*
-  into a fresh mapping and re-points the *same* tensor object at it, so the engine
+  into fresh memory and re-points the *same* tensor object at it, so the engine
   keeps its tensor and its contents; stride and offset stay valid because the
-  mapping mirrors the storage byte for byte.
+  mapping mirrors the storage byte for byte. Only tensor objects passed to ``wrap``
+  are re-pointed (see its docstring).
 * **Zero-copy reopening.** :meth:`HostMemoryIPCWrapper.to_tensor` maps the memory
   and replays dtype, shape, stride and storage offset exactly.
 * **Lifetimes follow torch's reference counting.** A mapping is owned by the torch
   storage built over it, so it lives exactly as long as some tensor uses it. When
   the last one dies, a finalizer forgets the mapping and, in the process that made
-  the memory, unlinks its name. Wrappers hold names, never memory.
-* **Idempotence per storage.** Views of one allocation (vLLM's hybrid-model KV
-  tensors) migrate once and keep aliasing; wrapping a tensor that already lives in
-  a mapping of the store (made here, or reopened here) names it instead of copying.
+  the memory, releases its handle. Wrappers hold handles, never memory.
+* **One export per storage.** Views of one allocation (vLLM's per-layer views of one
+  KV buffer) migrate once, share one handle and keep aliasing; wrapping a tensor that
+  already lives in a mapping of the store (made here, or reopened here) names it
+  instead of copying.
+* **Fork safety.** A forked child starts with no memory of its own, so nothing it
+  does releases its parent's memory.
 * **Names** (:class:`SegmentNames`) that are unguessable yet tell a garbage collector
-  which process made them, and the liveness test for that collector
-  (:func:`find_stale`).
+  which process made them, the liveness test for that collector (:func:`find_stale`),
+  and the memory limit that anonymous shared memory counts against
+  (:func:`memory_headroom`).
 
 torch is imported only when memory is wrapped or reopened, so a backend's probe and
 gc hooks may use this module without loading torch.
@@ -36,22 +44,29 @@ import secrets
 import stat
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ._errors import DescriptorError
-from ._ipc_wrapper import MAX_EXTENT, DeviceIPCWrapper, WireField, dtype_name
+from ._ipc_wrapper import BASE_FIELDS, MAX_EXTENT, DeviceIPCWrapper, Primitive, WireField, dtype_name
+from ._kv.context import BaseCacheContext
 
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
+    from ._kv.transfer import ChunkTransfer
+
 __all__ = [
+    "Handle",
+    "Headroom",
+    "HostMemoryCacheContext",
     "HostMemoryIPCWrapper",
     "HostMemoryStore",
     "SegmentNames",
     "find_stale",
+    "memory_headroom",
     "pid_namespace",
     "producer_alive",
 ]
@@ -59,50 +74,92 @@ __all__ = [
 #: ``device_uuid`` of every host-memory descriptor: there is one host.
 HOST_UUID = "cpu"
 
+#: A store's handle: one value per field of its ``handle_fields``, already bounds-checked.
+Handle = Mapping[str, Primitive]
+
 
 class HostMemoryStore(Protocol):
     """Where a host-memory backend keeps shared memory. Security is the store's job.
 
-    Names are unguessable and are names, never paths; memory is created exclusively
-    and readable by its user only (mode 0600); nothing is mapped before it is checked.
-    Every method raises :class:`~lmcache_platform.DescriptorError` for a name that is
-    not well formed, before touching anything.
+    Six members, all required (a wrapper class naming a store that lacks one is
+    refused when the class is created, with the list of what is missing):
+
+    * ``handle_fields``: the handle's schema, named :class:`~lmcache_platform.WireField`
+      declarations (a name, a pid and an fd number, an inode...). They become the
+      wrapper's wire fields, next to its ``nbytes_field``; the receiving side checks
+      every value against them before the store sees it. An empty tensor needs no
+      memory: its handle holds each field's empty value (``0``, ``""``, ``b""``,
+      ``[]``), which the declared bounds must admit;
+    * :meth:`check_handle`, :meth:`check_capacity`, :meth:`create`,
+      :meth:`open_existing` and :meth:`release`.
+
+    Handles are unguessable or verified (a consumer never maps memory just because a
+    descriptor names it); memory is created exclusively and readable by its user only
+    (mode 0600); nothing is mapped before it is checked. Besides the methods, a store
+    owes three things no signature shows:
+
+    * **fork**: a forked child never releases its parent's memory (forget this
+      process's records in an ``os.register_at_fork(after_in_child=...)`` handler);
+    * **exit**: memory that outlives its last holder (a named file) is released at
+      exit (``atexit``); memory that cannot (a memfd) needs nothing;
+    * **file descriptors**: Python's ``mmap`` keeps a duplicate of the descriptor it
+      maps, one per mapping, so a process holding many layers holds as many fds;
+      close your own descriptor once mapped, and mind ``RLIMIT_NOFILE``.
     """
 
     @property
-    def max_name_len(self) -> int:
-        """Longest well-formed name; bounds the descriptor's name field on the wire."""
+    def handle_fields(self) -> Mapping[str, WireField]:
+        """The handle's schema: field name -> bounds (a class attribute in practice)."""
         ...
 
-    def check_name(self, name: str) -> None:
-        """Raise ``DescriptorError`` unless ``name`` is a well-formed name of this store."""
+    def check_handle(self, handle: Handle) -> None:
+        """Raise ``DescriptorError`` unless ``handle`` is a well-formed handle of this store.
+
+        Called for every non-empty descriptor, consumer side included, with values that
+        already passed ``handle_fields``. Checks form only (a name's pattern, say); no I/O.
+        """
         ...
 
     def check_capacity(self, nbytes: int) -> None:
-        """Raise an ``OSError`` (``ENOSPC``) naming the shortfall if ``nbytes`` cannot fit."""
+        """Raise an ``OSError`` naming the limit and the shortfall if ``nbytes`` more cannot fit."""
         ...
 
-    def create(self, nbytes: int) -> tuple[str, mmap.mmap]:
-        """Create memory of ``nbytes`` (or more) under a fresh name; map it read-write.
+    def create(self, nbytes: int) -> tuple[Handle, mmap.mmap]:
+        """Create memory of ``nbytes`` (or more); return its handle and a read-write mapping.
 
         Exclusive creation, mode 0600, space reserved up front (a full store raises
-        here, not as a SIGBUS later). This process owns the name until
-        :meth:`unlink`. On failure nothing is left behind.
+        here, not as a SIGBUS later). This process owns the handle until
+        :meth:`release`. On failure nothing is left behind.
         """
         ...
 
-    def open_existing(self, name: str, nbytes: int) -> mmap.mmap:
-        """Map memory made by another process after checking what it really is.
+    def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
+        """Map memory another process made, after checking that it is what ``handle`` says.
 
-        ``DescriptorError`` (and nothing mapped) for a missing name, a symlink, a
-        non-regular file, another user's or a group/other-accessible file, and a
-        size that does not match ``nbytes`` as this store sizes it.
+        ``DescriptorError`` (and nothing mapped) for memory that is missing, of
+        another kind or user, accessible to group or others, or of a size that does
+        not match ``nbytes`` as this store sizes it.
         """
         ...
 
-    def unlink(self, name: str) -> bool:
-        """Remove ``name`` if this process created it and return True; else do nothing."""
+    def release(self, handle: Handle) -> bool:
+        """Give up ``handle`` if this process created it (unlink it, close it); else do nothing.
+
+        Returns whether it did. Existing mappings, here and elsewhere, keep working.
+        """
         ...
+
+
+#: The members a store must have (see :class:`HostMemoryStore`).
+STORE_MEMBERS = ("handle_fields", "check_handle", "check_capacity", "create", "open_existing", "release")
+_EMPTY: dict[type, Primitive] = {int: 0, str: "", bytes: b"", list: []}
+
+
+def _empty_handle(store: HostMemoryStore) -> dict[str, Primitive]:
+    """The handle of an empty tensor: each field's empty value."""
+    return {
+        name: [] if spec.kind is list else _EMPTY[spec.kind] for name, spec in store.handle_fields.items()
+    }
 
 
 # -- names and liveness -------------------------------------------------------------
@@ -245,6 +302,125 @@ def _boot_time() -> float | None:
     return None
 
 
+# -- the memory limit ---------------------------------------------------------------
+
+#: Where cgroup file systems are mounted (Linux).
+CGROUP_ROOT = "/sys/fs/cgroup"
+_UNLIMITED = 1 << 60  # cgroup v1 says "no limit" with a huge page-aligned number
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """How much more memory this process may take, and which limit says so."""
+
+    #: Bytes that may still be allocated under ``limit``.
+    free: int
+    #: The binding limit, for an error message: a cgroup file, or the host's memory.
+    limit: str
+
+
+def memory_headroom() -> Headroom | None:
+    """The tightest memory limit on this process: its memory cgroups, then the host.
+
+    Anonymous shared memory (a memfd, ``/dev/shm`` pages) counts against the memory
+    cgroup of the process that touches it first, not against any file system. For
+    each cgroup from this process's up to the root (v2: ``memory.max`` less
+    ``memory.current``; v1: ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``),
+    reclaimable file cache (``inactive_file``) counting as free, and for the host
+    (``MemAvailable`` plus ``SwapFree``), the smallest headroom wins. None where none
+    can be read (no /proc).
+    """
+    found = [h for h in (*_cgroup_headrooms(), _host_headroom()) if h is not None]
+    return min(found, key=lambda h: h.free) if found else None
+
+
+def _cgroup_headrooms() -> list[Headroom]:
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out: list[Headroom] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            out += _walk(CGROUP_ROOT, path, "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            out += _walk(os.path.join(CGROUP_ROOT, "memory"), path, "memory.limit_in_bytes",
+                         "memory.usage_in_bytes", "total_inactive_file")  # fmt: skip
+    return out
+
+
+def _walk(root: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[Headroom]:
+    """Headrooms of the cgroup at ``path`` under ``root`` and of its ancestors below ``root``.
+
+    In a container the hierarchy is often mounted at the container's own cgroup, so a
+    ``path`` that does not exist under ``root`` means ``root`` is that cgroup.
+    """
+    here = os.path.normpath(os.path.join(root, path.lstrip("/")))
+    if not os.path.isdir(here):
+        here = root
+    out = []
+    while True:
+        limit, usage = _read_int(os.path.join(here, limit_file)), _read_int(os.path.join(here, usage_file))
+        if limit is not None and usage is not None and limit < _UNLIMITED:
+            usage -= min(usage, _stat_value(os.path.join(here, "memory.stat"), inactive_key))
+            what = f"the memory cgroup limit {os.path.join(here, limit_file)}"
+            out.append(Headroom(max(0, limit - usage), f"{what} ({_size(limit)}, {_size(usage)} in use)"))
+        if here == root or not here.startswith(root + os.sep):
+            return out
+        here = os.path.dirname(here)
+
+
+def _host_headroom() -> Headroom | None:
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "SwapFree"):
+                    values[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        return None
+    if "MemAvailable" not in values:
+        return None
+    free = values["MemAvailable"] + values.get("SwapFree", 0)
+    return Headroom(free, "the host's available memory (MemAvailable + SwapFree in /proc/meminfo)")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat_value(path: str, key: str) -> int:
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 # -- the mappings of one store in this process --------------------------------------
 
 
@@ -252,16 +428,16 @@ def _boot_time() -> float | None:
 class _Segment:
     """A mapping in this process: of memory made here (``owned``) or reopened.
 
-    For owned memory, ``wrappers`` counts the open wrappers exporting its name; the
-    last one to close unlinks it.
+    For owned memory, ``wrappers`` counts the open wrappers exporting its handle; the
+    last one to close releases it.
     """
 
-    name: str
+    handle: Handle
     nbytes: int
     mm: weakref.ref[mmap.mmap]
     owned: bool
     wrappers: int = 0
-    linked: bool = True  # False once we unlinked the name; the memory may live on
+    linked: bool = True  # False once we released the handle; the memory may live on
 
 
 class _Tracker:
@@ -285,7 +461,7 @@ class _Tracker:
         self.moved: dict[int, tuple[Any, _Segment]] = {}
 
     def segment_at(self, storage: torch.UntypedStorage) -> _Segment | None:
-        """The live segment ``storage`` is a mapping of, if any (and still named, if ours)."""
+        """The live segment ``storage`` is a mapping of, if any (and still exported, if ours)."""
         segment = self.segments.get(storage.data_ptr())
         if segment is None or not segment.linked or segment.nbytes != storage.nbytes():
             return None
@@ -322,16 +498,16 @@ class _Tracker:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         nbytes = storage.nbytes()
-        name, mm = self.store.create(nbytes)
+        handle, mm = self.store.create(nbytes)
         try:
             shared = _storage_over(mm, nbytes)
             source = torch.empty(0, dtype=torch.uint8).set_(storage)
             torch.empty(0, dtype=torch.uint8).set_(shared).copy_(source)
             _repoint(tensor, shared)
         except BaseException:
-            self.store.unlink(name)
+            self.store.release(handle)
             raise
-        segment = _Segment(name, nbytes, weakref.ref(mm), owned=True)
+        segment = _Segment(dict(handle), nbytes, weakref.ref(mm), owned=True)
         self.track(mm, shared.data_ptr(), segment)
         self.moved[storage.data_ptr()] = (StorageWeakRef(storage), segment)  # type: ignore[no-untyped-call]
         return segment
@@ -340,10 +516,10 @@ class _Tracker:
         """Record a new mapping until it dies (its last storage, hence its last tensor)."""
         self.segments[address] = segment
         finalizer = weakref.finalize(mm, self._mapping_died, segment, address, os.getpid())
-        finalizer.atexit = False  # at exit, the store unlinks every name it owns
+        finalizer.atexit = False  # at exit, the store releases what it owns
 
     def _mapping_died(self, segment: _Segment, address: int, pid: int) -> None:
-        """The last storage over a mapping is gone: forget it; unlink the name if ours."""
+        """The last storage over a mapping is gone: forget it; release the handle if ours."""
         if os.getpid() != pid:
             return  # a forked child's copy of the parent's mapping
         with self.lock:
@@ -351,19 +527,20 @@ class _Tracker:
                 del self.segments[address]
             for key in [k for k, (_, s) in self.moved.items() if s is segment]:
                 del self.moved[key]
-        if segment.owned:
+            last = segment.owned and segment.linked
             segment.linked = False
-            self.store.unlink(segment.name)
+        if last:
+            self.store.release(segment.handle)
 
     def release_export(self, segment: _Segment) -> None:
-        """One exporting wrapper closed; the last one unlinks the name (memory lives on)."""
+        """One exporting wrapper closed; the last one releases the handle (memory lives on)."""
         with self.lock:
             segment.wrappers -= 1
             last = segment.wrappers == 0 and segment.linked
             if last:
                 segment.linked = False
         if last:
-            self.store.unlink(segment.name)  # a no-op in a forked child: the name is the parent's
+            self.store.release(segment.handle)  # a no-op in a forked child: the handle is the parent's
 
 
 def _storage_over(mm: mmap.mmap, nbytes: int) -> torch.UntypedStorage:
@@ -397,38 +574,73 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # -- the wrapper ----------------------------------------------------------------------
 
 
-class HostMemoryIPCWrapper(DeviceIPCWrapper):
-    """Descriptor of a CPU tensor living in a store's named memory.
+def _check_store(cls: type, store: object) -> dict[str, WireField]:
+    """The wire fields a store's handle schema gives ``cls``; ``TypeError`` saying what is wrong."""
+    where = f"{cls.__name__}.store ({type(store).__name__})"
+    missing = [m for m in STORE_MEMBERS if not hasattr(store, m)]
+    if missing:
+        raise TypeError(f"{where} is not a HostMemoryStore: it lacks {', '.join(missing)}")
+    schema = store.handle_fields  # type: ignore[attr-defined]
+    if not isinstance(schema, Mapping) or not schema or not all(
+            isinstance(k, str) and isinstance(v, WireField) for k, v in schema.items()):  # fmt: skip
+        raise TypeError(f"{where}.handle_fields must map field names to WireField declarations")
+    nbytes_field = cls.nbytes_field  # type: ignore[attr-defined]
+    clash = sorted(set(schema) & {*BASE_FIELDS, nbytes_field})
+    if clash:
+        raise TypeError(f"{where}.handle_fields reuses {clash}: the base fields and nbytes_field "
+                        f"{nbytes_field!r} are the wrapper's; rename the handle's fields")  # fmt: skip
+    for name, spec in schema.items():
+        empty = _EMPTY.get(spec.kind)
+        try:
+            if empty is None:
+                raise DescriptorError(f"kind {spec.kind.__name__} is not a wire-field kind")
+            spec.check(cls.__name__, name, empty)
+        except DescriptorError as exc:
+            raise TypeError(f"{where}.handle_fields[{name!r}] must admit the empty value {empty!r} "
+                            f"(an empty tensor's handle): {exc}") from None  # fmt: skip
+    return {**schema, nbytes_field: WireField(int, lo=0, hi=MAX_EXTENT)}
 
-    A backend subclass sets ``wire_tag``, ``store`` and the names of its two wire
-    fields (``name_field``: the memory's name, empty for an empty tensor, which needs
-    none; ``nbytes_field``: its exact size, checked against the real memory before
-    mapping). Everything else is inherited::
+
+class HostMemoryIPCWrapper(DeviceIPCWrapper):
+    """Descriptor of a CPU tensor living in a store's memory.
+
+    A backend subclass sets ``wire_tag`` and ``store``, and may rename
+    ``nbytes_field`` (default ``"mem_nbytes"``: the memory's exact size, checked
+    against the real memory before mapping). Its wire fields are derived, never
+    declared: the store's ``handle_fields`` followed by ``nbytes_field``; declaring
+    other ``wire_fields`` is refused when the class is created. Everything else is
+    inherited::
 
         class CpuFileIPCWrapper(HostMemoryIPCWrapper):
             wire_tag = "cpu.file/1"
-            store = FileStore()
-            name_field, nbytes_field = "file_name", "file_nbytes"
+            store = FileStore()            # handle_fields = {"file_name": WireField(str, ...)}
+            nbytes_field = "file_nbytes"
+
+    Each handle field is an attribute of the wrapper; :attr:`handle` gathers them.
     """
 
     device_type: ClassVar[str] = "cpu"
     #: The store holding this class's memory (set on the subclass, which gets its tracker).
     store: ClassVar[HostMemoryStore]
-    name_field: ClassVar[str] = "mem_name"
     nbytes_field: ClassVar[str] = "mem_nbytes"
     _tracker: ClassVar[_Tracker | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        store = cls.__dict__.get("store")
-        if store is not None:
+        store = getattr(cls, "store", None)
+        if store is None:
+            return  # an intermediate base without a store yet
+        declared = cls.__dict__.get("wire_fields")
+        cls.wire_fields = _check_store(cls, store)
+        if declared is not None and dict(declared) != cls.wire_fields:
+            raise TypeError(
+                f"{cls.__name__} declares wire_fields, but a HostMemoryIPCWrapper derives them from its "
+                f"store's handle_fields and its nbytes_field ({', '.join(cls.wire_fields)}): remove the "
+                "declaration and put the fields the handle needs in the store's handle_fields"
+            )
+        if "store" in cls.__dict__:  # subclasses of this class share its tracker
             cls._tracker = _Tracker(store)
             _TRACKERS.append(cls._tracker)
-        if getattr(cls, "store", None) is not None and "wire_fields" not in cls.__dict__:
-            cls.wire_fields = {
-                cls.name_field: WireField(str, max_len=cls.store.max_name_len),
-                cls.nbytes_field: WireField(int, lo=0, hi=MAX_EXTENT),
-            }
 
     @classmethod
     def _memory(cls) -> _Tracker:
@@ -444,44 +656,47 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         stride: tuple[int, ...] | list[int],
         storage_offset: int,
         device_uuid: str,
-        **segment: Any,
+        **handle: Any,
     ) -> None:
         super().__init__(
             dtype=dtype, shape=shape, stride=stride, storage_offset=storage_offset, device_uuid=device_uuid
         )
         cls = type(self)
-        where, name_field, nbytes_field = cls.__name__, cls.name_field, cls.nbytes_field
-        name, nbytes = segment.pop(name_field, None), segment.pop(nbytes_field, None)
-        if segment or not isinstance(name, str) or type(nbytes) is not int:
-            raise TypeError(
-                f"{where} takes {name_field} (str) and {nbytes_field} (int) besides the base "
-                f"fields; unknown arguments: {sorted(segment)}"
-            )
+        where, nbytes_field, tracker = cls.__name__, cls.nbytes_field, cls._memory()
+        if set(handle) != set(cls.wire_fields):
+            raise TypeError(f"{where} takes {', '.join(cls.wire_fields)} besides the base fields; "
+                            f"missing {sorted(set(cls.wire_fields) - set(handle))}, "
+                            f"unknown {sorted(set(handle) - set(cls.wire_fields))}")  # fmt: skip
+        for name, spec in cls.wire_fields.items():
+            handle[name] = spec.check(where, name, handle[name])
+        nbytes: int = handle.pop(nbytes_field)
         if device_uuid != HOST_UUID:
             raise DescriptorError(f"{where}: device_uuid must be {HOST_UUID!r}, got {device_uuid!r}")
-        if name:
-            cls._memory().store.check_name(name)
-            if nbytes <= 0:
-                raise DescriptorError(f"{where}: segment {name!r} cannot hold {nbytes} bytes")
-        elif nbytes:
-            raise DescriptorError(f"{where}: {nbytes_field} is {nbytes} but no segment is named")
+        empty = _empty_handle(tracker.store)
+        if nbytes:
+            if handle == empty:
+                raise DescriptorError(f"{where}: {nbytes_field} is {nbytes} but no memory is named")
+            tracker.store.check_handle(handle)
+        elif handle != empty:
+            raise DescriptorError(f"{where}: memory is named but {nbytes_field} is 0")
         if self.nbytes > nbytes:
             raise DescriptorError(
-                f"{where}: the view spans {self.nbytes} bytes but segment {name!r} holds only {nbytes}"
+                f"{where}: the view spans {self.nbytes} bytes but the memory holds only {nbytes}"
             )
-        setattr(self, name_field, name)
+        for name, value in handle.items():
+            setattr(self, name, value)
         setattr(self, nbytes_field, nbytes)
         self._export: _Segment | None = None  # set on wrappers exporting memory made here
         self._mm: mmap.mmap | None = None  # this wrapper's mapping, once opened
 
     @property
-    def segment_name(self) -> str:
-        """The memory's name in the store (``""`` for an empty tensor)."""
-        name: str = getattr(self, type(self).name_field)
-        return name
+    def handle(self) -> dict[str, Primitive]:
+        """The memory's handle: the store's handle fields (their empty values for an empty tensor)."""
+        return {name: getattr(self, name) for name in type(self)._memory().store.handle_fields}
 
     @property
-    def segment_nbytes(self) -> int:
+    def memory_nbytes(self) -> int:
+        """Size of the memory the view lives in (``nbytes_field``); 0 for an empty tensor."""
         nbytes: int = getattr(self, type(self).nbytes_field)
         return nbytes
 
@@ -489,7 +704,13 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
     @classmethod
     def wrap(cls, tensor: torch.Tensor) -> Self:
-        """Move ``tensor`` into the store (once) and describe it.
+        """Move ``tensor`` into the store (once per storage) and describe it.
+
+        Re-points ``tensor`` itself, and only it: another tensor object viewing the
+        same old storage (a view the engine derived, the flat buffer its layers were
+        cut from) keeps pointing at the old memory until it is wrapped too, which then
+        copies nothing and shares the first one's handle. So wrap every view the
+        engine will use before it writes the KV cache again.
 
         Idempotent: a tensor already in the store's memory (made here, or reopened
         here with :meth:`to_tensor`), or a view of it, is described without copying.
@@ -499,19 +720,19 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         """
         cls._check_exportable(tensor)
         if tensor.numel() == 0:
-            return cls._describe(tensor, "", 0)
+            return cls._describe(tensor, _empty_handle(cls._memory().store), 0)
         tracker = cls._memory()
         with tracker.lock:
             segment = tracker.into_segment(tensor)
-            wrapper = cls._describe(tensor, segment.name, segment.nbytes)
+            wrapper = cls._describe(tensor, segment.handle, segment.nbytes)
             if segment.owned:
                 segment.wrappers += 1
                 wrapper._export = segment
         return wrapper
 
     @classmethod
-    def _describe(cls, tensor: torch.Tensor, name: str, nbytes: int) -> Self:
-        return cls.describe(tensor, device_uuid=HOST_UUID, **{cls.name_field: name, cls.nbytes_field: nbytes})
+    def _describe(cls, tensor: torch.Tensor, handle: Handle, nbytes: int) -> Self:
+        return cls.describe(tensor, device_uuid=HOST_UUID, **handle, **{cls.nbytes_field: nbytes})
 
     @classmethod
     def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:
@@ -564,23 +785,77 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
         if self.closed:
             raise DescriptorError(f"{self!r} is closed")
-        name, nbytes = self.segment_name, self.segment_nbytes
-        if not name:
+        nbytes = self.memory_nbytes
+        if not nbytes:
             return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
         tracker = type(self)._memory()
         mm, fresh = self._mm, self._mm is None
         if mm is None:
-            mm = self._mm = tracker.store.open_existing(name, nbytes)
+            mm = self._mm = tracker.store.open_existing(self.handle, nbytes)
         storage = _storage_over(mm, nbytes)
         if fresh:  # so that wrapping a view of it names this memory instead of copying
             with tracker.lock:
-                tracker.track(mm, storage.data_ptr(), _Segment(name, nbytes, weakref.ref(mm), owned=False))
+                tracker.track(
+                    mm, storage.data_ptr(), _Segment(self.handle, nbytes, weakref.ref(mm), owned=False)
+                )
         view = torch.empty(0, dtype=self.dtype)
         return view.set_(storage, self.storage_offset, self.shape, self.stride)
 
+    def verify(self) -> None:
+        """Check that the memory this wrapper mapped has not shrunk; call it before each transfer.
+
+        A same-user process can truncate memory that is not sealed (a named segment, a
+        file), and touching a page past the new end kills this process with SIGBUS.
+        This check (one ``fstat``) refuses with ``DescriptorError`` instead. It narrows
+        the window to the time between the check and the access; it cannot close it.
+        A no-op before :meth:`to_tensor` and after :meth:`close`.
+        """
+        mm = self._mm
+        if mm is None:
+            return
+        try:
+            size = mm.size()
+        except (OSError, ValueError):  # closed meanwhile, or memory without a file
+            return
+        if size < self.memory_nbytes:
+            raise DescriptorError(
+                f"{type(self).__name__}: the memory {self.handle} shrank to {size} of its "
+                f"{self.memory_nbytes} bytes after it was mapped (another process of this user "
+                "truncated it); refusing to touch it, which would crash this process with SIGBUS"
+            )
+
     def release(self) -> None:
-        """Drop this wrapper's mapping; a producer's last wrapper also unlinks the name."""
+        """Drop this wrapper's mapping; a producer's last wrapper also releases the handle."""
         self._mm = None
         export, self._export = self._export, None
         if export is not None:
             type(self)._memory().release_export(export)
+
+
+# -- the cache context ----------------------------------------------------------------
+
+
+class HostMemoryCacheContext(BaseCacheContext):
+    """The base cache context over host memory, checking the memory before each transfer.
+
+    Before every store and retrieve it calls :meth:`HostMemoryIPCWrapper.verify` on each
+    of its wrappers, so memory that another process truncated is refused with
+    ``DescriptorError`` instead of crashing the server with SIGBUS. Everything else is
+    the base's generic torch machinery, which is what host memory needs.
+    """
+
+    device_type: ClassVar[str] = "cpu"
+
+    def verify_memory(self) -> None:
+        """Raise ``DescriptorError`` if any wrapper's memory shrank since it was mapped."""
+        for wrapper in self.kv_caches:
+            if isinstance(wrapper, HostMemoryIPCWrapper):
+                wrapper.verify()
+
+    def store(self, plan: ChunkTransfer) -> None:
+        self.verify_memory()
+        super().store(plan)
+
+    def retrieve(self, plan: ChunkTransfer) -> None:
+        self.verify_memory()
+        super().retrieve(plan)

@@ -32,10 +32,11 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Mapping
 
-from lmcache_platform import DescriptorError, LMCachePlatformError
+from lmcache_platform import DescriptorError, LMCachePlatformError, WireField
 from lmcache_platform import hostmem as _hostmem
-from lmcache_platform.hostmem import SegmentNames
+from lmcache_platform.hostmem import Handle, SegmentNames
 
 #: Every segment of this project starts with this; anything else is refused or ignored.
 PREFIX = "lmcache_platform_"
@@ -250,28 +251,35 @@ def _after_fork_in_child() -> None:
 
 
 class ShmStore:
-    """/dev/shm as a :class:`lmcache_platform.hostmem.HostMemoryStore`.
+    """/dev/shm as a :class:`lmcache_platform.hostmem.HostMemoryStore`: the handle is the name.
 
     Each method looks its module function up when called, so the module stays the
     one place (and the one thing tests patch) for the shared-memory rules.
     """
 
-    max_name_len = MAX_NAME_LEN
+    handle_fields: Mapping[str, WireField] = {"shm_name": WireField(str, max_len=MAX_NAME_LEN)}
 
-    def check_name(self, name: str) -> None:
-        parse_name(name)
+    def check_handle(self, handle: Handle) -> None:
+        parse_name(_name(handle))
 
     def check_capacity(self, nbytes: int) -> None:
         check_capacity(nbytes)
 
-    def create(self, nbytes: int) -> tuple[str, mmap.mmap]:
-        return create(nbytes)
+    def create(self, nbytes: int) -> tuple[Handle, mmap.mmap]:
+        name, mm = create(nbytes)
+        return {"shm_name": name}, mm
 
-    def open_existing(self, name: str, nbytes: int) -> mmap.mmap:
-        return open_existing(name, nbytes)
+    def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
+        return open_existing(_name(handle), nbytes)
 
-    def unlink(self, name: str) -> bool:
-        return unlink(name)
+    def release(self, handle: Handle) -> bool:
+        return unlink(_name(handle))
+
+
+def _name(handle: Handle) -> str:
+    name = handle["shm_name"]
+    assert isinstance(name, str)  # checked against handle_fields before any store method
+    return name
 
 
 #: The store ``CpuShmIPCWrapper`` keeps its memory in.

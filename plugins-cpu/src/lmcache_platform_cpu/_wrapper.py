@@ -1,17 +1,18 @@
-"""``CpuShmIPCWrapper``: CPU tensors shared through POSIX shared memory.
+"""The two wrapper kinds of the ``cpu`` backend, both built on :mod:`lmcache_platform.hostmem`.
 
-All the machinery is the generic host-memory kit of :mod:`lmcache_platform.hostmem`
-over the /dev/shm store of :mod:`._shm`:
+* ``CpuMemfdIPCWrapper`` (default): sealed memfds (:mod:`._memfd`). Their size cannot
+  change, so no process can make a consumer's mapping fault, and nothing outlives
+  the last process holding one. Producer and consumer must see each other's /proc
+  (one pid namespace).
+* ``CpuShmIPCWrapper``: named POSIX segments in /dev/shm (:mod:`._shm`), for processes
+  that share /dev/shm but not their pids (separate containers). A same-user process
+  can still truncate one; the cache context checks the size before each transfer.
 
-* ``wrap(tensor)`` moves the tensor's whole storage into a fresh segment (copying
-  its bytes) and re-points the *same* tensor object at it, so the engine keeps its
-  tensor and its contents. Per storage: views of one allocation get one segment and
-  keep aliasing; a tensor already in a segment (made or reopened here) is named,
-  not copied.
-* ``to_tensor()`` maps the segment zero-copy and replays shape, stride and offset.
-* Lifetimes follow torch's reference counting: a segment is unlinked when its last
-  tensor dies or its last exporting wrapper closes; a consumer's mapping lives until
-  its last view dies.
+The generic kit does the rest for both: ``wrap(tensor)`` moves the tensor's whole
+storage into fresh memory once (views of one allocation share it) and re-points the
+*same* tensor object at it; ``to_tensor()`` maps it zero-copy; lifetimes follow
+torch's reference counting. ``LMCACHE_PLATFORM_CPU_IPC`` picks the kind an engine
+exports (:mod:`._config`); a consumer accepts both.
 """
 
 from __future__ import annotations
@@ -20,7 +21,31 @@ from typing import ClassVar
 
 from lmcache_platform.hostmem import HostMemoryIPCWrapper
 
-from . import _shm
+from . import _memfd, _shm
+
+
+class CpuMemfdIPCWrapper(HostMemoryIPCWrapper):
+    """Descriptor of a CPU tensor living in a sealed memfd of its producer.
+
+    The handle (``memfd_pidns``, ``memfd_pid``, ``memfd_fd``, ``memfd_dev``, ``memfd_ino``,
+    ``memfd_name``) finds the memfd through ``/proc`` and proves it is the one exported;
+    ``memfd_nbytes`` is its exact size. All zero and empty for an empty tensor.
+    """
+
+    wire_tag: ClassVar[str] = "cpu.memfd/1"
+    store = _memfd.STORE
+    nbytes_field = "memfd_nbytes"
+
+    memfd_pidns: int
+    memfd_pid: int
+    memfd_fd: int
+    memfd_dev: int
+    memfd_ino: int
+    memfd_name: str
+    memfd_nbytes: int
+
+    def verify(self) -> None:
+        """Nothing to check: the memfd's size is sealed and cannot shrink."""
 
 
 class CpuShmIPCWrapper(HostMemoryIPCWrapper):
@@ -32,7 +57,6 @@ class CpuShmIPCWrapper(HostMemoryIPCWrapper):
 
     wire_tag: ClassVar[str] = "cpu.shm/1"
     store = _shm.STORE
-    name_field = "shm_name"
     nbytes_field = "shm_nbytes"
 
     shm_name: str

@@ -31,10 +31,11 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lmcache_platform import DescriptorError, LMCachePlatformError
-from lmcache_platform.hostmem import SegmentNames
+from lmcache_platform import DescriptorError, LMCachePlatformError, WireField
+from lmcache_platform.hostmem import Handle, SegmentNames
 
 #: The environment variable naming the directory; both processes must agree on it.
 ENV_DIR = "LMCACHE_PLATFORM_CPU_FILE_DIR"
@@ -158,12 +159,12 @@ def _open_directory(path: str) -> Directory:
 
 
 class FileStore:
-    """KV files in :func:`directory`, as ``CpuFileIPCWrapper`` uses them."""
+    """KV files in :func:`directory`, as ``CpuFileIPCWrapper`` uses them: the handle is the name."""
 
-    max_name_len = NAMES.max_len
+    handle_fields: Mapping[str, WireField] = {"file_name": WireField(str, max_len=NAMES.max_len)}
 
-    def check_name(self, name: str) -> None:
-        NAMES.parse(name)
+    def check_handle(self, handle: Handle) -> None:
+        NAMES.parse(_name(handle))
 
     def check_capacity(self, nbytes: int) -> None:
         d = directory()
@@ -171,7 +172,7 @@ class FileStore:
         if d.file_size(nbytes) > free:
             raise FileCapacityError(d.path, d.file_size(nbytes), free)
 
-    def create(self, nbytes: int) -> tuple[str, mmap.mmap]:
+    def create(self, nbytes: int) -> tuple[Handle, mmap.mmap]:
         if nbytes <= 0:
             raise ValueError(f"a KV file needs a positive size, got {nbytes}")
         d = directory()
@@ -186,14 +187,16 @@ class FileStore:
             os.fchmod(fd, 0o600)  # the umask may only have removed bits; make the mode exact
             _reserve(d, fd, size)
             _verify(d, name, os.fstat(fd), size)
-            return name, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            handle = {"file_name": name}
+            return handle, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            self.unlink(name)
+            self.release({"file_name": name})
             raise
         finally:
             os.close(fd)
 
-    def open_existing(self, name: str, nbytes: int) -> mmap.mmap:
+    def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
+        name = _name(handle)
         NAMES.parse(name)
         d = directory()
         try:
@@ -213,13 +216,20 @@ class FileStore:
         finally:
             os.close(fd)
 
-    def unlink(self, name: str) -> bool:
+    def release(self, handle: Handle) -> bool:
+        name = _name(handle)
         with _lock:
             d = _owned.pop(name, None)
         if d is None:
             return False  # not ours (another process's, or a parent's before fork)
         _unlink_in(d, name)
         return True
+
+
+def _name(handle: Handle) -> str:
+    name = handle["file_name"]
+    assert isinstance(name, str)  # checked against handle_fields before any store method
+    return name
 
 
 def _reserve(d: Directory, fd: int, size: int) -> None:

@@ -2,7 +2,8 @@
 
 The generic host-memory machinery of :mod:`lmcache_platform.hostmem` (migration of
 the engine's own tensor, zero-copy reopening, lifetimes tied to torch's reference
-counting, one file per storage) over the store of :mod:`._store`.
+counting, one file per storage) over the store of :mod:`._store`, whose handle is
+the file's name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ class CpuFileIPCWrapper(HostMemoryIPCWrapper):
 
     wire_tag: ClassVar[str] = "cpu.file/1"
     store = FileStore()
-    name_field = "file_name"
     nbytes_field = "file_nbytes"
 
     file_name: str

@@ -1,0 +1,210 @@
+"""Sealed memfds: the default store behind the ``cpu`` backend (``CpuMemfdIPCWrapper``).
+
+The producer creates anonymous memory with ``memfd_create``, reserves its pages and
+seals its size (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``): from then on no
+process, the producer included, can truncate it, so a consumer's mapping can never
+turn into a SIGBUS. The memory has no name in any file system, so nothing survives
+the last process that holds it: a killed producer leaves nothing behind for ``gc``.
+
+The handle says where to find the memory and what it must be: the producer's pid
+namespace and pid, the fd number it keeps open, the inode and device numbers, and
+the memfd's name, which carries 128 random bits. A consumer opens
+``/proc/<pid>/fd/<fd>`` (the directory without following symlinks) and, before it
+maps anything, checks each of these, then the type, owner, size and seals of what
+it opened; a reused pid or fd number fails the inode or name check. No torch here.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+from collections.abc import Callable, Mapping
+
+from lmcache_platform import DescriptorError, LMCachePlatformError, WireField
+from lmcache_platform.hostmem import Handle, Headroom, memory_headroom, pid_namespace
+
+PREFIX = "lmcache_platform_"
+NAME_RE = re.compile(rf"{PREFIX}[0-9a-f]{{32}}")
+#: What the producer seals; a consumer requires the first two.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+SWITCH = "switch both sides to named segments (LMCACHE_PLATFORM_CPU_IPC=shm)"
+_U64 = (1 << 64) - 1
+
+_lock = threading.Lock()
+_owned: dict[int, int] = {}  # fd -> inode of the memfds this process created and still exports
+
+
+class MemfdCapacityError(LMCachePlatformError, OSError):
+    """The memory limit that a memfd counts against lacks the room; nothing was created.
+
+    An ``OSError`` with ``errno.ENOMEM``; ``needed`` and ``free`` are in bytes, ``limit``
+    names the binding limit (a memory cgroup's file, or the host's memory).
+    """
+
+    def __init__(self, needed: int, headroom: Headroom) -> None:
+        super().__init__(
+            errno.ENOMEM,
+            f"a memfd of {_size(needed)} does not fit: {headroom.limit} leaves {_size(headroom.free)} "
+            f"(short by {_size(max(0, needed - headroom.free))}); nothing was created. memfd memory "
+            "counts against the memory cgroup, not /dev/shm: raise the container's memory limit "
+            "or give the engine a smaller KV cache.",
+        )
+        self.needed, self.free, self.limit = needed, headroom.free, headroom.limit
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} B"
+
+
+class MemfdStore:
+    """Sealed memfds as a :class:`lmcache_platform.hostmem.HostMemoryStore`."""
+
+    handle_fields: Mapping[str, WireField] = {
+        "memfd_pidns": WireField(int, lo=0, hi=_U64),
+        "memfd_pid": WireField(int, lo=0, hi=1 << 22),  # PID_MAX_LIMIT
+        "memfd_fd": WireField(int, lo=0, hi=(1 << 31) - 1),
+        "memfd_dev": WireField(int, lo=0, hi=_U64),
+        "memfd_ino": WireField(int, lo=0, hi=_U64),
+        "memfd_name": WireField(str, max_len=len(PREFIX) + 32),
+    }
+
+    def check_handle(self, handle: Handle) -> None:
+        name = handle["memfd_name"]
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise DescriptorError(f"memfd name {name!r} is not one of this project's "
+                                  f"(expected {PREFIX}<32 hex digits>)")  # fmt: skip
+        if handle["memfd_pid"] == 0:
+            raise DescriptorError("memfd_pid 0 names no process")
+
+    def check_capacity(self, nbytes: int) -> None:
+        headroom = memory_headroom()
+        if headroom is not None and nbytes > headroom.free:
+            raise MemfdCapacityError(nbytes, headroom)
+
+    def create(self, nbytes: int) -> tuple[Handle, mmap.mmap]:
+        if nbytes <= 0:
+            raise ValueError(f"a memfd needs a positive size, got {nbytes}")
+        self.check_capacity(nbytes)
+        name = PREFIX + secrets.token_hex(16)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.fchmod(fd, 0o600)  # a memfd starts as 0777; the same user is all we trust
+            os.ftruncate(fd, nbytes)
+            try:  # pages now, so that a full cgroup fails here rather than as a SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise MemfdCapacityError(nbytes, memory_headroom() or Headroom(0, "the kernel")) from exc
+                raise
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        with _lock:
+            _owned[fd] = st.st_ino
+        handle: dict[str, int | str] = {
+            "memfd_pidns": pid_namespace(), "memfd_pid": os.getpid(), "memfd_fd": fd,
+            "memfd_dev": st.st_dev, "memfd_ino": st.st_ino, "memfd_name": name,
+        }  # fmt: skip
+        return handle, mm
+
+    def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
+        pid, fd, name = _int(handle, "memfd_pid"), _int(handle, "memfd_fd"), handle["memfd_name"]
+        where = f"memfd export {name!r} (fd {fd} of pid {pid})"
+
+        def refuse(check: str, why: str) -> DescriptorError:
+            return DescriptorError(f"{where} fails the {check} check: {why}; nothing was mapped")
+
+        if handle["memfd_pidns"] != pid_namespace():
+            theirs = _int(handle, "memfd_pidns")
+            raise refuse("pid namespace", f"it was made in pid namespace {theirs}, this process is in "
+                         f"{pid_namespace()}, where its pid means nothing; {SWITCH}")  # fmt: skip
+        own = _open_fd(pid, fd, refuse)
+        try:
+            target = os.readlink(f"/proc/self/fd/{own}")  # what was opened, not what the path says now
+            if not target.startswith("/memfd:"):
+                raise refuse("memfd", f"fd {fd} of pid {pid} is {target!r}, not a memfd")
+            if target.removeprefix("/memfd:").removesuffix(" (deleted)") != name:
+                raise refuse("name", f"fd {fd} of pid {pid} is another memfd ({target!r})")
+            st = os.fstat(own)
+            if not stat.S_ISREG(st.st_mode):
+                raise refuse("file type", "not a regular file")
+            if st.st_uid != os.geteuid():
+                raise refuse("owner", f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+            said = (_int(handle, "memfd_dev"), _int(handle, "memfd_ino"))
+            if (st.st_dev, st.st_ino) != said:
+                raise refuse("inode", f"it is inode {st.st_ino} on device {st.st_dev}, the descriptor says "
+                             f"{said[1]} on {said[0]} (a reused fd or pid)")  # fmt: skip
+            if st.st_size != nbytes:
+                raise refuse("size", f"it holds {st.st_size} bytes but the descriptor says {nbytes}")
+            seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
+            if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+                raise refuse("seals", f"its seals are {seals:#x}, not F_SEAL_SHRINK | F_SEAL_GROW: "
+                             "its producer could truncate it under our mapping")  # fmt: skip
+            return mmap.mmap(own, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(own)
+
+    def release(self, handle: Handle) -> bool:
+        fd, ino = _int(handle, "memfd_fd"), handle["memfd_ino"]
+        with _lock:
+            if handle["memfd_pid"] != os.getpid() or _owned.get(fd) != ino:
+                return False  # not ours: another process's, or a parent's before fork
+            del _owned[fd]
+        os.close(fd)  # existing mappings, here and in every consumer, keep the memory
+        return True
+
+
+def _int(handle: Handle, name: str) -> int:
+    value = handle[name]
+    assert isinstance(value, int)  # checked against handle_fields before any store method
+    return value
+
+
+def _open_fd(pid: int, fd: int, refuse: Callable[[str, str], DescriptorError]) -> int:
+    """Open ``/proc/<pid>/fd/<fd>`` read-write: the directory without following a symlink."""
+    try:
+        d = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise refuse("producer", f"no process {pid} exists in this pid namespace (it exited)") from None
+    except PermissionError:
+        raise refuse("access", f"/proc/{pid}/fd is not readable here (/proc mounted with hidepid, another "
+                     f"user, or a producer that is not dumpable); {SWITCH}") from None  # fmt: skip
+    try:
+        return os.open(str(fd), os.O_RDWR | os.O_CLOEXEC, dir_fd=d)
+    except FileNotFoundError:
+        raise refuse("fd", f"pid {pid} has no fd {fd} (it closed the export)") from None
+    except PermissionError:
+        raise refuse("access", f"/proc/{pid}/fd/{fd} cannot be opened (a producer that is not "
+                     f"dumpable, or another user's memory); {SWITCH}") from None  # fmt: skip
+    except OSError as exc:
+        raise refuse("fd", f"/proc/{pid}/fd/{fd} cannot be opened read-write: {exc.strerror}") from None
+    finally:
+        os.close(d)
+
+
+def owned() -> frozenset[int]:
+    """Fds of the memfds this process created and still exports."""
+    with _lock:
+        return frozenset(_owned)
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _owned
+    _lock = threading.Lock()
+    _owned = {}  # the inherited fds stay the parent's exports: never closed from here
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+#: The store ``CpuMemfdIPCWrapper`` keeps its memory in.
+STORE = MemfdStore()
