@@ -8,19 +8,43 @@ object hooks and UTF-8 strings, so decoding can allocate at most ``Limits.max_by
 and can only ever produce ``dict``/``list``/``str``/``bytes``/``int``/``float``/
 ``bool``/``None``. Callers then check the structure against their schema.
 
-Every failure, whatever msgpack raises, becomes :class:`WireFormatError`.
+Every failure, whatever msgpack raises, becomes :class:`WireFormatError`. The structure
+checks callers run on the result are those of :mod:`._checks`, re-exported here.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Set
 from dataclasses import dataclass
 from typing import NoReturn
 
 import msgpack
 
+from ._checks import (
+    expect_bool,
+    expect_bytes,
+    expect_int,
+    expect_int_list,
+    expect_list,
+    expect_map,
+    expect_str,
+    show,
+)
 from ._errors import WireFormatError
+
+__all__ = [
+    "HEADER_LEN",
+    "Limits",
+    "expect_bool",
+    "expect_bytes",
+    "expect_int",
+    "expect_int_list",
+    "expect_list",
+    "expect_map",
+    "expect_str",
+    "pack",
+    "show",
+    "unpack",
+]
 
 HEADER_LEN = 5
 _PICKLE_PROTO = 0x80  # first byte of every pickle of protocol >= 2
@@ -93,74 +117,3 @@ def unpack(magic: bytes, version: int, data: object, limits: Limits, *, what: st
         raise WireFormatError(f"{what}: {len(body) - consumed} trailing bytes after the message")
     return obj
 
-
-# -- structure checks shared by the schemas ---------------------------------------------
-
-_SAFE_REPR = 60
-
-
-def show(value: object) -> str:
-    """A short repr of an untrusted value for error messages."""
-    text = repr(value)
-    return text if len(text) <= _SAFE_REPR else text[: _SAFE_REPR - 3] + "..."
-
-
-def expect_map(
-    value: object, where: str, *, keys: Set[str], optional: Set[str] = frozenset()
-) -> dict[str, object]:
-    """``value`` must be a map with exactly ``keys`` plus any of ``optional``."""
-    if not isinstance(value, dict):
-        raise WireFormatError(f"{where}: expected a map, got {type(value).__name__}")
-    got = set(value)
-    missing = keys - got
-    extra = got - keys - optional
-    if missing or extra:
-        raise WireFormatError(
-            f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(map(show, extra))}"
-        )
-    return value
-
-
-def expect_int(value: object, where: str, *, lo: int, hi: int) -> int:
-    if type(value) is not int:
-        raise WireFormatError(f"{where}: expected int, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise WireFormatError(f"{where}: {value} is outside [{lo}, {hi}]")
-    return value
-
-
-def expect_bool(value: object, where: str) -> bool:
-    if type(value) is not bool:
-        raise WireFormatError(f"{where}: expected bool, got {type(value).__name__}")
-    return value
-
-
-def expect_str(value: object, where: str, *, max_len: int, pattern: re.Pattern[str] | None = None) -> str:
-    if type(value) is not str:
-        raise WireFormatError(f"{where}: expected str, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise WireFormatError(f"{where}: length {len(value)} exceeds the limit of {max_len}")
-    if pattern is not None and not pattern.fullmatch(value):
-        raise WireFormatError(f"{where}: {show(value)} does not match {pattern.pattern}")
-    return value
-
-
-def expect_bytes(value: object, where: str, *, max_len: int) -> bytes:
-    if type(value) is not bytes:
-        raise WireFormatError(f"{where}: expected bytes, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise WireFormatError(f"{where}: length {len(value)} exceeds the limit of {max_len}")
-    return value
-
-
-def expect_list(value: object, where: str, *, max_len: int) -> list[object]:
-    if not isinstance(value, list):
-        raise WireFormatError(f"{where}: expected a list, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise WireFormatError(f"{where}: {len(value)} items exceed the limit of {max_len}")
-    return value
-
-
-def expect_int_list(value: object, where: str, *, lo: int, hi: int, max_len: int) -> list[int]:
-    items = expect_list(value, where, max_len=max_len)
-    return [expect_int(v, f"{where}[{i}]", lo=lo, hi=hi) for i, v in enumerate(items)]

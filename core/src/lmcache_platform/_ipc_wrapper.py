@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ._checks import expect_bytes, expect_int, expect_int_list, expect_str
 from ._errors import DescriptorError
 
 if TYPE_CHECKING:
@@ -50,36 +51,21 @@ class WireField:
     max_len: int | None = None
 
     def check(self, cls_name: str, name: str, value: object) -> Primitive:
-        """Return ``value`` if it matches this declaration, else raise ``DescriptorError``."""
-        where = f"{cls_name}.{name}"
-        if self.kind is list:
-            if not isinstance(value, (list, tuple)):
-                raise DescriptorError(f"{where}: expected a list of ints, got {type(value).__name__}")
-            items = list(value)
-            if self.max_len is not None and len(items) > self.max_len:
-                raise DescriptorError(f"{where}: {len(items)} items exceed the limit of {self.max_len}")
-            for item in items:
-                self._check_int(where, item)
-            return items
-        if self.kind is int:
-            return self._check_int(where, value)
-        if type(value) is not self.kind:
-            raise DescriptorError(
-                f"{where}: expected {self.kind.__name__}, got {type(value).__name__}"
-            )
-        assert isinstance(value, (str, bytes))
-        if self.max_len is not None and len(value) > self.max_len:
-            raise DescriptorError(f"{where}: length {len(value)} exceeds the limit of {self.max_len}")
-        return value
+        """Return ``value`` if it matches this declaration, else raise ``DescriptorError``.
 
-    def _check_int(self, where: str, value: object) -> int:
-        if type(value) is not int:  # bool is not an int here
-            raise DescriptorError(f"{where}: expected int, got {type(value).__name__}")
-        if self.lo is not None and value < self.lo:
-            raise DescriptorError(f"{where}: {value} is below the minimum {self.lo}")
-        if self.hi is not None and value > self.hi:
-            raise DescriptorError(f"{where}: {value} is above the maximum {self.hi}")
-        return value
+        The checks are the wire format's own (:mod:`._checks`), raising the descriptor error.
+        """
+        where, bad = f"{cls_name}.{name}", DescriptorError
+        if self.kind is list:
+            items = list(value) if isinstance(value, tuple) else value
+            return expect_int_list(items, where, lo=self.lo, hi=self.hi, max_len=self.max_len, error=bad)
+        if self.kind is int:
+            return expect_int(value, where, lo=self.lo, hi=self.hi, error=bad)
+        if self.kind is bytes:
+            return expect_bytes(value, where, max_len=self.max_len, error=bad)
+        if self.kind is str:
+            return expect_str(value, where, max_len=self.max_len, error=bad)
+        raise TypeError(f"{where}: a WireField kind is int, str, bytes or list, not {self.kind!r}")
 
 
 _DIM = WireField(list, lo=0, hi=MAX_EXTENT, max_len=MAX_NDIM)
