@@ -24,7 +24,7 @@ from lmcache_platform.testing import make_distribution
 
 pytestmark = pytest.mark.slow
 
-CHECK_MODULES = ("test_context.py", "test_errors.py", "test_hooks.py", "test_ipc.py")
+CHECK_MODULES = ("test_context.py", "test_errors.py", "test_hooks.py", "test_ipc.py", "test_variant.py")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -104,6 +104,10 @@ BROKEN = textwrap.dedent('''
 
     class Wrapper(CpuShmIPCWrapper):
         wire_tag = "cpu.broken/1"
+        if "steals_tag" in FAULTS:  # a tag of the primary's, whose fields differ from these
+            import lmcache_platform_cpu._plugin as _cpu
+            wire_tag = next(c.wire_tag for c in _cpu.lmcache_platform_wire_classes("cpu")
+                            if c.wire_fields != CpuShmIPCWrapper.wire_fields)
         if "unbounded_field" in FAULTS:
             wire_fields = {**CpuShmIPCWrapper.wire_fields, "shm_name": WireField(str)}
 
@@ -179,3 +183,14 @@ def test_each_fault_fails_exactly_the_checks_written_for_it(broken_site: Path, t
         # copying_reopen
         *(f"test_a_spawned_process_aliases_the_engine_tensor_both_ways[{case}]" for case in cases),
     }
+
+
+def test_a_variant_reusing_a_primary_tag_for_other_fields_fails_the_coexistence_check(
+    broken_site: Path, tmp_path: Path
+) -> None:
+    env = clean_env(PYTHONPATH=str(broken_site), BROKEN_FAULTS="steals_tag")
+    code, summary, output = check("cpu.broken", "-k", "primary_stays_selected", env=env, cwd=tmp_path)
+    assert code == 1, output
+    (failure,) = summary["failures"]
+    assert failure["test"].endswith("::test_next_to_each_other_the_primary_stays_selected_and_shared_tags_agree")
+    assert "both use wire tag 'cpu.memfd/1' with different fields" in failure["detail"]

@@ -47,7 +47,8 @@ def test_json_report_shape_and_statuses(installed, capsys):
     assert (by["cuda"]["status"], by["cuda"]["reason"]) == ("unavailable", "no CUDA device visible")
     assert by["npu"]["status"] == "disabled"
     assert by["xpu"]["status"] == "failed" and "targets backend API 0" in by["xpu"]["reason"]
-    assert report["device_types"]["cpu"] == {"selected": "cpu", "error": None, "ambiguous": False}
+    assert report["device_types"]["cpu"] == {"selected": "cpu", "error": None, "ambiguous": False,
+                                             "selected_by": "primary", "why": "the primary backend"}
     assert "no CUDA device visible" in report["device_types"]["cuda"]["error"]
 
 
@@ -65,7 +66,7 @@ def test_check_passes_when_only_unavailable(lmcache_registry, capsys):
 
 
 def test_check_fails_when_ambiguous(lmcache_registry, capsys):
-    lmcache_registry.install("cpu", backend("cpu"))
+    lmcache_registry.install("cpu.fast", backend("cpu"))  # two variants, no primary: equals
     lmcache_registry.install("cpu.file", backend("cpu"))
     code, report = run_json(capsys, "--check")
     assert code == 1 and report["device_types"]["cpu"]["ambiguous"]

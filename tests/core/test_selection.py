@@ -27,13 +27,13 @@ def test_single_candidate_is_used(lmcache_registry):
     assert (info.name, info.distribution, info.status) == ("cpu", "fake-backend", Status.OK)
 
 
-def test_two_candidates_are_ambiguous_until_one_is_chosen(lmcache_registry):
+def test_two_variants_are_ambiguous_until_one_is_chosen(lmcache_registry):
     a, b = backend("cpu", tag="a/1"), backend("cpu", tag="b/1")
-    lmcache_registry.install("cpu", a, distribution="dist-a")
+    lmcache_registry.install("cpu.fast", a, distribution="dist-a")
     lmcache_registry.install("cpu.file", b, distribution="dist-b")
     with pytest.raises(lp.AmbiguousBackendError) as excinfo:
         owner("cpu")
-    assert excinfo.value.candidates == ("cpu", "cpu.file")
+    assert excinfo.value.candidates == ("cpu.fast", "cpu.file")
     assert "LMCACHE_PLATFORM_BACKEND" in str(excinfo.value)
     assert isinstance(excinfo.value, ValueError)
 
@@ -48,7 +48,7 @@ def test_explicit_choice_never_falls_back(lmcache_registry):
     with pytest.raises(lp.BackendUnavailableError) as excinfo:
         owner("cpu")
     assert excinfo.value.reasons == {"cpu.file": "dir missing"}
-    assert "usable backends: cpu" in str(excinfo.value)
+    assert "other installed backends of this type: cpu" in str(excinfo.value)
 
     lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.nope")
     with pytest.raises(lp.BackendUnavailableError, match="not installed"):

@@ -108,6 +108,17 @@ class BackendInfo:
     reason: str
     traceback: str | None
     manual: bool
+    #: How this backend was chosen for its device type: ``"explicit"``
+    #: (``LMCACHE_PLATFORM_BACKEND``), ``"primary"`` (named exactly like the device type) or
+    #: ``"only"`` (the one usable backend); ``None`` when it is not the selected one.
+    selected_by: str | None = None
+    #: One line saying why it was chosen ("" when it is not the selected one).
+    why_selected: str = ""
+
+    @property
+    def selected(self) -> bool:
+        """Whether this backend serves its device type in this process."""
+        return self.selected_by is not None
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,8 @@ class Registry:
         self._pm.add_hookspecs(hookspecs)
         self._backends: dict[str, _Backend] = {}
         self._scanned = False
+        #: device type -> backend name last logged as its choice (log each choice once).
+        self._announced: dict[str, str] = {}
         #: Directories to read metadata from; ``None`` means ``sys.path`` (tests narrow it).
         self.search_path: list[str] | None = None
         self.contexts = _Table()
@@ -201,6 +214,7 @@ class Registry:
             for table in (self.contexts, self.wrappers):
                 for device_type in list(table.auto):
                     table.forget(device_type)
+            self._announced.clear()
             self._scanned = False
 
     # -- loading ------------------------------------------------------------------------
@@ -296,20 +310,35 @@ class Registry:
     def _backends_for(self, device_type: str) -> list[_Backend]:
         return [b for n, b in sorted(self._backends.items()) if b.device_type == device_type]
 
-    def _select(self, device_type: str, what: str) -> _Backend:
-        """Load ``device_type``'s backends if needed and return the chosen one (locked)."""
+    def _load_if_needed(self, backend: object) -> None:
+        assert isinstance(backend, _Backend)
+        if backend.status is Status.NOT_LOADED:
+            self._load(backend)
+
+    def _choose(self, device_type: str, what: str) -> _selection.Choice:
+        """Apply the selection rule to ``device_type``, loading only what it needs (locked).
+
+        Each new choice is logged once at INFO, with the rule that made it.
+        """
         self._ensure_scanned()
         with self._lock:
-            backends = self._backends_for(device_type)
-            for backend in backends:
-                if backend.status is Status.NOT_LOADED:
-                    self._load(backend)
-            chosen = _selection.select(
-                device_type, backends, _config.preferred_backends(), what=what,
-                installed=sorted(self._backends),
+            choice = _selection.select(
+                device_type, self._backends_for(device_type), _config.preferred_backends(),
+                what=what, load=self._load_if_needed, installed=sorted(self._backends),
             )  # fmt: skip
+            chosen = choice.backend
             assert isinstance(chosen, _Backend)
-            return chosen
+            if self._announced.get(device_type) != chosen.name:
+                self._announced[device_type] = chosen.name
+                where = f"{chosen.distribution} {chosen.version}" if chosen.distribution else "manual"
+                logger.info("lmcache-platform: device type %r uses backend %r (%s): %s",
+                            device_type, chosen.name, where, choice.why)  # fmt: skip
+            return choice
+
+    def _select(self, device_type: str, what: str) -> _Backend:
+        chosen = self._choose(device_type, what).backend
+        assert isinstance(chosen, _Backend)
+        return chosen
 
     def _fill(self, device_type: str, what: str) -> None:
         chosen = self._select(device_type, what)
@@ -364,7 +393,31 @@ class Registry:
         return {cls.wire_tag: cls for cls in classes}
 
     def selected_backend(self, device_type: str) -> BackendInfo:
-        return self._info(self._select(device_type, "backend"))
+        """The backend serving ``device_type`` here (see :func:`selected_backend`)."""
+        choice = self._choose(device_type, "backend")
+        assert isinstance(choice.backend, _Backend)
+        return self._info(choice.backend, choice)
+
+    def survey(
+        self, *, load: bool = True
+    ) -> tuple[list[BackendInfo], dict[str, BackendSelectionError | None]]:
+        """Every backend, the selected ones marked, and each device type's selection error or None.
+
+        ``load=False`` reads metadata only: nothing is imported or selected.
+        """
+        infos = self.backends(load=load)
+        if not load:
+            return infos, {}
+        chosen: dict[str, BackendInfo] = {}
+        errors: dict[str, BackendSelectionError | None] = {}
+        for device_type in sorted({i.device_type for i in infos}):
+            try:
+                info = self.selected_backend(device_type)
+            except BackendSelectionError as exc:
+                errors[device_type] = exc
+            else:
+                chosen[info.name], errors[device_type] = info, None
+        return [chosen.get(i.name, i) for i in infos], errors
 
     # -- manual registration ------------------------------------------------------------
 
@@ -416,6 +469,7 @@ class Registry:
     def _forget(self, device_type: str) -> None:
         self.contexts.forget(device_type)
         self.wrappers.forget(device_type)
+        self._announced.pop(device_type, None)
 
     def register_kv_wrapper(self, device_type: str, factory: WrapperFactory) -> None:
         """Upstream shortcut: use ``factory`` for ``device_type``, over any backend."""
@@ -425,11 +479,12 @@ class Registry:
 
     # -- reporting ----------------------------------------------------------------------
 
-    def _info(self, b: _Backend) -> BackendInfo:
+    def _info(self, b: _Backend, choice: _selection.Choice | None = None) -> BackendInfo:
         return BackendInfo(
             name=b.name, device_type=b.device_type, distribution=b.distribution,
             version=b.version, entry_point=b.entry_point, status=b.status, reason=b.reason,
             traceback=b.error.traceback if b.error else None, manual=b.manual,
+            selected_by=choice.rule.value if choice else None, why_selected=choice.why if choice else "",
         )  # fmt: skip
 
     def backends(self, *, load: bool = False) -> list[BackendInfo]:
@@ -449,6 +504,12 @@ class Registry:
     def plugins(self) -> Iterable[tuple[str, object]]:
         """(name, plugin) of every loaded backend."""
         return [(n, p) for n, p in self._pm.list_name_plugin() if n is not None]
+
+    def call(self, name: str, hook: str, **kwargs: Any) -> Any:
+        """Call loaded backend ``name``'s implementation of ``hook``; ``None`` if it has none."""
+        with self._lock:
+            backend = self._backends[name]
+        return self._call(backend, hook, **kwargs)
 
     def call_all(self, hook: str, **kwargs: Any) -> list[tuple[str, Any, BaseException | None]]:
         """Call ``hook`` on every loaded backend; one backend raising does not stop the rest."""
@@ -498,6 +559,7 @@ class Registry:
                 self._pm.unregister(name=name)
             self._backends = {}
             self._scanned = scanned
+            self._announced = {}
             self.contexts.restore(TableState({}, False))
             self.wrappers.restore(TableState({}, False))
 
@@ -521,4 +583,27 @@ def _check_class(backend: _Backend, kind: str, cls: object, base: type) -> None:
 #: The live registry of this process.
 REGISTRY = Registry()
 wire_classes_for = REGISTRY.wire_classes_for
-selected_backend = REGISTRY.selected_backend
+
+
+def selected_backend(device_type: str) -> BackendInfo:
+    """Which backend serves ``device_type`` in this process, resolving it if needed.
+
+    The answer carries the backend's distribution, version and status; ``selected_by``
+    says which selection rule chose it and ``why_selected`` says why, in one line. Raises
+    the :class:`BackendSelectionError` that a lookup of the device type would raise
+    (:class:`BackendNotFoundError`, :class:`AmbiguousBackendError`,
+    :class:`BackendUnavailableError`).
+    """
+    return REGISTRY.selected_backend(device_type)
+
+
+def list_backends(*, load: bool = True) -> list[BackendInfo]:
+    """Every installed or registered backend, sorted by name: what ``lmcache-platform list`` shows.
+
+    With ``load`` (the default) every backend is imported and validated and every device
+    type is resolved, so ``status``, ``reason`` and ``selected_by`` are final; a device
+    type whose selection fails has no selected backend, and :func:`selected_backend`
+    raises its error. ``load=False`` reads installed metadata only and imports nothing:
+    every status is ``not loaded`` and nothing is selected.
+    """
+    return REGISTRY.survey(load=load)[0]

@@ -1,15 +1,27 @@
 """Selection: pick the one backend that serves a device type, or explain why not.
 
-Rules, in order: if ``LMCACHE_PLATFORM_BACKEND`` names backends of this device
-type, the first of them that is usable wins and an unusable one is an error (an
-explicit choice never falls back silently); otherwise a single usable candidate
-wins; several are ambiguous; none is "not found" (nothing installed) or
-"unavailable" (installed but failed, disabled or declined by its probe).
+The rule, in order (the operator guide states it for users):
+
+1. **explicit**: ``LMCACHE_PLATFORM_BACKEND`` names backends of this device type. The
+   first of them that is usable wins; if none is, that is an error (an explicit choice
+   never falls back silently). The other backends of the type are not even loaded.
+2. **primary**: the backend named exactly ``<device_type>`` is usable. It wins over
+   every ``<device_type>.<variant>``, so installing a variant never changes what an
+   existing deployment uses. Variants are not loaded.
+3. **only**: otherwise, a single usable backend wins (a variant when the primary is
+   absent, failed, disabled or declined by its probe).
+
+Several usable variants and no usable primary are ambiguous: an error between equals.
+None usable is "not found" (nothing installed) or "unavailable" (installed but failed,
+disabled or declined). Backends are loaded through ``load`` only when a rule needs
+their answer, which is what keeps unselected siblings unimported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from ._config import ENV_BACKEND
@@ -37,6 +49,23 @@ class Candidate(Protocol):
     def error(self) -> BackendLoadError | None: ...
 
 
+class Rule(str, enum.Enum):
+    """Which rule chose a backend (``BackendInfo.selected_by``, ``list --json``)."""
+
+    EXPLICIT = "explicit"
+    PRIMARY = "primary"
+    ONLY = "only"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen backend, the rule that chose it, and one line saying why."""
+
+    backend: Candidate
+    rule: Rule
+    why: str
+
+
 def belongs_to(backend_name: str, device_type: str) -> bool:
     return backend_name == device_type or backend_name.startswith(device_type + ".")
 
@@ -47,37 +76,47 @@ def select(
     preferred: Sequence[str],
     *,
     what: str,
+    load: Callable[[Candidate], None] = lambda backend: None,
     installed: Sequence[str] = (),
-) -> Candidate:
-    """Return the backend to use for ``device_type`` among ``backends`` (all of that type).
+) -> Choice:
+    """Choose the backend for ``device_type`` among ``backends`` (all of that type).
 
-    ``what`` names the thing being looked up ("cache-context class", ...) for messages;
-    ``installed`` lists every known backend name, for the "not found" message.
+    ``load`` makes a backend's ``usable`` and ``reason`` meaningful; it is called only
+    for the backends a rule has to look at. ``what`` names the thing being looked up
+    ("cache-context class", ...) for messages; ``installed`` lists every known backend
+    name, for the "not found" message.
     """
     by_name = {b.name: b for b in backends}
-    usable = [b for b in backends if b.usable]
     wanted = [n for n in preferred if belongs_to(n, device_type)]
     if wanted:
-        for name in wanted:
-            if name in by_name and by_name[name].usable:
-                return by_name[name]
-        reasons = {n: (by_name[n].reason if n in by_name else "not installed") for n in wanted}
-        raise BackendUnavailableError(
-            f"No {what} registered for device type {device_type!r}: {ENV_BACKEND} selects "
-            + "; ".join(f"{n!r} ({r})" for n, r in reasons.items())
-            + (f"; usable backends: {', '.join(b.name for b in usable)}" if usable else ""),
-            device_type=device_type,
-            reasons=reasons,
-            errors=[by_name[n].error for n in wanted if n in by_name and by_name[n].error],  # type: ignore[misc]
-        )
+        return _explicit(device_type, by_name, wanted, what, load)
+    variants = [b.name for b in backends if b.name != device_type]
+    primary = by_name.get(device_type)
+    if primary is not None:
+        load(primary)
+        if primary.usable:
+            why = "the primary backend"
+            if len(variants) == 1:
+                why += f"; to use {variants[0]} instead, set {ENV_BACKEND}={variants[0]}"
+            elif variants:
+                why += f"; to use one of {', '.join(variants)} instead, set {ENV_BACKEND}=<name>"
+            return Choice(primary, Rule.PRIMARY, why)
+    for backend in backends:
+        load(backend)
+    usable = [b for b in backends if b.usable]
     if len(usable) == 1:
-        return usable[0]
+        why = "the only usable backend"
+        if primary is not None:
+            reason = (primary.reason or primary.name + " is unusable").splitlines()[0]
+            why += f"; the primary {primary.name} cannot serve: {reason}"
+        return Choice(usable[0], Rule.ONLY, why)
     if len(usable) > 1:
         names = [b.name for b in usable]
         raise AmbiguousBackendError(
-            f"Several backends serve device type {device_type!r}: {', '.join(names)}. "
-            f"Choose one with {ENV_BACKEND}={names[0]} (comma-separate choices for several "
-            "device types) or disable the others with LMCACHE_PLATFORM_DISABLE.",
+            f"Several backends serve device type {device_type!r} and none of them is the primary "
+            f"backend {device_type!r}: {', '.join(names)}. Choose one with {ENV_BACKEND}={names[0]} "
+            "(comma-separate choices for several device types) or disable the others with "
+            "LMCACHE_PLATFORM_DISABLE.",
             device_type=device_type,
             candidates=names,
         )
@@ -101,4 +140,31 @@ def select(
         device_type=device_type,
         reasons=reasons,
         errors=[b.error for b in backends if b.error is not None],
+    )
+
+
+def _explicit(
+    device_type: str,
+    by_name: dict[str, Candidate],
+    wanted: Sequence[str],
+    what: str,
+    load: Callable[[Candidate], None],
+) -> Choice:
+    """Rule 1: the first usable named backend; the unnamed siblings are never loaded."""
+    for name in wanted:
+        backend = by_name.get(name)
+        if backend is None:
+            continue
+        load(backend)
+        if backend.usable:
+            return Choice(backend, Rule.EXPLICIT, f"chosen by {ENV_BACKEND}")
+    reasons = {n: (by_name[n].reason if n in by_name else "not installed") for n in wanted}
+    others = sorted(set(by_name) - set(wanted))
+    raise BackendUnavailableError(
+        f"No {what} registered for device type {device_type!r}: {ENV_BACKEND} selects "
+        + "; ".join(f"{n!r} ({r})" for n, r in reasons.items())
+        + (f"; other installed backends of this type: {', '.join(others)}" if others else ""),
+        device_type=device_type,
+        reasons=reasons,
+        errors=[e for n in wanted if n in by_name and (e := by_name[n].error) is not None],
     )

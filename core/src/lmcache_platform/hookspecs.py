@@ -18,7 +18,7 @@ import pluggy
 if TYPE_CHECKING:
     from ._ipc_wrapper import DeviceIPCWrapper
     from ._kv.context import BaseCacheContext
-    from ._types import Availability
+    from ._types import Availability, DoctorFinding
 
 PROJECT_NAME = "lmcache_platform"
 
@@ -86,4 +86,31 @@ def lmcache_platform_gc(dry_run: bool) -> list[str] | None:
     Called on every loaded backend by ``lmcache-platform gc``. Only resources of the
     current user whose owner process is gone may be touched. With ``dry_run`` nothing
     is deleted. Optional.
+    """
+
+
+@hookspec(firstresult=True)
+def lmcache_platform_doctor(device_type: str) -> Sequence[DoctorFinding] | None:
+    """Add this backend's own lines to ``lmcache-platform doctor``. Optional.
+
+    Doctor asks only the backend selected for each device type, after it loaded and its
+    probe said yes, so the lines describe what actually serves the device type: where
+    its memory lives, how much room is left there, a limit about to bite.
+
+    Args:
+        device_type: the device type this backend was selected for.
+
+    Returns:
+        :class:`~lmcache_platform.DoctorFinding` values, in the order to show them, or
+        ``None`` for nothing to add (also the answer for a device type it does not
+        serve). An ``error`` finding means the backend cannot serve as the host stands,
+        and makes doctor exit 1; a ``warning`` or ``error`` message says what to do.
+
+    Enforcement: doctor shows each finding with the backend's name. A hook that raises,
+    or returns anything but a sequence of ``DoctorFinding``, becomes one ``warning``
+    naming the backend and the problem; doctor itself never fails because of it. The
+    hook must be cheap, must not change anything, and must not import torch unless the
+    backend's classes already do.
+
+    Required: no. Since backend API 1 (an optional hook added without a major bump).
     """

@@ -132,7 +132,7 @@ def _decode_record(
         accepted = ", ".join(sorted(classes)) or "none"
         raise WireFormatError(
             f"{where}: wire tag {tag!r} is not accepted for device type {device_type!r} "
-            f"(accepted: {accepted})"
+            f"(accepted: {accepted})" + (_remedy(device_type, tag) if allowed is None else "")
         )
     if cls.device_type != device_type:
         raise WireFormatError(
@@ -142,6 +142,23 @@ def _decode_record(
         return cls.from_fields(fields)
     except Exception as exc:  # a constructor refusing hostile fields is the input's fault
         raise WireFormatError(f"{where} ({tag}): {exc}") from exc
+
+
+def _remedy(device_type: str, tag: str) -> str:
+    """What to do about a tag this process refuses: both sides must select one backend."""
+    from . import _registry
+
+    try:
+        info = _registry.selected_backend(device_type)
+        mine = f"this process selected backend {info.name!r}"
+        mine += f" ({info.distribution} {info.version})" if info.distribution else ""
+    except LMCachePlatformError:
+        mine = "this process's allow-list was registered in-process"
+    return (
+        f"; {mine} for {device_type!r}. The sending and the receiving process must select the "
+        f"same backend: set the same LMCACHE_PLATFORM_BACKEND for both, or install here the "
+        f"backend whose wire tag is {tag!r}"
+    )
 
 
 def _classes_for(where: str, device_type: str) -> Mapping[str, type[DeviceIPCWrapper]]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from lmcache_platform import Availability, hookimpl
 
 if TYPE_CHECKING:
-    from lmcache_platform import BaseCacheContext, DeviceIPCWrapper
+    from lmcache_platform import BaseCacheContext, DeviceIPCWrapper, DoctorFinding
 
 DEVICE_TYPE = "cpu"
 #: The backend-API major this code was written against: a literal, never
@@ -99,3 +99,12 @@ def lmcache_platform_gc(dry_run: bool) -> list[str]:
 
     return [f"{SHM_DIR}/{name}" for name in reclaim_stale_segments(dry_run=dry_run)]
 
+
+@hookimpl
+def lmcache_platform_doctor(device_type: str) -> list[DoctorFinding] | None:
+    """Where the KV caches of the export kind in use live, and whether there is room."""
+    if device_type != DEVICE_TYPE:
+        return None
+    from ._doctor import findings
+
+    return findings()

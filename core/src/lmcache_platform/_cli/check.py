@@ -5,12 +5,14 @@ subprocess, isolated from any pytest configuration of the current directory (a
 vendor's own ``addopts`` or plugins must not change the verdict), then prints a
 summary. Exit status: 0 conformant; 1 a check failed, or the backend cannot serve
 on this host so its device checks were skipped (``--allow-unavailable`` accepts
-that, for a CI runner without the device); 2 no such backend is installed.
+that, for a CI runner without the device); 2 no such backend is installed, or pytest
+is missing (the ``lmcache-platform[check]`` extra installs it), so no verdict is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -46,7 +48,7 @@ def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namesp
         "--lmcache-report", str(report), "-q", "-rfEs",
     ]  # fmt: skip
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        cmd += ["-p", "lmcache_platform.testing"]  # it carries --lmcache-backend
+        cmd += ["-p", "lmcache_platform.conformance.plugin"]  # it carries --lmcache-backend
     if args.keyword:
         cmd += ["-k", args.keyword]
     if args.exitfirst:
@@ -56,9 +58,18 @@ def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namesp
     return cmd
 
 
+#: What ``check`` needs beyond core, and the command that installs it.
+INSTALL_CHECK = 'pip install "lmcache-platform[check]"'
+
+
 def run(args: argparse.Namespace) -> int:
     from ..conformance._target import installed_names
 
+    if importlib.util.find_spec("pytest") is None:  # the suite is pytest tests: no verdict without it
+        print(f"lmcache-platform check: the conformance suite runs on pytest, which is not installed "
+              f"in this environment ({sys.prefix}); install it with: {INSTALL_CHECK}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     installed = installed_names()
     if args.name not in installed:
         print(f"lmcache-platform check: no installed backend is named {args.name!r} "

@@ -1,19 +1,23 @@
 """``lmcache-platform doctor``: what this host offers the platform layer, and what to fix.
 
-Every probe is isolated: a missing torch, a broken backend or an unreadable
-/dev/shm becomes a finding with a hint, never a crash. ``--json`` prints::
+Every probe is isolated: a missing torch, a broken backend or a backend's doctor hook
+raising becomes a finding with a hint, never a crash. What is specific to a backend
+(where its memory lives, how much room is left) comes from the optional
+``lmcache_platform_doctor`` hook of the backend selected for each device type, so
+doctor reports on what actually serves. ``--json`` prints::
 
-    {"schema": 1, "ok": bool,
+    {"schema": 2, "ok": bool,
      "python": {"version", "implementation", "executable", "platform"},
      "torch": {"installed", "version", "cuda_build", "hip_build", "cuda_available",
                "devices": [{"index", "name"}], "cuda_visible_devices", "error"},
      "backends": <the `lmcache-platform list --json` report>,
      "stale_resources": {"<backend>": ["<resource>", ...]},
-     "shm": {"path", "total_bytes", "free_bytes", "error"},
+     "findings": [{"backend", "device_type", "level", "message"}],
      "hints": [{"level": "error" | "warning" | "info", "message"}]}
 
-Exit status 1 when a hint has level ``error`` (nothing could serve KV caches on
-this host as it stands), else 0.
+Schema 2 replaced schema 1's ``shm`` section by the backends' ``findings``. Exit status
+1 when a hint has level ``error`` (nothing could serve KV caches on this host as it
+stands), else 0.
 """
 
 from __future__ import annotations
@@ -25,10 +29,7 @@ import platform
 import sys
 from typing import Any
 
-SCHEMA = 1
-SHM_PATH = "/dev/shm"
-#: Below this, a real model's KV cache does not fit in /dev/shm (Docker's default is 64 MiB).
-SHM_MIN_BYTES = 1 << 30
+SCHEMA = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,15 +85,28 @@ def _backends() -> tuple[dict[str, Any] | None, dict[str, list[str]], str | None
     return report, {k: v for k, v in stale.items() if v}, None
 
 
-def _shm() -> dict[str, Any]:
-    out: dict[str, Any] = {"path": SHM_PATH, "total_bytes": None, "free_bytes": None, "error": None}
-    try:
-        st = os.statvfs(SHM_PATH)
-    except OSError as exc:
-        out["error"] = f"{exc.strerror or exc}"
-        return out
-    out["total_bytes"] = st.f_blocks * st.f_frsize
-    out["free_bytes"] = st.f_bavail * st.f_frsize
+def _findings(backends: dict[str, Any] | None) -> list[dict[str, str]]:
+    """Each selected backend's own lines, from its optional ``lmcache_platform_doctor`` hook."""
+    from .._registry import REGISTRY
+    from .._types import DoctorFinding
+
+    out: list[dict[str, str]] = []
+    for device_type, entry in (backends or {}).get("device_types", {}).items():
+        name = entry["selected"]
+        if name is None:
+            continue
+        try:
+            answer = REGISTRY.call(name, "lmcache_platform_doctor", device_type=device_type)
+            found = [] if answer is None else [*answer]
+            bad = [f for f in found if not isinstance(f, DoctorFinding)]
+            if bad:
+                raise TypeError(f"returned {bad[0]!r}, not a DoctorFinding")
+        except Exception as exc:  # a backend's bug is a finding, never a crash
+            found = [DoctorFinding.warning(
+                f"its lmcache_platform_doctor hook failed: {type(exc).__name__}: {exc}".replace("\n", " ")
+            )]  # fmt: skip
+        out += [{"backend": name, "device_type": device_type, "level": f.level, "message": f.message}
+                for f in found]  # fmt: skip
     return out
 
 
@@ -102,7 +116,7 @@ def collect() -> dict[str, Any]:
     backends, stale, backend_error = _backends()
     report["backends"] = backends if backends is not None else {"error": backend_error}
     report["stale_resources"] = stale
-    report["shm"] = _shm()
+    report["findings"] = _findings(backends)
     report["hints"] = _hints(report, backends, backend_error)
     report["ok"] = not any(h["level"] == "error" for h in report["hints"])
     return report
@@ -140,45 +154,38 @@ def _hints(
                 add("warning", f"backend {b['name']} ({b['distribution']} {b['version']}) failed "
                                f"to load: {b['reason']}; see `lmcache-platform list`")  # fmt: skip
         for device_type, entry in backends["device_types"].items():
+            # cpu is what every host must serve; other device types may be absent here.
+            level = "error" if device_type == "cpu" else "warning"
             mine = [b for b in entries if b["device_type"] == device_type]
             if entry["ambiguous"]:
-                add("warning", f"several backends serve {device_type}: choose one with "
-                               "LMCACHE_PLATFORM_BACKEND=<name>")  # fmt: skip
-            elif entry["error"] and not any(b["status"] == "failed" for b in mine):
+                equals = [b["name"] for b in mine if b["status"] == "ok"]
+                add(level, f"{device_type} is ambiguous: {', '.join(equals)} can all serve it and "
+                           f"none is the primary backend {device_type!r}; choose one with "
+                           f"LMCACHE_PLATFORM_BACKEND={equals[0]} (the same for engine and "
+                           "server)")  # fmt: skip
+            elif entry["selected"] is None and not any(b["status"] == "failed" for b in mine):
                 reasons = "; ".join(f"{b['name']}: {b['reason'] or b['status']}" for b in mine)
-                add("info", f"{device_type} is not usable on this host ({reasons})")
+                add("error" if device_type == "cpu" else "info",
+                    f"no usable backend serves {device_type} on this host ({reasons})")  # fmt: skip
+            elif entry["selected"] is None and device_type == "cpu":
+                add("error", "no usable backend serves cpu: see the failures above and "
+                             "`lmcache-platform list`")  # fmt: skip
         served = {b["device_type"] for b in entries}
         if t["cuda_available"] and "cuda" not in served:
             add("info", "a GPU is visible but no cuda backend is installed: "
                         "`pip install lmcache-platform-cuda`")  # fmt: skip
-        if "cpu" in served and (backends["device_types"].get("cpu") or {}).get("selected") is None:
-            add("error", "no usable backend serves the cpu device type; see `lmcache-platform list`")
     for backend, resources in r["stale_resources"].items():
         add("warning", f"{len(resources)} resource(s) of dead processes left by {backend}: "
                        "reclaim them with `lmcache-platform gc --yes`")  # fmt: skip
 
-    shm = r["shm"]
-    fix = ("enlarge it (Docker: `--shm-size=16g`; Kubernetes: an emptyDir volume with "
-           "medium: Memory on /dev/shm) or use the cpu.file backend "
-           "(`pip install lmcache-platform-cpu-file`, LMCACHE_PLATFORM_BACKEND=cpu.file) "
-           "on a large tmpfs or local disk")  # fmt: skip
-    if shm["error"]:
-        add("warning", f"{SHM_PATH} is not usable ({shm['error']}): {fix}")
-    elif shm["total_bytes"] < SHM_MIN_BYTES:
-        add("warning", f"{SHM_PATH} is only {_gib(shm['total_bytes'])} (CPU KV caches live "
-                       f"there): {fix}")  # fmt: skip
-    elif shm["free_bytes"] < SHM_MIN_BYTES:
-        add("warning", f"{SHM_PATH} has only {_gib(shm['free_bytes'])} free of "
-                       f"{_gib(shm['total_bytes'])}: free it or {fix}")  # fmt: skip
+    for f in r["findings"]:
+        if f["level"] != "info":
+            add(f["level"], f"{f['backend']}: {f['message']}")
     return hints
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
 def format_text(r: dict[str, Any]) -> str:
-    p, t, shm = r["python"], r["torch"], r["shm"]
+    p, t = r["python"], r["torch"]
     lines = [f"python    {p['version']} ({p['implementation']}) {p['executable']}"]
     if t["installed"]:
         build = (f"CUDA {t['cuda_build']}" if t["cuda_build"]
@@ -200,11 +207,7 @@ def format_text(r: dict[str, Any]) -> str:
             )
         if not backends["backends"]:
             lines.append("backends  none installed")
-    if shm["error"]:
-        lines.append(f"shm       {shm['path']}: {shm['error']}")
-    else:
-        lines.append(f"shm       {shm['path']}: {_gib(shm['free_bytes'])} free of "
-                     f"{_gib(shm['total_bytes'])}")  # fmt: skip
+    lines += [f"{f['backend']:<9} {f['message']}" for f in r["findings"] if f["level"] == "info"]
     for h in r["hints"]:
         lines.append(f"{h['level']:<9} {h['message']}")
     lines.append("ok" if r["ok"] else "problems found")

@@ -5,7 +5,9 @@ The JSON shape (``--json``) is stable; fields are only ever added:
     {"schema": 1, "api_version": 1,
      "backends": [{"name", "device_type", "distribution", "version", "entry_point",
                    "status", "reason", "selected"}],
-     "device_types": {"<type>": {"selected": "<backend>" | null, "error": "<message>" | null}}}
+     "device_types": {"<type>": {"selected": "<backend>" | null, "error": "<message>" | null,
+                                 "ambiguous": bool, "selected_by": "explicit" | "primary" | "only" | null,
+                                 "why": "<one line>" | null}}}
 
 ``status`` is one of ``ok``, ``failed``, ``disabled``, ``unavailable``, ``not loaded``.
 """
@@ -16,7 +18,7 @@ import argparse
 import json
 from typing import Any
 
-from .._errors import AmbiguousBackendError, BackendSelectionError
+from .._errors import AmbiguousBackendError
 from .._registry import REGISTRY, Status
 from .._version import API_VERSION
 
@@ -24,21 +26,22 @@ SCHEMA = 1
 
 
 def collect(*, load: bool = True) -> dict[str, Any]:
-    """Build the report. ``load=False`` reads metadata only and imports no backend."""
-    infos = REGISTRY.backends(load=load)
+    """Build the report from :func:`lmcache_platform.list_backends`'s data.
+
+    ``load=False`` reads metadata only and imports no backend.
+    """
+    infos, errors = REGISTRY.survey(load=load)
     device_types: dict[str, dict[str, Any]] = {}
-    selected: set[str] = set()
     for device_type in sorted({i.device_type for i in infos}):
-        entry: dict[str, Any] = {"selected": None, "error": None, "ambiguous": False}
-        if load:
-            try:
-                chosen = REGISTRY.selected_backend(device_type)
-                entry["selected"] = chosen.name
-                selected.add(chosen.name)
-            except BackendSelectionError as exc:
-                entry["error"] = str(exc)
-                entry["ambiguous"] = isinstance(exc, AmbiguousBackendError)
-        device_types[device_type] = entry
+        chosen = next((i for i in infos if i.device_type == device_type and i.selected), None)
+        error = errors.get(device_type)
+        device_types[device_type] = {
+            "selected": chosen.name if chosen else None,
+            "error": str(error) if error else None,
+            "ambiguous": isinstance(error, AmbiguousBackendError),
+            "selected_by": chosen.selected_by if chosen else None,
+            "why": chosen.why_selected if chosen else None,
+        }
     backends = [
         {
             "name": i.name,
@@ -48,7 +51,7 @@ def collect(*, load: bool = True) -> dict[str, Any]:
             "entry_point": i.entry_point,
             "status": i.status.value,
             "reason": i.reason.splitlines()[0] if i.reason else "",
-            "selected": i.name in selected,
+            "selected": i.selected,
         }
         for i in infos
     ]
@@ -70,7 +73,10 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("(no backends installed: pip install lmcache-platform-cpu)")
     lines.append("")
     for device_type, entry in report["device_types"].items():
-        choice = entry["selected"] or f"none: {(entry['error'] or 'not resolved').splitlines()[0]}"
+        if entry["selected"]:
+            choice = f"{entry['selected']} ({entry['why']})" if entry.get("why") else entry["selected"]
+        else:
+            choice = f"none: {(entry['error'] or 'not resolved').splitlines()[0]}"
         lines.append(f"{device_type}: {choice}")
     lines.append("(* = selected)")
     return "\n".join(lines)
