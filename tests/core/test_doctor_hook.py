@@ -134,3 +134,15 @@ def test_doctor_in_a_fresh_process_shows_the_cpu_backends_lines():
         report = json.loads(proc.stdout)
         assert report["schema"] == 2 and "shm" not in report
         assert [f["backend"] for f in report["findings"] if needle in f["message"]] == ["cpu"], kind
+
+
+def test_doctor_shows_cpu_file_lines_only_when_it_is_selected(tmp_path):
+    kv = tmp_path / "kv"
+    code = "import sys; from lmcache_platform._cli import main; sys.exit(main(['doctor', '--json']))"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
+    for chosen in ("cpu.file", ""):
+        env = {**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv), "LMCACHE_PLATFORM_BACKEND": chosen}
+        report = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           env=env, check=False).stdout)  # fmt: skip
+        mine = [f["message"] for f in report["findings"] if f["backend"] == "cpu.file"]
+        assert [m.startswith(f"KV files in {kv}: ") for m in mine] == ([True] if chosen else []), chosen

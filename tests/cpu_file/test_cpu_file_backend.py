@@ -19,7 +19,7 @@ import torch
 
 import lmcache_platform as lp
 import lmcache_platform_cpu_file
-from lmcache_platform import AmbiguousBackendError, Availability
+from lmcache_platform import Availability
 from lmcache_platform.testing import RegistryFixture
 from lmcache_platform_cpu_file import CpuFileIPCWrapper, _plugin, _store
 
@@ -50,23 +50,21 @@ def test_without_its_directory_cpu_stays_unambiguous(
 ) -> None:
     monkeypatch.delenv(_store.ENV_DIR, raising=False)
     lmcache_registry.rescan()  # the real installed entry points
-    assert lp._registry.selected_backend("cpu").name == "cpu"
-    (info,) = [b for b in lp._registry.REGISTRY.backends() if b.name == "cpu.file"]
+    assert lp.selected_backend("cpu").name == "cpu"
+    (info,) = [b for b in lp.list_backends() if b.name == "cpu.file"]
     assert info.status.value == "unavailable" and info.distribution == "lmcache-platform-cpu-file"
 
 
-def test_with_its_directory_cpu_is_ambiguous_until_one_is_chosen(
+def test_with_its_directory_cpu_stays_the_default_until_cpu_file_is_chosen(
     lmcache_registry: RegistryFixture, kv_dir: Path
 ) -> None:
     lmcache_registry.rescan()
-    with pytest.raises(AmbiguousBackendError) as info:
-        lp.get_kv_wrapper_factory("cpu")
-    assert info.value.candidates == ("cpu", "cpu.file")
-    assert "LMCACHE_PLATFORM_BACKEND" in str(info.value)
+    assert lp.get_kv_wrapper_factory("cpu") != CpuFileIPCWrapper.wrap
+    assert lp.selected_backend("cpu").selected_by == "primary"
     lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.file")
     lmcache_registry.rescan()
     assert lp.get_kv_wrapper_factory("cpu") == CpuFileIPCWrapper.wrap
-    assert lp._registry.selected_backend("cpu").distribution == "lmcache-platform-cpu-file"
+    assert lp.selected_backend("cpu").distribution == "lmcache-platform-cpu-file"
 
 
 def test_wrap_moves_the_engine_tensor_into_a_file_and_reopens_it_zero_copy(kv_dir: Path) -> None:
@@ -163,12 +161,3 @@ def test_the_entry_point_loads_neither_torch_nor_the_wrapper() -> None:
     env = {k: v for k, v in os.environ.items() if k != _store.ENV_DIR}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
-
-
-def test_my_backend_is_selected(lmcache_registry: RegistryFixture, tmp_path: Path,
-                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The backend-author guide's example of the test kit (included from here)."""
-    monkeypatch.setenv("LMCACHE_PLATFORM_CPU_FILE_DIR", str(tmp_path / "kv"))
-    lmcache_registry.install("cpu.file", _plugin, distribution="lmcache-platform-cpu-file")
-    assert lp.get_kv_wrapper_factory("cpu") == CpuFileIPCWrapper.wrap
-    assert lp._registry.selected_backend("cpu").distribution == "lmcache-platform-cpu-file"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lmcache_platform import Availability, hookimpl
 
 if TYPE_CHECKING:
-    from lmcache_platform import BaseCacheContext, DeviceIPCWrapper
+    from lmcache_platform import BaseCacheContext, DeviceIPCWrapper, DoctorFinding
 
 DEVICE_TYPE = "cpu"
 #: The backend-API major this code was written against: a literal, never
@@ -70,3 +70,21 @@ def lmcache_platform_gc(dry_run: bool) -> list[str]:
     from ._gc import reclaim_stale_files
 
     return reclaim_stale_files(dry_run=dry_run)
+
+
+@hookimpl
+def lmcache_platform_doctor(device_type: str) -> list[DoctorFinding] | None:
+    """Where the KV files live and how much room is left there (``lmcache-platform doctor``)."""
+    if device_type != DEVICE_TYPE:
+        return None
+    from lmcache_platform import DoctorFinding
+
+    from . import _store
+
+    d = _store.directory()  # doctor asks only when the probe said yes: it is configured
+    free = d.free_bytes()
+    found = [DoctorFinding.info(f"KV files in {d.path}: {free / (1 << 30):.2f} GiB free")]
+    if free < 1 << 30:
+        found.append(DoctorFinding.warning(f"{d.path} has less than 1 GiB free: free it, or point "
+                                           f"{_store.ENV_DIR} at a larger file system"))  # fmt: skip
+    return found
