@@ -5,8 +5,8 @@ through the same code path real entry points take, so tests need no global-state
 hacks. Importing this module is cheap (no torch); it is loaded by every pytest run
 in an environment where lmcache-platform is installed.
 
-It also carries the conformance suite's option and fixtures:
-``pytest --pyargs lmcache_platform.conformance --lmcache-backend NAME``.
+The conformance suite's option and fixtures are a separate plugin,
+:mod:`lmcache_platform.conformance.plugin`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
@@ -25,12 +24,6 @@ from ._registry import REGISTRY, Registry
 from ._types import Availability
 from ._version import API_VERSION
 from .hookspecs import hookimpl
-
-if TYPE_CHECKING:
-    import torch
-
-    from .conformance._peer import Peer
-    from .conformance._target import Target
 
 
 def fake_backend(
@@ -161,76 +154,3 @@ def lmcache_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[RegistryFixtur
 def pytest_report_header(config: Any) -> str:
     return f"lmcache-platform: backend API {API_VERSION}"
 
-
-# -- the conformance suite's option and fixtures ------------------------------------------
-
-#: Where the ``lmcache_backend`` fixture leaves the backend under test, for reports.
-TARGET_KEY = pytest.StashKey["Target"]()
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("lmcache-platform", "lmcache-platform backend conformance")
-    group.addoption(
-        "--lmcache-backend",
-        metavar="NAME",
-        default=None,
-        help="installed backend (entry-point name, e.g. cpu, cuda, cpu.file) that the "
-        "conformance suite checks: pytest --pyargs lmcache_platform.conformance --lmcache-backend NAME",
-    )
-
-
-@pytest.fixture(scope="session")
-def lmcache_backend(pytestconfig: pytest.Config) -> Iterator[Target]:
-    """The backend named by ``--lmcache-backend``, selected for its device type.
-
-    ``LMCACHE_PLATFORM_BACKEND`` names it for the whole session (spawned processes
-    inherit it), so a second installed backend for the device type is no obstacle.
-    """
-    from .conformance._target import TargetError, selected
-
-    name = pytestconfig.getoption("lmcache_backend")
-    problem = "" if name else (
-        "the conformance suite checks one backend: pass --lmcache-backend NAME "
-        "(`lmcache-platform list` shows the installed names)"
-    )
-    target: Target | None = None
-    with ExitStack() as stack:
-        if name:
-            try:
-                target = stack.enter_context(selected(name))
-            except TargetError as exc:
-                problem = str(exc)
-        if target is None:  # nothing can be checked: stop the session with one clear message
-            pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
-        pytestconfig.stash[TARGET_KEY] = target
-        yield target
-
-
-@pytest.fixture(scope="session")
-def lmcache_device(lmcache_backend: Target) -> torch.device:
-    """``torch.device(device_type)`` of the backend; skips where the backend cannot serve.
-
-    A backend that failed to load fails instead, with its traceback.
-    """
-    from ._registry import Status
-
-    info = lmcache_backend.info
-    if info.status is Status.FAILED:
-        pytest.fail(f"{lmcache_backend.describe()}\n{info.traceback or ''}", pytrace=False)
-    if lmcache_backend.unavailable:
-        pytest.skip(f"{lmcache_backend.name} cannot serve on this host: {lmcache_backend.unavailable}")
-    import torch
-
-    return torch.device(lmcache_backend.device_type)
-
-
-@pytest.fixture(scope="session")
-def lmcache_peer(lmcache_backend: Target, lmcache_device: torch.device) -> Iterator[Peer]:
-    """A spawned process playing the KV-cache server, with the backend selected there too."""
-    from .conformance._peer import Peer
-
-    peer = Peer()
-    try:
-        yield peer
-    finally:
-        peer.close()

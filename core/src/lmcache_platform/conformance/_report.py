@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ..testing import TARGET_KEY
+from .plugin import TARGET_KEY
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
