@@ -79,12 +79,13 @@ def test_send_refuses_oversized_frames(pair: tuple[socket.socket, socket.socket]
 CONFIG: dict[str, Any] = dict(
     lmcache_tokens_per_chunk=128,
     layout_hints=LayoutHints(kv_format=KVFormat.FLASH_ATTN, per_layer={3: KVFormat.MLA},
-                             block_size=16, num_kv_heads=8),
+                             block_size=16, num_kv_heads=8, engine_layout="LBNHC", head_size=64),
     engine_group_infos=(
         EngineGroupInfo(layer_indices=(0, 2), block_size=16),
         EngineGroupInfo(layer_indices=(1, 3), block_size=16, sliding_window=512),
     ),
     engine_type=EngineType.SGLANG, separate_object_groups=False, full_sw_kv=True,
+    layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(4)),
 )  # fmt: skip
 
 
@@ -204,6 +205,8 @@ def test_bad_requests_name_the_culprit(msg: object, match: str) -> None:
                     "per_layer": [],
                     "block_size": None,
                     "num_kv_heads": None,
+                    "engine_layout": None,
+                    "head_size": None,
                 }
             },
             "unknown value 'nope'",
@@ -215,6 +218,8 @@ def test_bad_requests_name_the_culprit(msg: object, match: str) -> None:
                     "per_layer": [[0]],
                     "block_size": None,
                     "num_kv_heads": None,
+                    "engine_layout": None,
+                    "head_size": None,
                 }
             },
             "expected \\[layer, kv_format\\]",
@@ -224,6 +229,8 @@ def test_bad_requests_name_the_culprit(msg: object, match: str) -> None:
             "block_size: 0 is outside",
         ),
         ({"engine_group_infos": [{"layer_indices": [0]}]}, "missing keys"),
+        ({"layer_names": ["x" * 257]}, r"layer_names\[0\]: length 257"),
+        ({"layer_names": [7]}, r"layer_names\[0\]: expected str"),
     ],
 )
 def test_bad_config_names_the_culprit(override: dict[str, Any], match: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,16 +95,25 @@ class ServerClient:
         self._next_id = 1
 
     def register(
-        self, wrappers: Sequence[DeviceIPCWrapper], *, namespace: bytes | None = None, **config: Any
+        self,
+        wrappers: Sequence[DeviceIPCWrapper] | Mapping[str, DeviceIPCWrapper],
+        *,
+        namespace: bytes | None = None,
+        **config: Any,
     ) -> Registration:
         """Hand the per-layer wrappers to the server, which builds a cache context.
 
+        ``wrappers`` is what :func:`lmcache_platform.wrap_kv_caches` returned; from a
+        dict the engine's layer names travel too, so the server's errors name them.
         ``config`` takes the keyword arguments of
         :func:`lmcache_platform.create_cache_context` after the wrappers. With a
         ``namespace`` (:func:`~lmcache_platform.server.cache_namespace`) the context
         can :meth:`put` and :meth:`get` keyed chunks; the server refuses it if the
         namespace already holds chunks of another KV layout.
         """
+        if isinstance(wrappers, Mapping):
+            config = {"layer_names": list(wrappers), **config}
+            wrappers = list(wrappers.values())
         fields: dict[str, Any] = {"wrappers": wire.encode(wrappers), "config": config}
         if namespace is not None:
             fields["namespace"] = namespace

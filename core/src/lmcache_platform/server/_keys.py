@@ -68,7 +68,7 @@ def cache_namespace(
         "block_size": _positive(block_size, "block_size"),
         "chunk_size": _positive(chunk_size, "chunk_size"),
         "groups": [_group(g, i) for i, g in enumerate(groups)],
-        "extra": sorted(_extra(extra or {}).items()),
+        "extra": [[k, v] for k, v in sorted(_extra(extra or {}).items())],
     }
     blob = msgpack.packb(fields, use_bin_type=True, strict_types=True)
     return hashlib.blake2b(blob, digest_size=KEY_BYTES, person=_NAMESPACE_PERSON).digest()
