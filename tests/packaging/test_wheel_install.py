@@ -35,7 +35,7 @@ def test_installed_wheel_is_discovered_in_a_subprocess(env: Path) -> None:
     out = run(env, "import sys, lmcache_platform as lp\n"
                    "f = lp.get_kv_wrapper_factory('xpu')\n"
                    "print(f.__self__.__module__, 'torch' in sys.modules)\n"
-                   "print(lp._registry.selected_backend('xpu'))")
+                   "print(lp.selected_backend('xpu'))")
     first, second = out.splitlines()
     assert first == "acme_lmcache_xpu.plugin False"
     assert "distribution='acme-lmcache-xpu'" in second and "version='2.5.0'" in second
@@ -51,7 +51,7 @@ def test_list_shows_the_installed_wheel(env: Path) -> None:
 def test_the_wheel_is_invisible_outside_its_venv() -> None:
     import lmcache_platform as lp
 
-    names = [b.name for b in lp._registry.REGISTRY.backends()]
+    names = [b.name for b in lp.list_backends(load=False)]
     assert "xpu" not in names
 
 
