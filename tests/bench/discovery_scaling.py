@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_platform._bench.stats import SCHEMA_VERSION, Target
+from lmcache_platform._bench.stats import SCHEMA_VERSION, SpeedTarget
 
 APPROACHES = ("lazy", "pluggy", "walk")
 LABELS = {
@@ -249,10 +249,10 @@ def _median(results: list[dict[str, Any]], approach: str, n: int, k: int) -> flo
     return float(next(r["median_ms"] for r in results if (r["approach"], r["n"], r["k"]) == (approach, n, k)))
 
 
-def targets(results: list[dict[str, Any]], ns: list[int], ks: list[int]) -> list[Target]:
+def targets(results: list[dict[str, Any]], ns: list[int], ks: list[int]) -> list[SpeedTarget]:
     """Per N: lazy is flat in K (ratio <= 1.2); the eager approaches are not."""
     lo, hi = min(ks), max(ks)
-    out: list[Target] = []
+    out: list[SpeedTarget] = []
     if lo == hi:
         return out
     for n in ns:
@@ -260,10 +260,10 @@ def targets(results: list[dict[str, Any]], ns: list[int], ks: list[int]) -> list
             ratio = _median(results, approach, n, hi) / _median(results, approach, n, lo)
             goal = f"{LABELS[approach]}, N={n}: first resolution K={hi} / K={lo}"
             if approach == "lazy":
-                out.append(Target.at_most(f"discovery.lazy.n{n}", goal + f" <= {FLAT_LIMIT}",
+                out.append(SpeedTarget.at_most(f"discovery.lazy.n{n}", goal + f" <= {FLAT_LIMIT}",
                                           ratio, FLAT_LIMIT))  # fmt: skip
             else:
-                out.append(Target.at_least(f"discovery.{approach}.n{n}",
+                out.append(SpeedTarget.at_least(f"discovery.{approach}.n{n}",
                                            goal + f" > {FLAT_LIMIT} (eager grows with K)",
                                            ratio, FLAT_LIMIT))  # fmt: skip
     return out

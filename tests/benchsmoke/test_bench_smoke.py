@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from lmcache_platform import KVFormat
-from lmcache_platform._bench.stats import Report, Result, Target
+from lmcache_platform._bench.stats import Report, Result, SpeedTarget
 from lmcache_platform._cli.bench import format_report, parse_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,7 @@ def test_table_output_shows_figures_targets_and_skips() -> None:
     base = Result("handoff", "ours (wire + shm)", "ms", (1.0, 2.0, 3.0), {"size": "1 MiB"})
     other = Result("handoff", "pickle", "ms", (8.0, 10.0), {"size": "1 MiB"}).relative_to(base)
     report.results += [base.relative_to(base), other]
-    report.targets += [Target.at_most("t1", "goal one", 2.0, 1.0), Target.at_least("t2", "goal two", None, 1)]
+    report.targets += [SpeedTarget.at_most("t1", "goal one", 2.0, 1.0), SpeedTarget.at_least("t2", "goal two", None, 1)]
     text = format_report(report)
     assert "ours (wire + shm)" in text and "pickle" in text
     assert "4.50" in text  # pickle median 9.0 over ours 2.0

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def probes(tensors: list[torch.Tensor]) -> list[float]:
+def corner_values(tensors: list[torch.Tensor]) -> list[float]:
     """First and last element of the first and last layer."""
     out: list[float] = []
     for t in (tensors[0], tensors[-1]):
@@ -59,7 +59,8 @@ def serve(conn: Connection, queue: Any) -> None:
             continue
         else:
             raise ValueError(f"unknown hand-off method {method!r}")
-        conn.send_bytes(json.dumps({"probes": probes(tensors), "layers": len(tensors), **times}).encode())
+        ack = {"corners": corner_values(tensors), "layers": len(tensors), **times}
+        conn.send_bytes(json.dumps(ack).encode())
         del tensors
         for w in wrappers:
             w.close()

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import LMCachePlatformError
-from .stats import Report, Result, Settings, Skip, Target
+from .stats import Report, Result, Settings, Skip, SpeedTarget
 
 #: Cached factory lookup may cost at most this many dict lookups.
 DISPATCH_LIMIT = 3.0
@@ -63,7 +63,7 @@ def bench_dispatch(report: Report, settings: Settings) -> None:
     results = [r if r.case == "empty loop" else r.relative_to(base) for r in results]
     report.results.extend(results)
     cached = next(r for r in results if r.case.startswith("get_kv_wrapper_factory"))
-    report.targets.append(Target.at_most(
+    report.targets.append(SpeedTarget.at_most(
         "dispatch.cached_lookup", f"cached get_kv_wrapper_factory <= {DISPATCH_LIMIT:g} x dict lookup",
         cached.ratio, DISPATCH_LIMIT, note="timeit per call, loop overhead included in both",
     ))  # fmt: skip
@@ -246,7 +246,7 @@ def bench_import(report: Report, settings: Settings) -> None:
                    note="metadata scan, backend import, hooks, probe, selection"),
         ]  # fmt: skip
     with_torch = sum(r["torch"] for r in light)
-    report.targets.append(Target.at_most(
+    report.targets.append(SpeedTarget.at_most(
         "import.no_torch", "`import lmcache_platform` imports torch in 0 of the fresh processes",
         float(with_torch), 0.0, note=f"{len(light)} processes",
     ))  # fmt: skip

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import LMCachePlatformError
 from . import child as _bench_child
-from .stats import Report, Result, Settings, Skip, Target, ratio_rows
+from .stats import Report, Result, Settings, Skip, SpeedTarget, ratio_rows
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,7 @@ def kv_set(size: int, device: str) -> list[torch.Tensor]:
     """A 32-layer vLLM flash-attention KV set of about ``size`` bytes, pages touched.
 
     Each layer's first and last elements are ``i + 1`` and ``-(i + 1)``, so the
-    receiver's probes show it sees this very memory.
+    receiver's corner values show it sees this very memory.
     """
     import torch
 
@@ -73,7 +73,7 @@ def kv_set(size: int, device: str) -> list[torch.Tensor]:
     return tensors
 
 
-EXPECTED_PROBES = [1.0, -1.0, float(LAYERS), -float(LAYERS)]
+EXPECTED_CORNERS = [1.0, -1.0, float(LAYERS), -float(LAYERS)]
 
 
 def memory_available() -> tuple[int | None, int | None]:
@@ -141,10 +141,10 @@ class Receiver:
             if ack["received_bytes"] != stages.get("sent_bytes"):
                 raise RuntimeError(f"hand-off by {method}: {ack['received_bytes']} bytes arrived, "
                                    f"{stages.get('sent_bytes')} were sent")
-        elif ack["probes"] != EXPECTED_PROBES or ack["layers"] != LAYERS:
+        elif ack["corners"] != EXPECTED_CORNERS or ack["layers"] != LAYERS:
             raise RuntimeError(
-                f"hand-off by {method}: the receiver saw {ack['layers']} layers with probes "
-                f"{ack['probes']}, expected {LAYERS} layers with {EXPECTED_PROBES}"
+                f"hand-off by {method}: the receiver saw {ack['layers']} layers with corner values "
+                f"{ack['corners']}, expected {LAYERS} layers with {EXPECTED_CORNERS}"
             )
         return {**stages, "decode": ack.get("decode", 0.0), "to_tensor": ack.get("to_tensor", 0.0),
                 "total": total}  # fmt: skip
@@ -332,7 +332,7 @@ def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs
         copies = pickle.loads(sent.pop())  # noqa: S301 - bytes this process just made
         out["loads"] = time.perf_counter() - t0
         out["total"] += out["loads"]
-        if len(copies) != LAYERS or _bench_child.probes(copies) != EXPECTED_PROBES:
+        if len(copies) != LAYERS or _bench_child.corner_values(copies) != EXPECTED_CORNERS:
             raise RuntimeError("hand-off by pickle: the unpickled set does not match")
         return out
 
@@ -349,7 +349,7 @@ def _handoff_targets(report: Report) -> None:
     ours_1g = report.find("handoff", OURS, size_bytes=GiB)
     fs_1g = report.find("handoff", "torch file_system", size_bytes=GiB)
     value = ours_1g.median / fs_1g.median if ours_1g and fs_1g else None
-    report.targets.append(Target.at_most(
+    report.targets.append(SpeedTarget.at_most(
         "handoff.vs_torch_file_system",
         f"1 GiB hand-off <= {VS_TORCH_LIMIT:g} x torch file_system strategy", value, VS_TORCH_LIMIT,
         note="" if value is not None else "1 GiB not measured in this run",
@@ -362,7 +362,7 @@ def _handoff_targets(report: Report) -> None:
         note = f"{hi.params['size']} over {lo.params['size']}"
     else:
         flat, note = None, "fewer than two sizes measured"
-    report.targets.append(Target.at_most(
+    report.targets.append(SpeedTarget.at_most(
         "handoff.flat", f"our hand-off is flat in size (largest / smallest <= {FLAT_LIMIT:g})",
         flat, FLAT_LIMIT, note=note,
     ))  # fmt: skip

@@ -1,15 +1,14 @@
 """Records shared by the benchmark sections: repeated samples, ratios, targets, skips.
 
 Every figure is a set of repeated measurements reported as median, min and max;
-a speed goal is a :class:`Target` with a pass/miss verdict printed next to the
+a speed goal is a :class:`SpeedTarget` with a pass/miss verdict printed next to the
 figures, never an assertion. No torch here.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +98,7 @@ class Result:
 
 
 @dataclass(frozen=True)
-class Target:
+class SpeedTarget:
     """A speed goal: ``value`` compared with ``limit``; ``passed`` is None when not measured."""
 
     name: str
@@ -110,11 +109,11 @@ class Target:
     note: str = ""
 
     @classmethod
-    def at_most(cls, name: str, goal: str, value: float | None, limit: float, note: str = "") -> Target:
+    def at_most(cls, name: str, goal: str, value: float | None, limit: float, note: str = "") -> SpeedTarget:
         return cls(name, goal, value, limit, None if value is None else value <= limit, note)
 
     @classmethod
-    def at_least(cls, name: str, goal: str, value: float | None, limit: float, note: str = "") -> Target:
+    def at_least(cls, name: str, goal: str, value: float | None, limit: float, note: str = "") -> SpeedTarget:
         return cls(name, goal, value, limit, None if value is None else value >= limit, note)
 
     @property
@@ -152,7 +151,7 @@ class Report:
 
     meta: dict[str, Any] = field(default_factory=dict)
     results: list[Result] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
+    targets: list[SpeedTarget] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
     #: Sections that raised (the run goes on; the command exits non-zero).
     errors: list[Skip] = field(default_factory=list)
@@ -179,18 +178,6 @@ class Report:
             "skipped": [s.to_json() for s in self.skipped],
             "errors": [e.to_json() for e in self.errors],
         }
-
-
-def repeat(fn: Callable[[], object], runs: int, *, warmup: int = 1) -> list[float]:
-    """Wall seconds of ``runs`` calls of ``fn`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def ratio_rows(results: Sequence[Result], baseline_case: str, *keys: str) -> list[Result]:

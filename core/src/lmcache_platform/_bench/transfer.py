@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .._errors import LMCachePlatformError
 from .._kv.layout import kv_cache_shape
 from .._types import KVFormat, LayoutHints
-from .stats import Report, Result, Settings, Skip, Target
+from .stats import Report, Result, Settings, Skip, SpeedTarget
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ def bench_transfer(report: Report, settings: Settings) -> None:
         retrieve = out["retrieve_chunk"].relative_to(out["copy_ (retrieve-shaped)"])
         report.results += [out["copy_ (store-shaped)"], store, out["copy_ (retrieve-shaped)"], retrieve]
         worst = min(store.ratio or 0.0, retrieve.ratio or 0.0)
-        report.targets.append(Target.at_least(
+        report.targets.append(SpeedTarget.at_least(
             f"transfer.{fmt.value}",
             f"{fmt.value}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
             worst, BANDWIDTH_SHARE,
