@@ -21,6 +21,10 @@ with ``torch.device(device_type)``:
   construction through ``create_cache_context`` in the spawned process, bit-exact
   ``store_chunk`` and ``retrieve_chunk`` that touch nothing else, and idempotent
   ``close()`` (``test_context``);
+* coexistence: in a fresh process that selects nothing, next to a stand-in for the
+  missing one, the primary backend (``<device_type>``) still serves when a variant
+  (``<device_type>.<variant>``) is installed, and a wire tag the variant shares with the
+  primary declares the same fields (``test_variant``);
 * the error cases: malformed or hostile descriptors raise ``DescriptorError`` before
   anything is mapped, tampered wire bytes ``WireFormatError``, out-of-range block ids
   ``TransferError`` with nothing written, an empty wrapper list ``ValueError``
