@@ -174,7 +174,7 @@ def lmcache_platform_gc(dry_run: bool) -> list[str] | None:
 
 @hookspec(firstresult=True)
 def lmcache_platform_doctor(device_type: str) -> Sequence[DoctorFinding] | None:
-    """Add this backend's own lines to ``lmcache-platform doctor``. Optional.
+    """Add this backend's own lines to ``lmcache-platform doctor``.
 
     Doctor asks only the backend selected for each device type, after it loaded and its
     probe said yes, so the lines describe what actually serves the device type: where
