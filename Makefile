@@ -4,10 +4,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap demo test lint typecheck docs unit bench soak gpu-check clean
+.PHONY: bootstrap bootstrap-vllm demo test lint typecheck docs unit bench soak gpu-check clean
 
 bootstrap:
 	@scripts/bootstrap
+
+# The venv tests/vllm starts real vLLM engines from (vLLM pins its own packages).
+bootstrap-vllm:
+	@scripts/bootstrap-vllm
 
 demo: bootstrap
 	$(BIN)/lmcache-platform demo
@@ -23,7 +27,7 @@ typecheck: bootstrap
 docs: bootstrap
 	$(BIN)/sphinx-build -q -W --keep-going -b html docs docs/_build/html
 
-unit: bootstrap
+unit: bootstrap bootstrap-vllm
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
 
 bench: bootstrap

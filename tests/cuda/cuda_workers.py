@@ -44,7 +44,7 @@ def context_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     hints = LayoutHints(
         kv_format=fmt,
         block_size=spec["block_size"],
-        num_kv_heads=None if fmt is KVFormat.MLA else spec["heads"],
+        num_kv_heads=None if fmt in (KVFormat.MLA, KVFormat.VLLM_MLA) else spec["heads"],
     )
     return {"lmcache_tokens_per_chunk": spec["tokens"], "layout_hints": hints}
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from cuda_workers import PeerHandle, pattern
 
-from lmcache_platform import DeviceIPCWrapper, KVFormat, wire
+from lmcache_platform import DeviceIPCWrapper, KVFormat, allocate_kv_caches, wire
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 
 pytestmark = [
@@ -38,7 +38,12 @@ FORMATS: dict[KVFormat, tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Te
     KVFormat.FLASHINFER: ((BLOCKS, 2, BLOCK, HEADS, HEAD), lambda t: t.permute(0, 2, 1, 3, 4)),
     KVFormat.FLASHINFER_HND: ((BLOCKS, 2, HEADS, BLOCK, HEAD), lambda t: t.permute(0, 3, 1, 2, 4)),
     KVFormat.MLA: ((BLOCKS, BLOCK, HEAD), lambda t: t),
+    # Current vLLM on GPUs: [B, H, N, 2D] views of one allocation in flash-attention's
+    # LBNHC order (tokens before heads in memory), and MLA's [B, 1, N, latent].
+    KVFormat.VLLM: ((BLOCKS, HEADS, BLOCK, 2 * HEAD), lambda t: t.permute(0, 2, 1, 3)),
+    KVFormat.VLLM_MLA: ((BLOCKS, 1, BLOCK, HEAD), lambda t: t[:, 0]),
 }
+MLA_FORMATS = (KVFormat.MLA, KVFormat.VLLM_MLA)
 
 
 def spec(fmt: KVFormat) -> dict[str, Any]:
@@ -47,7 +52,14 @@ def spec(fmt: KVFormat) -> dict[str, Any]:
 
 def caches(fmt: KVFormat, dtype: torch.dtype) -> list[torch.Tensor]:
     shape, _ = FORMATS[fmt]
-    layers = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(LAYERS)]
+    if fmt in (KVFormat.VLLM, KVFormat.VLLM_MLA):
+        views = allocate_kv_caches(fmt, num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK,
+                                   num_kv_heads=HEADS, head_size=HEAD, dtype=dtype, device="cuda",
+                                   engine_layout="LBNHC")  # fmt: skip
+        layers = [v for v in views if isinstance(v, torch.Tensor)]
+        assert [tuple(v.shape) for v in layers] == [shape] * LAYERS
+    else:
+        layers = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(LAYERS)]
     for i, t in enumerate(layers):
         t.copy_(pattern(t, seed=100 + i))
     torch.cuda.synchronize()
@@ -78,11 +90,11 @@ def wrap_all(kind: type[DeviceIPCWrapper], layers: list[torch.Tensor]) -> str:
 def test_store_then_retrieve_is_bit_exact(
     peer: PeerHandle, fmt: KVFormat, kind: type[DeviceIPCWrapper]
 ) -> None:
-    dtype = torch.float32 if fmt is KVFormat.MLA else torch.bfloat16
+    dtype = torch.float32 if fmt in MLA_FORMATS else torch.bfloat16
     layers = caches(fmt, dtype)
     info = peer.call("context", "ctx", wrap_all(kind, layers), spec(fmt))
     assert info["type"] == "GPUCacheContext" and info["device"] == "cuda:0"
-    per_token = (1 if fmt is KVFormat.MLA else 2 * HEADS) * HEAD * layers[0].element_size() * LAYERS
+    per_token = (1 if fmt in MLA_FORMATS else 2 * HEADS) * HEAD * layers[0].element_size() * LAYERS
     assert info["chunk_bytes"] == TOKENS * per_token
 
     # A full chunk, then a partial one whose last block is only partly written;

@@ -40,12 +40,16 @@ LayerKV = Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]
 
 
 @overload
+def wrap_kv_caches(kv_caches: Mapping[str, torch.Tensor]) -> dict[str, DeviceIPCWrapper]: ...
+@overload
 def wrap_kv_caches(kv_caches: Mapping[str, LayerKV]) -> dict[str, KVCacheEntry]: ...
+@overload
+def wrap_kv_caches(kv_caches: Sequence[torch.Tensor]) -> list[DeviceIPCWrapper]: ...
 @overload
 def wrap_kv_caches(kv_caches: Sequence[LayerKV]) -> list[KVCacheEntry]: ...
 def wrap_kv_caches(
     kv_caches: Mapping[str, LayerKV] | Sequence[LayerKV],
-) -> dict[str, KVCacheEntry] | list[KVCacheEntry]:
+) -> dict[str, KVCacheEntry] | list[KVCacheEntry] | dict[str, DeviceIPCWrapper] | list[DeviceIPCWrapper]:
     """Wrap per-layer KV tensors, each with the factory of its device type.
 
     Takes what engines pass: vLLM's ``dict[layer_name, Tensor]`` (order kept; the

@@ -1,0 +1,178 @@
+"""One real vLLM CPU engine against the platform's reference server, for one model kind.
+
+Run by tests/vllm/test_vllm_engine.py with the vLLM virtualenv's Python; prints one
+JSON report as its last line. Steps: write a tiny dummy-weight model; start the
+reference server (another process); start vLLM with the platform's connector (loaded
+by module path), which wraps and registers ``dict[layer_name, Tensor]``; generate a
+prompt of several chunks; the server stores every chunk the engine wrote; the engine's
+KV bytes are zeroed (control: generating now must differ); the server retrieves the
+chunks; the bytes must equal what vLLM wrote, and a prefix-cache hit must reproduce
+the tokens and top-5 logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+BASE = {"vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False}  # fmt: skip
+MODELS: dict[str, dict] = {
+    # Full attention with GQA (4 query heads over 2 KV heads).
+    "gqa": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
+            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 4, "head_dim": 64, "use_sliding_window": False},
+    # Every layer a 128-token sliding window.
+    "sliding": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 256,
+                "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "num_hidden_layers": 4, "head_dim": 64, "sliding_window": 128},
+    # Gemma-2: sliding-window and full-attention layers alternate; two groups overlay one allocation.
+    "hybrid": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256,
+               "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_hidden_layers": 4, "head_dim": 64, "sliding_window": 128,
+               "query_pre_attn_scalar": 64, "hidden_activation": "gelu_pytorch_tanh",
+               "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    # DeepSeek-V2 multi-head latent attention: one 576-wide latent per token.
+    "mla": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
+            "intermediate_size": 512, "moe_intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "num_hidden_layers": 4, "kv_lora_rank": 512, "q_lora_rank": None,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 4,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 4,
+            "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": False, "scoring_func": "softmax", "routed_scaling_factor": 1.0,
+            "rope_scaling": None},
+}
+CHUNK = 256
+PROMPT_LEN = 3 * CHUNK + 40  # three whole chunks and a partial one
+
+
+def main(kind: str) -> dict:
+    import probe_connector
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from lmcache_platform.server import ServerProcess
+    from lmcache_platform.vllm import registration_config
+    from vllm import LLM, SamplingParams
+
+    report: dict = {"kind": kind}
+    with tempfile.TemporaryDirectory() as model_dir, ServerProcess() as server:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump({**BASE, **MODELS[kind]}, f)
+        t0 = time.monotonic()
+        llm = LLM(
+            model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+            kv_cache_memory_bytes=48 << 20, max_model_len=2048, max_num_batched_tokens=2048,
+            enforce_eager=True, enable_prefix_caching=True, seed=0,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="ProbeConnector", kv_connector_module_path="probe_connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"socket": server.socket_path, "tokens_per_chunk": CHUNK},
+            ),
+        )  # fmt: skip
+        report["startup_s"] = round(time.monotonic() - t0, 1)
+        llm.apply_model(_sensitive_weights)
+        worker = next(c for c in probe_connector.INSTANCES if c.registration is not None)
+        client, ctx_id = worker.client, worker.registration.context
+        names = list(worker.kv_caches)
+        kv = worker.engine_kv_caches  # the very tensors vLLM's kernels use
+        report["layers"] = {n: [list(t.shape), list(t.stride()), t.storage_offset()] for n, t in kv.items()}
+        report["storages"] = len({t.untyped_storage().data_ptr() for t in kv.values()})
+        report["engine_layout"] = str(worker._kv_cache_config.kv_cache_layout)
+        groups = registration_config(worker._kv_cache_config, names)["engine_group_infos"]
+        report["engine_groups"] = [[list(g.layer_indices), g.block_size, g.sliding_window] for g in groups]
+        report["context"] = client.status(ctx_id)
+
+        prompt = TokensPrompt(prompt_token_ids=[(i * 37 + 11) % 1000 + 1 for i in range(PROMPT_LEN)])
+        params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
+
+        def run() -> dict:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            steps = [sorted([tid, v.logprob] for tid, v in step.items()) for step in out.outputs[0].logprobs]
+            return {"tokens": list(out.outputs[0].token_ids), "logprobs": steps,
+                    "cached": int(out.num_cached_tokens or 0)}  # fmt: skip
+
+        report["cold"] = run()  # computes every token
+        report["hit"] = run()  # vLLM's own prefix-cache hit: the reference for hit runs
+        req_id = next(iter(probe_connector.BLOCKS))
+        blocks = probe_connector.BLOCKS[req_id]
+        chunks = [
+            (f"chunk-{c}", [ids[c * CHUNK // g.block_size : (c + 1) * CHUNK // g.block_size]
+                            for ids, g in zip(blocks, groups, strict=True)])
+            for c in range(PROMPT_LEN // CHUNK)
+        ]  # fmt: skip
+        backing = torch.empty(0, dtype=torch.uint8).set_(next(iter(kv.values())).untyped_storage())
+        written = backing.clone()
+        t0 = time.monotonic()
+        report["stored_bytes"] = sum(client.store(ctx_id, [chunk]) for chunk in chunks)
+        report["store_s"] = round(time.monotonic() - t0, 3)
+        backing.zero_()
+        report["control"] = run()  # the hit now reads zeroed KV: must differ
+        backing.zero_()
+        t0 = time.monotonic()
+        report["retrieved_bytes"] = sum(client.retrieve(ctx_id, [chunk]) for chunk in chunks)
+        report["retrieve_s"] = round(time.monotonic() - t0, 3)
+        report["compared_bytes"], report["mismatched_bytes"] = compare(kv, names, groups, chunks, written)
+        report["restored"] = run()
+        worker.shutdown()
+    return report
+
+
+def _sensitive_weights(model) -> None:
+    """Replace vLLM's dummy weights (uniform +-1e-3) with Kaiming-scale ones.
+
+    Dummy weights make every logit about 0, so the output barely depends on the KV
+    cache and the zeroed-KV control could not fail. Norm weights become 1, matrices
+    uniform in +-1/sqrt(fan_in); deterministic (seeded), through vLLM's public
+    ``LLM.apply_model``.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            if p.dim() >= 2:
+                bound = 1.0 / p.shape[-1] ** 0.5
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1).mul_(bound).to(p.dtype))
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
+def compare(kv, names, groups, chunks, written) -> tuple[int, int]:
+    """Bytes of every block the server restored, against the snapshot of what vLLM wrote.
+
+    A sliding-window group keeps only the last ``window`` tokens of each chunk, so only
+    its blocks wholly inside that tail are compared.
+    """
+    import torch
+
+    compared = mismatched = 0
+    for g, group in enumerate(groups):
+        keep = min(CHUNK, group.sliding_window or CHUNK)
+        skip_blocks = (CHUNK - keep + group.block_size - 1) // group.block_size
+        for layer in group.layer_indices:
+            now = kv[names[layer]]
+            then = torch.empty(0, dtype=now.dtype).set_(
+                written.untyped_storage(), now.storage_offset(), now.shape, now.stride()
+            )
+            for _, ids in chunks:
+                for b in ids[g][skip_blocks:]:
+                    a, w = now[b].contiguous().view(torch.uint8), then[b].contiguous().view(torch.uint8)
+                    compared += a.numel()
+                    mismatched += int((a != w).sum())
+    return compared, mismatched
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1]), default=repr))
