@@ -116,6 +116,20 @@ def test_snapshot_restore_reset_of_the_wrapper_table(fakes):
     assert lp.snapshot().entries == {}
 
 
+def test_create_cache_context_takes_exactly_the_engine_fields_of_the_config():
+    import inspect
+
+    from lmcache_platform._types import ENGINE_KEYWORDS
+
+    params = list(inspect.signature(lp.create_cache_context).parameters.values())[1:]
+    assert [p.name for p in params] == list(ENGINE_KEYWORDS)
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(CacheContextConfig)}
+    for p in params:  # the facade's defaults are the config's (tuples may be spelled as ())
+        assert p.default == defaults[p.name], p.name
+    assert "max_batch_size" not in ENGINE_KEYWORDS  # the server's, not the engine's
+
+
 def test_import_is_light_and_lazy():
     code = ("import sys, lmcache_platform; "
             "bad = [m for m in ('torch', 'lmcache_platform_cpu', 'lmcache_platform_cuda', 'numpy')"

@@ -120,6 +120,15 @@ def test_config_round_trip_rebuilds_the_types() -> None:
     assert got["layout_hints"].per_layer == {3: KVFormat.MLA}
 
 
+def test_the_config_map_carries_exactly_the_engine_fields() -> None:
+    from lmcache_platform._types import ENGINE_KEYWORDS
+
+    assert list(P.encode_config()) == list(ENGINE_KEYWORDS)
+    assert set(P.decode_config(P.encode_config())) == set(ENGINE_KEYWORDS)
+    with pytest.raises(TypeError, match="unknown keywords \\['max_batch_size'\\]"):
+        P.encode_config(max_batch_size=2)
+
+
 def test_default_config_round_trips() -> None:
     got = P.decode_config(P.encode_config())
     assert got["lmcache_tokens_per_chunk"] == 256 and got["layout_hints"] is None

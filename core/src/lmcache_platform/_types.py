@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class EngineType(enum.Enum):
@@ -89,8 +89,8 @@ class CacheContextConfig:
     engine_type: EngineType = EngineType.VLLM
     separate_object_groups: bool = True
     full_sw_kv: bool = False
-    #: Chunk slots in the staging buffer.
-    max_batch_size: int = 4
+    #: Chunk slots in the staging buffer. The server's choice, not the engine's.
+    max_batch_size: int = field(default=4, metadata={"server": True})
     #: The engine's layer names in layer order (``model.layers.3.self_attn.attn``), so
     #: that every error names the engine's layer; empty means "use the index".
     layer_names: tuple[str, ...] = ()
@@ -102,6 +102,13 @@ class CacheContextConfig:
             )
         if self.max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
+
+
+#: The config fields an engine chooses: ``create_cache_context``'s keywords, and what
+#: the reference server's ``register`` request carries. Fields marked ``server`` are not.
+ENGINE_KEYWORDS: tuple[str, ...] = tuple(
+    f.name for f in fields(CacheContextConfig) if not f.metadata.get("server")
+)
 
 
 @dataclass(frozen=True)

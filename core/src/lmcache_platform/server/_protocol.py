@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .. import _codec, wire
@@ -33,7 +33,7 @@ from .._codec import (
 )
 from .._errors import WireFormatError
 from .._kv.layout import ENGINE_LAYOUTS
-from .._types import EngineGroupInfo, EngineType, KVFormat, LayoutHints
+from .._types import ENGINE_KEYWORDS, CacheContextConfig, EngineGroupInfo, EngineType, KVFormat, LayoutHints
 
 MAGIC = b"LMCP"
 VERSION = 1
@@ -245,115 +245,128 @@ def _decode_chunks(value: object, op: str, *, keyed: bool) -> tuple[Chunk, ...]:
 
 
 # -- the cache-context config ------------------------------------------------------------
+#
+# The config travels as a map keyed by ENGINE_KEYWORDS, the fields of CacheContextConfig
+# an engine chooses; its defaults are the dataclass's. Each field has one encoder and
+# one decoder below, and the hint and group maps are keyed by their dataclasses' fields,
+# so a new config field needs exactly its two codec entries (a test checks they exist).
 
-_CONFIG_KEYS = frozenset(
-    {"lmcache_tokens_per_chunk", "layout_hints", "engine_group_infos", "engine_type",
-     "separate_object_groups", "full_sw_kv", "layer_names"}
-)  # fmt: skip
-_HINT_KEYS = frozenset(
-    {"kv_format", "per_layer", "block_size", "num_kv_heads", "engine_layout", "head_size"}
-)
 #: Longest engine layer name (``model.layers.3.self_attn.attn`` and the like).
 MAX_LAYER_NAME_LEN = 256
-_GROUP_KEYS = frozenset({"layer_indices", "block_size", "sliding_window"})
 _MAX_TOKENS = 1 << 24
+_CONFIG_KEYS = frozenset(ENGINE_KEYWORDS)
+_HINT_KEYS = frozenset(f.name for f in fields(LayoutHints))
+_GROUP_KEYS = frozenset(f.name for f in fields(EngineGroupInfo))
+_DEFAULTS: dict[str, Any] = {
+    f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+    for f in fields(CacheContextConfig)
+    if f.name in _CONFIG_KEYS
+}
 
 
-def encode_config(
-    *,
-    lmcache_tokens_per_chunk: int = 256,
-    layout_hints: LayoutHints | None = None,
-    engine_group_infos: Sequence[EngineGroupInfo] = (),
-    engine_type: EngineType = EngineType.VLLM,
-    separate_object_groups: bool = True,
-    full_sw_kv: bool = False,
-    layer_names: Sequence[str] = (),
-) -> dict[str, object]:
-    """The keyword arguments of ``create_cache_context`` (after the wrappers) as primitives."""
-    hints: dict[str, object] | None = None
-    if layout_hints is not None:
-        hints = {
-            "kv_format": layout_hints.kv_format.value if layout_hints.kv_format else None,
-            "per_layer": [[i, f.value] for i, f in sorted(layout_hints.per_layer.items())],
-            "block_size": layout_hints.block_size,
-            "num_kv_heads": layout_hints.num_kv_heads,
-            "engine_layout": layout_hints.engine_layout,
-            "head_size": layout_hints.head_size,
-        }
-    return {
-        "lmcache_tokens_per_chunk": lmcache_tokens_per_chunk,
-        "layout_hints": hints,
-        "engine_group_infos": [
-            {
-                "layer_indices": list(g.layer_indices),
-                "block_size": g.block_size,
-                "sliding_window": g.sliding_window,
-            }
-            for g in engine_group_infos
-        ],
-        "engine_type": engine_type.value,
-        "separate_object_groups": separate_object_groups,
-        "full_sw_kv": full_sw_kv,
-        "layer_names": list(layer_names),
-    }
+def encode_config(**keywords: Any) -> dict[str, object]:
+    """``create_cache_context``'s keywords (after the wrappers) as primitives.
+
+    Keywords not given take :class:`~lmcache_platform.CacheContextConfig`'s defaults.
+    """
+    unknown = set(keywords) - _CONFIG_KEYS
+    if unknown:
+        raise TypeError(f"encode_config: unknown keywords {sorted(unknown)} (known: {sorted(_CONFIG_KEYS)})")
+    values = {**_DEFAULTS, **keywords}
+    return {name: _CODEC[name][0](values[name]) for name in ENGINE_KEYWORDS}
 
 
 def decode_config(value: object) -> dict[str, Any]:
     """Validate a config map and rebuild the ``create_cache_context`` keyword arguments."""
     msg = expect_map(value, "config", keys=_CONFIG_KEYS)
-    out: dict[str, Any] = {
-        "lmcache_tokens_per_chunk": expect_int(
-            msg["lmcache_tokens_per_chunk"], "config lmcache_tokens_per_chunk", lo=1, hi=_MAX_TOKENS
-        ),
-        "engine_type": _enum(EngineType, msg["engine_type"], "config engine_type"),
-        "separate_object_groups": expect_bool(msg["separate_object_groups"], "config separate_object_groups"),
-        "full_sw_kv": expect_bool(msg["full_sw_kv"], "config full_sw_kv"),
-        "layout_hints": None,
-        "layer_names": tuple(
-            expect_str(name, f"config layer_names[{i}]", max_len=MAX_LAYER_NAME_LEN)
-            for i, name in enumerate(expect_list(msg["layer_names"], "layer_names", max_len=MAX_LAYERS))
-        ),
+    return {name: _CODEC[name][1](msg[name]) for name in ENGINE_KEYWORDS}
+
+
+def _encode_hints(hints: LayoutHints | None) -> dict[str, object] | None:
+    if hints is None:
+        return None
+    return {
+        "kv_format": hints.kv_format.value if hints.kv_format else None,
+        "per_layer": [[i, f.value] for i, f in sorted(hints.per_layer.items())],
+        "block_size": hints.block_size,
+        "num_kv_heads": hints.num_kv_heads,
+        "engine_layout": hints.engine_layout,
+        "head_size": hints.head_size,
     }
-    if msg["layout_hints"] is not None:
-        hints = expect_map(msg["layout_hints"], "config layout_hints", keys=_HINT_KEYS)
-        per_layer = {}
-        for i, pair in enumerate(expect_list(hints["per_layer"], "per_layer", max_len=MAX_LAYERS)):
-            items = expect_list(pair, f"per_layer[{i}]", max_len=2)
-            if len(items) != 2:
-                raise WireFormatError(f"config per_layer[{i}]: expected [layer, kv_format]")
-            layer = expect_int(items[0], f"config per_layer[{i}] layer", lo=0, hi=MAX_LAYERS)
-            per_layer[layer] = _enum(KVFormat, items[1], f"config per_layer[{i}] kv_format")
-        out["layout_hints"] = LayoutHints(
-            kv_format=_optional(hints["kv_format"], lambda v: _enum(KVFormat, v, "kv_format")),
-            per_layer=per_layer,
-            block_size=_optional(hints["block_size"], lambda v: _count(v, "block_size")),
-            num_kv_heads=_optional(hints["num_kv_heads"], lambda v: _count(v, "num_kv_heads")),
-            engine_layout=_optional(hints["engine_layout"], _engine_layout),
-            head_size=_optional(hints["head_size"], lambda v: _count(v, "head_size")),
-        )
+
+
+def _decode_hints(value: object) -> LayoutHints | None:
+    if value is None:
+        return None
+    hints = expect_map(value, "config layout_hints", keys=_HINT_KEYS)
+    per_layer = {}
+    for i, pair in enumerate(expect_list(hints["per_layer"], "per_layer", max_len=MAX_LAYERS)):
+        items = expect_list(pair, f"per_layer[{i}]", max_len=2)
+        if len(items) != 2:
+            raise WireFormatError(f"config per_layer[{i}]: expected [layer, kv_format]")
+        layer = expect_int(items[0], f"config per_layer[{i}] layer", lo=0, hi=MAX_LAYERS)
+        per_layer[layer] = _enum(KVFormat, items[1], f"config per_layer[{i}] kv_format")
+    return LayoutHints(
+        kv_format=_optional(hints["kv_format"], lambda v: _enum(KVFormat, v, "kv_format")),
+        per_layer=per_layer,
+        block_size=_optional(hints["block_size"], lambda v: _count(v, "block_size")),
+        num_kv_heads=_optional(hints["num_kv_heads"], lambda v: _count(v, "num_kv_heads")),
+        engine_layout=_optional(hints["engine_layout"], _engine_layout),
+        head_size=_optional(hints["head_size"], lambda v: _count(v, "head_size")),
+    )
+
+
+def _encode_groups(groups: Sequence[EngineGroupInfo]) -> list[dict[str, object]]:
+    return [
+        {"layer_indices": list(g.layer_indices), "block_size": g.block_size,
+         "sliding_window": g.sliding_window}
+        for g in groups
+    ]
+
+
+def _decode_groups(value: object) -> tuple[EngineGroupInfo, ...]:
     groups = []
-    for i, g in enumerate(expect_list(msg["engine_group_infos"], "groups", max_len=MAX_GROUPS)):
+    for i, g in enumerate(expect_list(value, "groups", max_len=MAX_GROUPS)):
         where = f"config engine_group_infos[{i}]"
         info = expect_map(g, where, keys=_GROUP_KEYS)
         groups.append(
             EngineGroupInfo(
-                layer_indices=tuple(
-                    expect_int_list(
-                        info["layer_indices"],
-                        f"{where} layer_indices",
-                        lo=0,
-                        hi=MAX_LAYERS,
-                        max_len=MAX_LAYERS,
-                    )
-                ),
+                layer_indices=tuple(expect_int_list(
+                    info["layer_indices"], f"{where} layer_indices", lo=0, hi=MAX_LAYERS, max_len=MAX_LAYERS
+                )),
                 block_size=_count(info["block_size"], f"{where} block_size"),
                 sliding_window=_optional(
                     info["sliding_window"], lambda v, w=where: _count(v, f"{w} sliding_window")
                 ),
             )
         )
-    out["engine_group_infos"] = tuple(groups)
-    return out
+    return tuple(groups)
+
+
+def _decode_layer_names(value: object) -> tuple[str, ...]:
+    names = expect_list(value, "layer_names", max_len=MAX_LAYERS)
+    return tuple(
+        expect_str(name, f"config layer_names[{i}]", max_len=MAX_LAYER_NAME_LEN)
+        for i, name in enumerate(names)
+    )
+
+
+def _keep(value: Any) -> Any:
+    return value
+
+
+#: config field -> (encode, decode): one entry per name in ENGINE_KEYWORDS.
+_CODEC: dict[str, tuple[Callable[[Any], object], Callable[[object], Any]]] = {
+    "lmcache_tokens_per_chunk": (
+        _keep, lambda v: expect_int(v, "config lmcache_tokens_per_chunk", lo=1, hi=_MAX_TOKENS),
+    ),
+    "layout_hints": (_encode_hints, _decode_hints),
+    "engine_group_infos": (_encode_groups, _decode_groups),
+    "engine_type": (lambda e: e.value, lambda v: _enum(EngineType, v, "config engine_type")),
+    "separate_object_groups": (_keep, lambda v: expect_bool(v, "config separate_object_groups")),
+    "full_sw_kv": (_keep, lambda v: expect_bool(v, "config full_sw_kv")),
+    "layer_names": (list, _decode_layer_names),
+}  # fmt: skip
 
 
 def _engine_layout(value: object) -> str:
