@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._kv.layout import kv_cache_shape
+from .._kv.layout import allocate_kv_caches, kv_cache_shape
 from .._types import KVFormat
 
 LAYERS = 3
@@ -22,12 +22,44 @@ CHUNK = 2 * BLOCK_SIZE
 
 #: One dtype per format, so that every common KV dtype is exercised somewhere.
 FORMAT_DTYPES: dict[KVFormat, torch.dtype] = {
+    KVFormat.VLLM: torch.bfloat16,
+    KVFormat.VLLM_MLA: torch.float16,
     KVFormat.FLASH_ATTN: torch.bfloat16,
     KVFormat.FLASH_ATTN_HND: torch.float16,
     KVFormat.FLASHINFER: torch.float32,
     KVFormat.FLASHINFER_HND: torch.float16,
     KVFormat.MLA: torch.bfloat16,
 }
+
+
+#: The layouts the suite registers: every format that travels as one tensor per layer,
+#: current vLLM's in a layer-compact and a block-outermost physical order (one backing
+#: allocation, per-layer views; in ``BLHNC`` the layers' pages interleave). SGLang's
+#: pools need a (K, V) pair per layer or the engine type, which the wire does not carry.
+CASES: tuple[tuple[KVFormat, str | None], ...] = (
+    (KVFormat.VLLM, "LBHNC"),
+    (KVFormat.VLLM, "BLHNC"),
+    (KVFormat.VLLM_MLA, "LBNHC"),
+    *((fmt, None) for fmt in FORMAT_DTYPES if fmt not in (KVFormat.VLLM, KVFormat.VLLM_MLA)),
+)
+
+
+def case_id(case: tuple[KVFormat, str | None]) -> str:
+    return case[0].value + (f"-{case[1]}" if case[1] else "")
+
+
+def make_layers(fmt: KVFormat, engine_layout: str | None, device: torch.device) -> list[torch.Tensor]:
+    """:data:`LAYERS` layers of random bits, laid out as the engine of ``fmt`` allocates them."""
+    dtype = FORMAT_DTYPES[fmt]
+    if engine_layout is None:
+        return [random_bits(layer_shape(fmt), dtype, seed=10 + i).to(device) for i in range(LAYERS)]
+    views = allocate_kv_caches(fmt, num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK_SIZE,
+                               num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=dtype, device=device,
+                               engine_layout=engine_layout)  # fmt: skip
+    layers = [v for v in views if not isinstance(v, tuple)]
+    backing = torch.empty(0, dtype=torch.uint8, device=device).set_(layers[0].untyped_storage())
+    backing.copy_(random_bits((backing.numel(),), torch.uint8, seed=10).to(device))
+    return layers
 
 
 def layer_shape(fmt: KVFormat) -> tuple[int, ...]:
@@ -74,6 +106,11 @@ def token_view(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> 
     """Tokens ``[lo, hi)`` of ``block``: a view ``[kv, tokens, heads, head]`` (MLA ``[1, tokens, head]``)."""
     if fmt is KVFormat.MLA:
         return t[block, lo:hi].unsqueeze(0)
+    if fmt is KVFormat.VLLM_MLA:
+        return t[block, 0, lo:hi].unsqueeze(0)
+    if fmt is KVFormat.VLLM:  # [heads, tokens, 2 * head] -> [2, tokens, heads, head]
+        page = t[block, :, lo:hi]
+        return page.view(*page.shape[:-1], 2, HEAD_SIZE).permute(2, 1, 0, 3)
     if fmt is KVFormat.FLASH_ATTN:
         return t[:, block, lo:hi]
     if fmt is KVFormat.FLASH_ATTN_HND:

@@ -1,7 +1,8 @@
 """Conformance: the cache context, built in the spawned peer, moves chunks bit-exactly.
 
-For every KV format the backend's context class claims, the engine (this process)
-allocates three layers of random bit patterns, wraps them and registers them with
+For every KV format the backend's context class claims (current vLLM's in two physical
+orders, views of one allocation), the engine (this process) allocates three layers of
+random bit patterns the way that engine does, wraps them and registers them with
 the peer, which builds the context through ``create_cache_context``. Stores are
 checked against a reference gather of the engine's own tensors; retrieves by
 reading the engine's tensors back: exactly the addressed tokens change.
@@ -44,11 +45,12 @@ class Registered:
             assert _kv.to_bytes(t) == _kv.to_bytes(e), f"layer {i}: {what}"
 
 
-def register(peer: Peer, target: Target, device: torch.device, fmt: KVFormat) -> Registered:
+def register(
+    peer: Peer, target: Target, device: torch.device, fmt: KVFormat, engine_layout: str | None = None
+) -> Registered:
     if fmt not in target.supported_formats:
         pytest.skip(f"{target.name} does not claim {fmt.value}")
-    dtype = _kv.FORMAT_DTYPES[fmt]
-    layers = [_kv.random_bits(_kv.layer_shape(fmt), dtype, seed=10 + i).to(device) for i in range(_kv.LAYERS)]
+    layers = _kv.make_layers(fmt, engine_layout, device)
     wrappers = lp.wrap_kv_caches(layers)
     info = peer.call(
         "context", wire=wire.encode(wrappers), kv_format=fmt.value, tokens_per_chunk=_kv.CHUNK,
@@ -80,11 +82,15 @@ def check_staged(reg: Registered, groups: list[dict[str, Any]], blocks: list[int
         )
 
 
-@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
+@pytest.mark.parametrize("case", _kv.CASES, ids=_kv.case_id)
 def test_store_and_retrieve_are_bit_exact_and_touch_nothing_else(
-    fmt: KVFormat, lmcache_backend: Target, lmcache_device: torch.device, lmcache_peer: Peer
+    case: tuple[KVFormat, str | None],
+    lmcache_backend: Target,
+    lmcache_device: torch.device,
+    lmcache_peer: Peer,
 ) -> None:
-    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt)
+    fmt, engine_layout = case
+    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt, engine_layout)
     try:
         info = reg.info
         cls = lmcache_backend.context_class
@@ -94,7 +100,8 @@ def test_store_and_retrieve_are_bit_exact_and_touch_nothing_else(
         assert (info["num_layers"], info["num_blocks"]) == (_kv.LAYERS, _kv.BLOCKS)
         assert set(info["kv_formats"]) == {fmt.value}
         itemsize = torch.empty((), dtype=_kv.FORMAT_DTYPES[fmt]).element_size()
-        planes, hidden = (1, _kv.HEAD_SIZE) if fmt is KVFormat.MLA else (2, _kv.HEADS * _kv.HEAD_SIZE)
+        mla = fmt in (KVFormat.MLA, KVFormat.VLLM_MLA)
+        planes, hidden = (1, _kv.HEAD_SIZE) if mla else (2, _kv.HEADS * _kv.HEAD_SIZE)
         assert info["cache_size_per_token"] == _kv.LAYERS * planes * hidden * itemsize
         json.loads(info["status_json"])  # report_status() is JSON-ready
 
@@ -139,7 +146,8 @@ def test_bad_transfer_requests_raise_transfer_error_and_write_nothing(
     lmcache_backend: Target, lmcache_device: torch.device, lmcache_peer: Peer
 ) -> None:
     fmt = lmcache_backend.supported_formats[0]
-    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt)
+    layout = "LBHNC" if fmt is KVFormat.VLLM else None
+    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt, layout)
     try:
         # Fill slot 0 with other data, so a retrieve that wrote anything would show.
         lmcache_peer.call("store", handle=reg.handle, ids=[[5, 6]], slot=0, num_tokens=_kv.CHUNK)
