@@ -1,7 +1,8 @@
 """Typed errors. Each names its culprit (backend, distribution, entry point, index).
 
-Selection errors also subclass :class:`ValueError` so that code written against the
-upstream LMCache registry, which raised ``ValueError``, keeps working unchanged.
+Selection errors also subclass :class:`ValueError` so that code written against
+upstream LMCache's discovery-era registry, whose lookups raised ``ValueError``, keeps
+working unchanged. (LMCache 0.5.6 raises ``RuntimeError`` for an ambiguous device type.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""The engine-facing facade, with the upstream LMCache names so ported code runs unchanged."""
+"""The engine-facing facade, with the names of upstream LMCache's discovery-era platform layer.
+
+Code written against that stage ports with import changes only; upstream's 0.5.6 release
+renamed its resolvers (``resolve_kv_wrapper_factory``, ``get_device_spec``), see the overview.
+"""
 
 from __future__ import annotations
 

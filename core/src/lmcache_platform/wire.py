@@ -1,8 +1,12 @@
 """The wire format for IPC wrappers: typed, versioned, allow-listed, never pickled.
 
 An engine sends its per-layer wrappers to a KV-cache server in another process.
-Upstream LMCache pickled them, so anyone who could reach the server's socket could
-run code in it. Here a message is data only::
+Upstream LMCache's discovery-era platform layer pickled them (a msgpack ext holding
+``pickle.dumps(wrapper)``), so anyone who could reach the server's socket could run
+code in it. Its 0.5.6 release sends wrappers as data-only structs and refuses pickle
+on that path, but can carry only its built-in wrapper classes, and its engine-driven
+data transport still unpickles what the other process sends. Here a message is data
+only, and a backend's own wrapper classes travel too::
 
     b"LMCW" | version (1 byte) | msgpack [ [device_type, wire_tag, {field: primitive}], ... ]
 
