@@ -1,0 +1,246 @@
+"""Case 8: the server as a shared cache under load from several engine processes.
+
+Engines are spawned processes (``rel_cache_workers``) registered in one namespace,
+so they share every chunk. A chunk's bytes are a function of its key, so any engine
+checks any chunk it loads, whoever stored it.
+
+* 8.1 mixed load under eviction pressure: random puts, gets and lookups of runs of
+  keys, with a memory cap a quarter of the key universe: no error, no torn or stale
+  chunk, no write past the first missing key; the byte accounting matches.
+* 8.2 nothing lost: every engine stores its own keys and a common prefix at once,
+  then loads every key any engine stored: all there, all exact, the common prefix
+  copied once.
+* 8.3 parallel versus one lock: the same engine processes load 2 MiB chunks from a
+  server with per-context transfer locks and from one that serializes every transfer
+  (the old behaviour), in alternating rounds; the figures are printed, not asserted.
+
+CI sizes are small; ``LMCACHE_SOAK=1`` runs ten times the requests.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from rel_helpers import emit, segments_of, sized
+
+from lmcache_platform.server import ServerClient, ServerProcess, cache_namespace
+
+SPAWN = multiprocessing.get_context("spawn")
+SMALL = dict(layers=4, heads=2, head=32, block=4, chunk=8, blocks=64)  # 16 KiB chunks, 16 slots
+BIG = dict(layers=8, heads=8, head=128, block=16, chunk=64, blocks=64)  # 2 MiB chunks, 16 slots
+
+
+def ns(name: str, model: dict[str, int]) -> str:
+    return cache_namespace(model=name, kv_layout=json.dumps(model, sort_keys=True), dtype="bfloat16",
+                           block_size=model["block"], chunk_size=model["chunk"]).hex()  # fmt: skip
+
+
+class Clients:
+    """Spawned engine processes, each driven through its pipe with JSON messages."""
+
+    def __init__(self, target: Any, socket_path: Any, specs: list[dict[str, Any]], pids: set[int]) -> None:
+        self.procs, self.conns = [], []
+        for spec in specs:
+            conn, child = SPAWN.Pipe()
+            p = SPAWN.Process(target=target, args=(child, socket_path, spec), daemon=True)
+            p.start()
+            child.close()
+            assert p.pid is not None
+            pids.add(p.pid)
+            self.procs.append(p)
+            self.conns.append(conn)
+
+    def gather(self, timeout: float = 600) -> list[Any]:
+        out = []
+        for conn in self.conns:
+            assert conn.poll(timeout), "a client did not answer"
+            out.append(json.loads(conn.recv_bytes()))
+        return out
+
+    def go(self, command: Any = "go") -> float:
+        for conn in self.conns:
+            conn.send_bytes(json.dumps(command).encode())
+        return time.perf_counter()
+
+    def join(self) -> None:
+        for p in self.procs:
+            p.join(60)
+            assert p.exitcode == 0
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+
+
+def run(target: Any, server: ServerProcess, specs: list[dict[str, Any]], pids: set[int]) -> tuple[list[Any], float]:
+    """Start the clients, release them together, return their reports and the wall time."""
+    clients = Clients(target, server.socket_path, specs, pids)
+    try:
+        assert all(r == {"ready": True} for r in clients.gather())
+        started = clients.go()
+        reports = clients.gather()
+        wall = time.perf_counter() - started
+        clients.join()
+        return reports, wall
+    finally:
+        clients.kill()
+
+
+def server_counters(server: ServerProcess) -> dict[str, Any]:
+    with ServerClient(server.socket_path, timeout=60) as c:
+        return dict(c.status()["server"])
+
+
+@pytest.fixture
+def no_client_segments(rel_child_pids: set[int]) -> Iterator[None]:
+    yield
+    assert segments_of(rel_child_pids) == []  # every engine's segments went with it
+
+
+# -- 8.1 ------------------------------------------------------------------------------------------
+
+CLIENTS = 6
+REQUESTS = sized(300, 3_000)
+UNIVERSE = 64
+
+
+def test_mixed_load_under_eviction_pressure_tears_nothing(
+    rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+) -> None:
+    chunk_bytes = 4 * 2 * 8 * 2 * 32 * 2
+    cap = UNIVERSE // 4 * chunk_bytes
+    namespace = ns("8.1", SMALL)
+    specs = [{"model": SMALL, "seed": 700 + i, "universe": UNIVERSE, "requests": REQUESTS, "namespace": namespace}
+             for i in range(CLIENTS)]  # fmt: skip
+    with ServerProcess(max_host_bytes=cap) as server:
+        from rel_cache_workers import mixed_client
+
+        reports, wall = run(mixed_client, server, specs, rel_child_pids)
+        status = server_counters(server)
+    errors = [e for r in reports for e in r["errors"]]
+    assert errors == [], errors[:5]
+    assert sum(r["mismatches"] for r in reports) == 0, "a loaded chunk was torn, stale or misplaced"
+    total = {k: sum(r[k] for r in reports) for k in ("puts", "gets", "lookups", "stored", "present",
+                                                       "dropped", "retrieved", "hits")}  # fmt: skip
+    assert total["puts"] + total["gets"] + total["lookups"] == CLIENTS * REQUESTS
+    # the server's counters agree with what the engines saw
+    assert status["stored"] == total["stored"] and status["present"] == total["present"]
+    assert status["retrieved"] == total["retrieved"]
+    assert status["evictions"] > 0 and total["retrieved"] > 0  # the load did hit both paths
+    assert status["chunks"] == total["stored"] - status["evictions"]
+    assert status["host_bytes"] == status["chunks"] * chunk_bytes <= cap
+    assert (status["contexts"], status["pinned"]) == (0, 0)
+    emit(request, "8.1 cache load",
+         f"{CLIENTS} engines x {REQUESTS:,} requests in {wall:.2f} s ({CLIENTS * REQUESTS / wall:,.0f} requests/s): "
+         f"{total['puts']:,} puts ({total['stored']:,} chunks stored, {total['present']:,} already present, "
+         f"{total['dropped']:,} dropped), {total['gets']:,} gets ({total['retrieved']:,} chunks loaded and checked), "
+         f"{total['lookups']:,} lookups; {status['evictions']:,} evictions under a cap of {cap // chunk_bytes} "
+         f"chunks; 0 errors, 0 torn chunks",
+         requests_per_s=CLIENTS * REQUESTS / wall, evictions=status["evictions"])  # fmt: skip
+
+
+# -- 8.2 ------------------------------------------------------------------------------------------
+
+OWN_KEYS = sized(24, 240)
+COMMON = 8
+
+
+def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
+    rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+) -> None:
+    chunk_bytes = 4 * 2 * 8 * 2 * 32 * 2
+    namespace = ns("8.2", SMALL)
+    common = list(range(COMMON))
+    own = [list(range(1000 * (i + 1), 1000 * (i + 1) + OWN_KEYS)) for i in range(CLIENTS)]
+    everyone = common + [k for keys in own for k in keys]
+    specs = [{"model": SMALL, "namespace": namespace, "keys": common + own[i], "all_keys": everyone}
+             for i in range(CLIENTS)]  # fmt: skip
+    from rel_cache_workers import store_then_load_client
+
+    with ServerProcess(max_host_bytes=2 * len(everyone) * chunk_bytes) as server:
+        clients = Clients(store_then_load_client, server.socket_path, specs, rel_child_pids)
+        try:
+            assert all(r == {"ready": True} for r in clients.gather())
+            started = clients.go()
+            assert all(r == {"stored": True} for r in clients.gather())
+            stored_s = time.perf_counter() - started
+            clients.go()
+            reports = clients.gather()
+            clients.join()
+        finally:
+            clients.kill()
+        status = server_counters(server)
+    errors = [e for r in reports for e in r["errors"]]
+    assert errors == [], errors[:5]
+    assert sum(r["dropped"] for r in reports) == 0
+    assert sum(r["stored"] for r in reports) == len(everyone), "a key was stored twice, or not at all"
+    assert sum(r["present"] for r in reports) == (CLIENTS - 1) * COMMON
+    assert [r["retrieved"] for r in reports] == [len(everyone)] * CLIENTS and sum(r["missing"] for r in reports) == 0
+    assert sum(r["mismatches"] for r in reports) == 0
+    assert (status["chunks"], status["evictions"]) == (len(everyone), 0)
+    emit(request, "8.2 nothing lost",
+         f"{CLIENTS} engines stored {len(everyone):,} distinct chunks at once ({COMMON} common to all, "
+         f"copied once; {(CLIENTS - 1) * COMMON} puts found them present) in {stored_s:.2f} s; every engine "
+         f"then loaded all {len(everyone):,}: 0 missing, 0 mismatched")  # fmt: skip
+
+
+# -- 8.3 ------------------------------------------------------------------------------------------
+
+READERS = 4
+READS = sized(40, 400)
+READ_CHUNKS, PER_REQUEST = 6, 2
+ROUNDS = 3
+
+
+def test_loads_of_different_engines_in_parallel_and_serialized(
+    rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+) -> None:
+    from rel_cache_workers import Model, reader_client
+
+    chunk_bytes = Model(**BIG).chunk_bytes
+    cap = READERS * READ_CHUNKS * chunk_bytes
+    namespace = ns("8.3", BIG)
+    specs = [{"model": BIG, "namespace": namespace, "first_key": 100 * i, "chunks": READ_CHUNKS,
+              "per_request": PER_REQUEST, "requests": READS} for i in range(READERS)]  # fmt: skip
+    modes = ("per-context locks", "one lock")
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    with ServerProcess(max_host_bytes=cap) as par, ServerProcess(max_host_bytes=cap, parallel_transfers=False) as ser:
+        clients = Clients(reader_client, [par.socket_path, ser.socket_path], specs, rel_child_pids)
+        try:
+            assert all(r == {"ready": True} for r in clients.gather())
+            for _ in range(ROUNDS):  # alternate, so a busy moment of the machine hits both
+                for i, mode in enumerate(modes):
+                    started = clients.go({"server": i})
+                    reports = clients.gather()
+                    walls[mode].append(time.perf_counter() - started)
+                    assert sum(r["error_count"] for r in reports) == 0, [e for r in reports for e in r["errors"]]
+                    assert sum(r["mismatches"] for r in reports) == 0
+                    assert sum(r["bytes"] for r in reports) == READERS * READS * PER_REQUEST * chunk_bytes
+            clients.go("exit")
+            clients.join()
+        finally:
+            clients.kill()
+        status = [server_counters(s) for s in (par, ser)]
+    assert [s["parallel_transfers"] for s in status] == [True, False]
+    assert [s["evictions"] for s in status] == [0, 0]
+    moved = READERS * READS * PER_REQUEST * chunk_bytes
+    best = {m: min(w) for m, w in walls.items()}
+    figures = "; ".join(
+        f"{m}: best {moved / best[m] / 1e9:.2f} GB/s ({READERS * READS / best[m]:,.0f} requests/s), rounds "
+        + ", ".join(f"{moved / w / 1e9:.2f}" for w in walls[m])
+        for m in modes
+    )
+    emit(request, "8.3 parallel loads",
+         f"{READERS} engines x {READS} gets of {PER_REQUEST} x {chunk_bytes >> 20} MiB chunks, {ROUNDS} "
+         f"alternating rounds per server: {figures}; parallel/serialized {best[modes[1]] / best[modes[0]]:.2f}x; "
+         f"0 mismatches",
+         best_gb_per_s={m: moved / best[m] / 1e9 for m in modes})  # fmt: skip
