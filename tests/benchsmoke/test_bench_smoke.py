@@ -19,6 +19,7 @@ import pytest
 
 from lmcache_platform import KVFormat
 from lmcache_platform._bench.stats import Report, Result, SpeedTarget
+from lmcache_platform._bench.transfer import CASES, case_name
 from lmcache_platform._cli.bench import format_report, parse_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,6 +108,9 @@ def _check_other_sections(data: dict[str, Any]) -> None:
     }  # fmt: skip
     transfer = by_section["transfer"]
     assert {r["params"]["format"] for r in transfer} == {f.value for f in KVFormat}
+    # Current vLLM's layout in its layer-compact and block-outermost physical orders.
+    assert {r["params"]["engine_layout"] for r in transfer if r["params"]["format"] == "vllm"} == {
+        "LBHNC", "LBNHC", "BLHNC"}  # fmt: skip
     for r in transfer:
         assert r["unit"] == "GB/s"
         assert r["params"]["layers"] == 32 and r["params"]["tokens"] == 256
@@ -125,7 +129,7 @@ def _check_other_sections(data: dict[str, Any]) -> None:
 def _check_targets(data: dict[str, Any]) -> None:
     targets = {t["name"]: t for t in data["targets"]}
     expected = {"import.no_torch", "dispatch.cached_lookup", "handoff.vs_torch_file_system",
-                "handoff.flat", *(f"transfer.{f.value}" for f in KVFormat)}  # fmt: skip
+                "handoff.flat", *(f"transfer.{case_name(*c)}" for c in CASES)}  # fmt: skip
     assert set(targets) == expected
     for t in targets.values():
         assert t["passed"] in (True, False, None)
@@ -229,13 +233,15 @@ def test_bench_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture
 
 
 def test_sigterm_releases_shared_memory() -> None:
-    """A benchmark stopped with SIGTERM unlinks its segments on the way out."""
+    """A benchmark stopped with SIGTERM unlinks its segments on the way out (named segments:
+    the default memfd exports leave nothing behind by construction)."""
     import signal
     import time
 
     cmd = [sys.executable, "-m", "lmcache_platform._cli", "bench", "--section", "handoff",
            "--sizes", "4M", "--runs", "1000"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "LMCACHE_PLATFORM_CPU_IPC": "shm"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 60
         while not _segments_of(proc.pid):  # wait until it holds shared memory

@@ -20,13 +20,31 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from lmcache_platform import KVFormat, LayoutHints, kv_cache_shape
+from lmcache_platform import KVFormat, LayoutHints, allocate_kv_caches
 
 LAYERS, HEADS, HEAD, BLOCK, TOKENS = 32, 8, 128, 16, 256
-def _shape(fmt: KVFormat, num_blocks: int) -> tuple[int, ...]:
-    """One layer of the benchmark model; MLA holds a DeepSeek-style 576-wide latent + rope."""
-    return kv_cache_shape(fmt, num_blocks=num_blocks, block_size=BLOCK, num_kv_heads=HEADS,
-                          head_size=576 if fmt is KVFormat.MLA else HEAD)
+#: Formats measured, current vLLM first (GPU flash-attention's LBNHC order: one
+#: allocation, one view a layer); SGLang's K/V pairs do not travel in one wire message.
+FORMATS = (KVFormat.VLLM, KVFormat.VLLM_MLA, KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND,
+           KVFormat.FLASHINFER, KVFormat.FLASHINFER_HND, KVFormat.MLA)  # fmt: skip
+_MLA = (KVFormat.MLA, KVFormat.VLLM_MLA)
+
+
+def _layers(fmt: KVFormat, num_blocks: int) -> list[Any]:
+    """The benchmark model's layers on the GPU; MLA holds a DeepSeek-style 576-wide latent."""
+    import torch
+
+    vllm = fmt in (KVFormat.VLLM, KVFormat.VLLM_MLA)
+    layers = allocate_kv_caches(fmt, num_layers=LAYERS if vllm else 1, num_blocks=num_blocks,
+                                block_size=BLOCK, num_kv_heads=HEADS, head_size=576 if fmt in _MLA else HEAD,
+                                dtype=torch.bfloat16, device="cuda",
+                                engine_layout="LBNHC" if vllm else None)  # fmt: skip
+    out = [t for t in layers if isinstance(t, torch.Tensor)]
+    if not vllm:
+        out = [torch.empty_like(out[0]) for _ in range(LAYERS)]
+    for t in out:
+        t.copy_(torch.randn(t.shape, device="cuda"))
+    return out
 
 
 def _send(conn: Connection, message: Any) -> None:
@@ -75,7 +93,7 @@ def _time_transfers(wrappers: list[Any], request: dict[str, Any], create: Any) -
     import torch
 
     fmt = KVFormat(request["format"])
-    hints = LayoutHints(kv_format=fmt, block_size=BLOCK, num_kv_heads=None if fmt is KVFormat.MLA else HEADS)
+    hints = LayoutHints(kv_format=fmt, block_size=BLOCK, num_kv_heads=None if fmt in _MLA else HEADS)
     iters, per_chunk = request["iters"], TOKENS // BLOCK
     with create(wrappers, lmcache_tokens_per_chunk=TOKENS, layout_hints=hints) as ctx:
         chunk_bytes = sum(
@@ -149,11 +167,10 @@ def run(quick: bool) -> dict[str, Any]:
     server.start()
     theirs.close()
     try:
-        for fmt in KVFormat:
-            shape = _shape(fmt, num_blocks)
-            layers = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+        for fmt in FORMATS:
+            layers = _layers(fmt, num_blocks)
             torch.cuda.synchronize()
-            if fmt is KVFormat.FLASH_ATTN:
+            if fmt is KVFormat.VLLM:
                 for kind in (CudaIPCWrapper, RawCudaIPCWrapper):
                     start = time.perf_counter()
                     data = wire.encode([kind.wrap(t) for t in layers])

@@ -1,4 +1,9 @@
-"""Benchmark section: store and retrieve throughput of the cache context, per KV format.
+"""Benchmark section: store and retrieve throughput of the cache context, per KV layout.
+
+Current vLLM's layout comes first, in three physical orders (the CPU engine's
+``LBHNC``, GPU flash-attention's ``LBNHC``, the block-outermost ``BLHNC``; one backing
+allocation, one view per layer), then its MLA, SGLang's pools and the older formats
+(one allocation per layer, as those engines made them).
 
 A 32-layer model's paged KV caches are wrapped through the facade and a context is
 built with :func:`create_cache_context` (in this process: the context reopens the
@@ -16,10 +21,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._errors import LMCachePlatformError
-from .._kv.layout import kv_cache_shape
+from .._kv.layout import FORMATS, allocate_kv_caches
 from .._types import KVFormat, LayoutHints
 from .stats import Report, Result, Settings, Skip, SpeedTarget
 
@@ -34,10 +39,40 @@ TOKENS_PER_CHUNK = 256
 LAYERS, HEADS, HEAD_SIZE, MLA_HEAD_SIZE = 32, 8, 128, 576
 
 
-def layer_shape(fmt: KVFormat, num_blocks: int, heads: int, head_size: int) -> tuple[int, ...]:
-    """One layer's paged KV shape in ``fmt`` (see :class:`KVFormat`)."""
-    return kv_cache_shape(fmt, num_blocks=num_blocks, block_size=BLOCK_SIZE, num_kv_heads=heads,
-                          head_size=head_size)
+#: (format, engine layout): what the section measures, in this order. The layout name is
+#: vLLM's physical order for its own formats, None for formats allocated one tensor a layer.
+CASES: tuple[tuple[KVFormat, str | None], ...] = (
+    (KVFormat.VLLM, "LBHNC"),
+    (KVFormat.VLLM, "LBNHC"),
+    (KVFormat.VLLM, "BLHNC"),
+    (KVFormat.VLLM_MLA, "LBNHC"),
+    *((f, None) for f in KVFormat if f not in (KVFormat.VLLM, KVFormat.VLLM_MLA)),
+)
+
+
+def case_name(fmt: KVFormat, engine_layout: str | None) -> str:
+    return fmt.value + (f"-{engine_layout}" if engine_layout else "")
+
+
+def _allocate(fmt: KVFormat, engine_layout: str | None, num_blocks: int, heads: int, head_size: int,
+              device: str) -> list[Any]:  # fmt: skip
+    """The layers as the engine of ``fmt`` allocates them, every page written once."""
+    import torch
+
+    layers = allocate_kv_caches(fmt, num_layers=1 if engine_layout is None else LAYERS, num_blocks=num_blocks,
+                                block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size,
+                                dtype=torch.float16, device=device, engine_layout=engine_layout)  # fmt: skip
+    if engine_layout is None:  # one allocation per layer (per tensor, for a pair)
+        first = layers[0]
+        layers = [
+            (first[0].clone(), first[1].clone()) if isinstance(first, tuple) else first.clone()
+            for _ in range(LAYERS)
+        ]
+    # Contents do not matter for bandwidth; writing them does (every page is touched).
+    for entry in layers:
+        for t in entry if isinstance(entry, tuple) else (entry,):
+            t.fill_(1)
+    return layers
 
 
 def bench_transfer(report: Report, settings: Settings) -> None:
@@ -51,14 +86,16 @@ def bench_transfer(report: Report, settings: Settings) -> None:
     num_blocks = chunks * blocks_per_chunk
     sync = _synchronizer(device)
     gen = torch.Generator().manual_seed(0)
-    for fmt in KVFormat:
-        d = MLA_HEAD_SIZE if fmt is KVFormat.MLA else HEAD_SIZE
-        params = {"format": fmt.value, "layers": LAYERS, "tokens": TOKENS_PER_CHUNK,
-                  "heads": 1 if fmt is KVFormat.MLA else HEADS, "head_size": d}  # fmt: skip
+    for fmt, engine_layout in CASES:
+        mla = FORMATS[fmt].planes == 1
+        d = MLA_HEAD_SIZE if mla else HEAD_SIZE
+        name = case_name(fmt, engine_layout)
+        params = {"format": fmt.value, "engine_layout": engine_layout, "layers": LAYERS,
+                  "tokens": TOKENS_PER_CHUNK, "heads": 1 if mla else HEADS, "head_size": d}  # fmt: skip
         try:
-            measured = _one_format(fmt, device, num_blocks, HEADS, d, runs, sync, gen)
+            measured = _one_format(fmt, engine_layout, device, num_blocks, HEADS, d, runs, sync, gen)
         except LMCachePlatformError as exc:
-            report.skipped.append(Skip("transfer", fmt.value, str(exc).splitlines()[0], params))
+            report.skipped.append(Skip("transfer", name, str(exc).splitlines()[0], params))
             continue
         chunk_bytes, rows = measured
         params["chunk_bytes"] = chunk_bytes
@@ -68,32 +105,31 @@ def bench_transfer(report: Report, settings: Settings) -> None:
         report.results += [out["copy_ (store-shaped)"], store, out["copy_ (retrieve-shaped)"], retrieve]
         worst = min(store.ratio or 0.0, retrieve.ratio or 0.0)
         report.targets.append(SpeedTarget.at_least(
-            f"transfer.{fmt.value}",
-            f"{fmt.value}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
+            f"transfer.{name}",
+            f"{name}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
             worst, BANDWIDTH_SHARE,
             note=f"store {store.ratio:.2f}, retrieve {retrieve.ratio:.2f} of copy_",
         ))  # fmt: skip
 
 
 def _one_format(
-    fmt: KVFormat, device: str, num_blocks: int, heads: int, head_size: int, runs: int,
-    sync: Callable[[], None], gen: torch.Generator,
+    fmt: KVFormat, engine_layout: str | None, device: str, num_blocks: int, heads: int, head_size: int,
+    runs: int, sync: Callable[[], None], gen: torch.Generator,
 ) -> tuple[int, dict[str, list[float]]]:  # fmt: skip
     import torch
 
     from .. import create_cache_context, wrap_kv_caches
 
-    shape = layer_shape(fmt, num_blocks, heads, head_size)
-    # Contents do not matter for bandwidth; writing them does (every page is touched).
-    tensors = [torch.full(shape, i % 7, dtype=torch.float16, device=device) for i in range(LAYERS)]
-    hints = LayoutHints(kv_format=fmt, block_size=BLOCK_SIZE,
-                        num_kv_heads=None if fmt is KVFormat.MLA else heads)  # fmt: skip
-    wrappers = wrap_kv_caches(tensors)
+    tensors = _allocate(fmt, engine_layout, num_blocks, heads, head_size, device)
+    hints = LayoutHints(kv_format=fmt, block_size=BLOCK_SIZE, engine_layout=engine_layout,
+                        num_kv_heads=None if FORMATS[fmt].planes == 1 else heads)  # fmt: skip
+    wrapped = wrap_kv_caches(tensors)
     try:
-        ctx = create_cache_context(wrappers, TOKENS_PER_CHUNK, layout_hints=hints)
+        ctx = create_cache_context(wrapped, TOKENS_PER_CHUNK, layout_hints=hints)
     except BaseException:
-        for w in wrappers:
-            w.close()
+        for entry in wrapped:
+            for w in entry if isinstance(entry, tuple) else (entry,):
+                w.close()
         raise
     with ctx:
         slots = ctx.max_batch_size
