@@ -8,27 +8,13 @@ collected. Per session: no segment made by this process or by a child it spawned
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 
 import pytest
 
 import lmcache_platform
-from lmcache_platform import DescriptorError
 from lmcache_platform_cpu import _shm
-
-
-def segments_of(pids: set[int]) -> list[str]:
-    """Names in /dev/shm of our segments made by ``pids`` in this pid namespace."""
-    found = []
-    for name in sorted(os.listdir(_shm.SHM_DIR)):
-        try:
-            pidns, pid = _shm.parse_name(name)
-        except DescriptorError:
-            continue
-        if pidns == _shm.pid_namespace() and pid in pids:
-            found.append(name)
-    return found
+from support.shm import no_segment_left
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +25,8 @@ def child_pids() -> set[int]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_segment_left_in_dev_shm(child_pids: set[int]) -> Iterator[None]:
-    yield
-    gc.collect()
-    leaked = segments_of({os.getpid(), *child_pids})
-    for name in leaked:  # leave the machine clean, then fail loudly
-        _shm.unlink_any(name)
-    if leaked:
-        pytest.fail(f"segments left in {_shm.SHM_DIR} after the CPU tests: {leaked}")
+    with no_segment_left("the CPU tests", child_pids):
+        yield
 
 
 @pytest.fixture

@@ -7,12 +7,11 @@ reported as a failure.
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Iterator
 
 import pytest
-from rel_helpers import SHM_DIR, segments_of
+
+from support.shm import no_segment_left
 
 
 @pytest.fixture(scope="session")
@@ -23,10 +22,5 @@ def rel_child_pids() -> set[int]:
 
 @pytest.fixture(scope="session", autouse=True)
 def rel_no_segment_left(rel_child_pids: set[int]) -> Iterator[None]:
-    yield
-    gc.collect()
-    leaked = segments_of({os.getpid(), *rel_child_pids})
-    for name in leaked:  # leave the machine clean, then fail loudly
-        os.unlink(os.path.join(SHM_DIR, name))
-    if leaked:
-        pytest.fail(f"segments left in {SHM_DIR} after the reliability tests: {leaked}")
+    with no_segment_left("the reliability tests", rel_child_pids):
+        yield
