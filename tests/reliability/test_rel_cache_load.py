@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from rel_cache_workers import Model, mixed_client, reader_client, store_then_load_client
 from rel_helpers import emit, segments_of, sized
 
 from lmcache_platform.server import ServerClient, ServerProcess, cache_namespace
@@ -33,6 +34,7 @@ from lmcache_platform.server import ServerClient, ServerProcess, cache_namespace
 SPAWN = multiprocessing.get_context("spawn")
 SMALL = dict(layers=4, heads=2, head=32, block=4, chunk=8, blocks=64)  # 16 KiB chunks, 16 slots
 BIG = dict(layers=8, heads=8, head=128, block=16, chunk=64, blocks=64)  # 2 MiB chunks, 16 slots
+SMALL_CHUNK_BYTES, BIG_CHUNK_BYTES = Model(**SMALL).chunk_bytes, Model(**BIG).chunk_bytes
 
 
 def ns(name: str, model: dict[str, int]) -> str:
@@ -116,14 +118,12 @@ UNIVERSE = 64
 def test_mixed_load_under_eviction_pressure_tears_nothing(
     rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
 ) -> None:
-    chunk_bytes = 4 * 2 * 8 * 2 * 32 * 2
+    chunk_bytes = SMALL_CHUNK_BYTES
     cap = UNIVERSE // 4 * chunk_bytes
     namespace = ns("8.1", SMALL)
     specs = [{"model": SMALL, "seed": 700 + i, "universe": UNIVERSE, "requests": REQUESTS, "namespace": namespace}
              for i in range(CLIENTS)]  # fmt: skip
     with ServerProcess(max_host_bytes=cap) as server:
-        from rel_cache_workers import mixed_client
-
         reports, wall = run(mixed_client, server, specs, rel_child_pids)
         status = server_counters(server)
     errors = [e for r in reports for e in r["errors"]]
@@ -157,15 +157,13 @@ COMMON = 8
 def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
     rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
 ) -> None:
-    chunk_bytes = 4 * 2 * 8 * 2 * 32 * 2
+    chunk_bytes = SMALL_CHUNK_BYTES
     namespace = ns("8.2", SMALL)
     common = list(range(COMMON))
     own = [list(range(1000 * (i + 1), 1000 * (i + 1) + OWN_KEYS)) for i in range(CLIENTS)]
     everyone = common + [k for keys in own for k in keys]
     specs = [{"model": SMALL, "namespace": namespace, "keys": common + own[i], "all_keys": everyone}
              for i in range(CLIENTS)]  # fmt: skip
-    from rel_cache_workers import store_then_load_client
-
     with ServerProcess(max_host_bytes=2 * len(everyone) * chunk_bytes) as server:
         clients = Clients(store_then_load_client, server.socket_path, specs, rel_child_pids)
         try:
@@ -204,9 +202,7 @@ ROUNDS = 3
 def test_loads_of_different_engines_in_parallel_and_serialized(
     rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
 ) -> None:
-    from rel_cache_workers import Model, reader_client
-
-    chunk_bytes = Model(**BIG).chunk_bytes
+    chunk_bytes = BIG_CHUNK_BYTES
     cap = READERS * READ_CHUNKS * chunk_bytes
     namespace = ns("8.3", BIG)
     specs = [{"model": BIG, "namespace": namespace, "first_key": 100 * i, "chunks": READ_CHUNKS,

@@ -27,12 +27,17 @@ def tokens(n_chunks: int, start: int = 0) -> list[int]:
     return list(range(start, start + n_chunks * CHUNK))
 
 
-@pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    sock = private_dir(tmp_path_factory.mktemp("cache")) / "kv.sock"
-    with Serve(sock, "--max-host-bytes", str(256 * CHUNK_BYTES)) as proc:
+def serve_holding(tmp_path_factory: pytest.TempPathFactory, chunks: int) -> Iterator[Serve]:
+    """A ``serve`` process whose memory cap holds exactly ``chunks`` chunks; it must stop cleanly."""
+    sock = private_dir(tmp_path_factory.mktemp(f"cap{chunks}")) / "kv.sock"
+    with Serve(sock, "--max-host-bytes", str(chunks * CHUNK_BYTES)) as proc:
         yield proc
         assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    yield from serve_holding(tmp_path_factory, 256)
 
 
 @pytest.fixture
@@ -221,10 +226,7 @@ CAP_CHUNKS = 4
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    sock = private_dir(tmp_path_factory.mktemp("small")) / "kv.sock"
-    with Serve(sock, "--max-host-bytes", str(CAP_CHUNKS * CHUNK_BYTES)) as proc:
-        yield proc
-        assert proc.stop() == 0
+    yield from serve_holding(tmp_path_factory, CAP_CHUNKS)
 
 
 @pytest.fixture
