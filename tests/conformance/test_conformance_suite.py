@@ -24,7 +24,8 @@ from lmcache_platform.testing import make_distribution
 
 pytestmark = pytest.mark.slow
 
-CHECK_MODULES = ("test_context.py", "test_errors.py", "test_hooks.py", "test_ipc.py", "test_variant.py")
+CHECK_MODULES = ("test_context.py", "test_errors.py", "test_hooks.py", "test_hostmem.py", "test_ipc.py",
+                 "test_variant.py")  # fmt: skip
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -108,8 +109,10 @@ BROKEN = textwrap.dedent('''
             import lmcache_platform_cpu._plugin as _cpu
             wire_tag = next(c.wire_tag for c in _cpu.lmcache_platform_wire_classes("cpu")
                             if c.wire_fields != CpuShmIPCWrapper.wire_fields)
-        if "unbounded_field" in FAULTS:
-            wire_fields = {**CpuShmIPCWrapper.wire_fields, "shm_name": WireField(str)}
+        if "unbounded_field" in FAULTS:  # a host-memory wrapper's fields are its store's handle
+            class UnboundedStore(type(CpuShmIPCWrapper.store)):
+                handle_fields = {"shm_name": WireField(str)}
+            store = UnboundedStore()
 
         def to_tensor(self):
             t = super().to_tensor()

@@ -33,6 +33,16 @@ HOST_CAP = 64 << 10
 HINTS = LayoutHints(kv_format=KVFormat.FLASH_ATTN, block_size=BLOCK, num_kv_heads=HEADS)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def named_segments() -> Iterator[None]:
+    """These cases name /dev/shm segments: export with the cpu backend's ``shm`` kind."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LMCACHE_PLATFORM_CPU_IPC", "shm")
+        lmcache_platform.refresh()
+        yield
+    lmcache_platform.refresh()
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     with ServerProcess(max_host_bytes=HOST_CAP) as proc:

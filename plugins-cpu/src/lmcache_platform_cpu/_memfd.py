@@ -49,12 +49,16 @@ class MemfdCapacityError(LMCachePlatformError, OSError):
     """
 
     def __init__(self, needed: int, headroom: Headroom) -> None:
+        if needed > headroom.free:
+            what = (f"a memfd of {_size(needed)} does not fit: {headroom.limit} leaves "
+                    f"{_size(headroom.free)} (short by {_size(needed - headroom.free)})")  # fmt: skip
+        else:  # the kernel refused although the limit said it fits: a race, or a limit we cannot see
+            what = (f"the kernel refused to reserve {_size(needed)} for a memfd although {headroom.limit} "
+                    f"leaves {_size(headroom.free)} (another process took the memory meanwhile)")  # fmt: skip
         super().__init__(
             errno.ENOMEM,
-            f"a memfd of {_size(needed)} does not fit: {headroom.limit} leaves {_size(headroom.free)} "
-            f"(short by {_size(max(0, needed - headroom.free))}); nothing was created. memfd memory "
-            "counts against the memory cgroup, not /dev/shm: raise the container's memory limit "
-            "or give the engine a smaller KV cache.",
+            f"{what}; nothing was created. memfd memory counts against the memory cgroup, not "
+            "/dev/shm: raise the container's memory limit or give the engine a smaller KV cache.",
         )
         self.needed, self.free, self.limit = needed, headroom.free, headroom.limit
 
@@ -101,7 +105,8 @@ class MemfdStore:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise MemfdCapacityError(nbytes, memory_headroom() or Headroom(0, "the kernel")) from exc
+                    headroom = memory_headroom() or Headroom(0, "the kernel")
+                    raise MemfdCapacityError(nbytes, headroom) from exc
                 raise
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

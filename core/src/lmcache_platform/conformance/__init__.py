@@ -21,6 +21,10 @@ with ``torch.device(device_type)``:
   construction through ``create_cache_context`` in the spawned process, bit-exact
   ``store_chunk`` and ``retrieve_chunk`` that touch nothing else, and idempotent
   ``close()`` (``test_context``);
+* host memory, for backends built on :mod:`lmcache_platform.hostmem`: an empty tensor
+  needs no memory, views of one allocation share one export, a forked child never
+  releases its parent's memory, a capacity error leaves no fd or mapping behind, and
+  closing every export keeps the engine's tensor (``test_hostmem``);
 * coexistence: in a fresh process that selects nothing, next to a stand-in for the
   missing one, the primary backend (``<device_type>``) still serves when a variant
   (``<device_type>.<variant>``) is installed, and a wire tag the variant shares with the

@@ -1,0 +1,122 @@
+"""The conformance suite's host-memory checks (``test_hostmem``) catch the faults they are for.
+
+``cpu.leaky`` is the ``cpu`` backend's named-segment wrapper over a store with faults
+chosen by ``LEAKY_FAULTS``, installed as a real distribution in a temporary site dir.
+Without faults it passes every host-memory check; with each fault, exactly the check
+written for it fails, so none of them is a check that cannot fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+from lmcache_platform.testing import make_distribution
+
+pytestmark = pytest.mark.slow
+
+LEAKY = textwrap.dedent('''
+    """cpu.leaky: named segments with the faults LEAKY_FAULTS lists (comma-separated)."""
+    import os
+    from lmcache_platform import hookimpl
+    from lmcache_platform_cpu import CPUCacheContext, CpuShmIPCWrapper, _shm
+
+    FAULTS = set(os.environ.get("LEAKY_FAULTS", "").split(","))
+    KEPT = []
+
+    class LeakyStore(_shm.ShmStore):
+        def create(self, nbytes):
+            if "leaks_on_refusal" in FAULTS:
+                KEPT.append(os.open(os.devnull, os.O_RDONLY))  # opened before the capacity check
+            return super().create(nbytes)
+
+        def release(self, handle):
+            if "child_releases" in FAULTS:  # forgets that only the creator may unlink
+                _shm.unlink_any(handle["shm_name"])
+                return True
+            return super().release(handle)
+
+    class Wrapper(CpuShmIPCWrapper):
+        wire_tag = "cpu.leaky/1"
+        store = LeakyStore()
+
+        @classmethod
+        def wrap(cls, tensor):
+            if "empty_allocates" in FAULTS and tensor.numel() == 0:
+                KEPT.append(cls.store.create(4096))
+            if "copies_views" in FAULTS and tensor.numel():
+                tensor = tensor.clone()  # each view exported on its own
+            return super().wrap(tensor)
+
+    @hookimpl
+    def lmcache_platform_api_version():
+        return 1
+
+    @hookimpl
+    def lmcache_platform_cache_context_class(device_type):
+        return CPUCacheContext if device_type == "cpu" else None
+
+    @hookimpl
+    def lmcache_platform_ipc_wrapper_class(device_type):
+        return Wrapper if device_type == "cpu" else None
+''')
+
+#: fault -> the checks it must fail (an exported copy dies with the copy, so every check that
+#: reopens such an export later fails too).
+FAULT_CHECKS = {
+    "child_releases": {"test_a_forked_child_never_releases_its_parents_memory"},
+    "empty_allocates": {"test_an_empty_tensor_needs_no_memory"},
+    "copies_views": {"test_views_of_one_allocation_share_one_export",
+                     "test_a_forked_child_never_releases_its_parents_memory",
+                     "test_closing_every_export_keeps_the_engine_tensor_and_a_new_export_works"},
+    "leaks_on_refusal": {"test_a_capacity_error_creates_nothing"},
+}  # fmt: skip
+CHECKS = set().union(*FAULT_CHECKS.values())
+
+
+@pytest.fixture(scope="module")
+def leaky_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    site = tmp_path_factory.mktemp("leaky-site")
+    make_distribution(site, "leaky-backend", "0.0.1", entry_points={"cpu.leaky": "leaky_backend"},
+                      files={"leaky_backend.py": LEAKY})  # fmt: skip
+    return site
+
+
+def outcomes(site: Path, tmp_path: Path, faults: str) -> dict[str, str]:
+    """Run the host-memory checks against ``cpu.leaky``: check name -> outcome."""
+    junit = tmp_path / f"junit-{faults or 'none'}.xml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
+    env.update(PYTHONPATH=str(site), LEAKY_FAULTS=faults)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.conformance", "--lmcache-backend",
+         "cpu.leaky", "-k", "test_hostmem", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=600,
+    )  # fmt: skip
+    assert junit.exists(), proc.stdout + proc.stderr
+    result: dict[str, str] = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        result[case.get("name", "")] = kind
+    return result
+
+
+def test_without_faults_every_host_memory_check_passes(leaky_site: Path, tmp_path: Path) -> None:
+    result = outcomes(leaky_site, tmp_path, "")
+    assert set(result) == CHECKS and set(result.values()) == {"passed"}, result
+
+
+def test_each_fault_fails_exactly_the_host_memory_check_written_for_it(
+    leaky_site: Path, tmp_path: Path
+) -> None:
+    result = outcomes(leaky_site, tmp_path, ",".join(FAULT_CHECKS))
+    failed = {name for name, kind in result.items() if kind != "passed"}
+    assert failed == CHECKS, result
+    for fault in ("child_releases", "copies_views"):  # one at a time: each fails only its own
+        alone = outcomes(leaky_site, tmp_path, fault)
+        assert {name for name, kind in alone.items() if kind != "passed"} == FAULT_CHECKS[fault], alone
