@@ -8,14 +8,6 @@ import threading
 
 import pytest
 import torch
-from cache_helpers import (
-    HeldWrapper,
-    HostContext,
-    context,
-    make_layers,
-    random_bytes,
-    token_rows,
-)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +21,14 @@ from lmcache_platform import (
     TransferError,
 )
 from lmcache_platform._kv.context import NullStream
+from support.cache import (
+    HeldWrapper,
+    HostContext,
+    context,
+    make_layers,
+    random_bytes,
+    token_rows,
+)
 
 CHUNK, BS, NB = 16, 4, 12
 

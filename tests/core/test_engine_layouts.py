@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_helpers import HeldWrapper, HostContext, slot_rows, token_rows
 
 from lmcache_platform import (
     CacheContextConfig,
@@ -23,6 +22,7 @@ from lmcache_platform import (
     TransferError,
     allocate_kv_caches,
 )
+from support.cache import HeldWrapper, HostContext, slot_rows, token_rows
 
 NB, BS, H, D, L = 10, 4, 2, 8, 3
 CHUNK = 2 * BS

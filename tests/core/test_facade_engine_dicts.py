@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_helpers import HeldWrapper, HostContext
 
 import lmcache_platform as lp
 from lmcache_platform import EngineGroupInfo, KVFormat, LayoutError, LayoutHints
 from lmcache_platform.testing import fake_backend
+from support.cache import HeldWrapper, HostContext
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_helpers import layer_shape, make_layers, token_rows
 
 from lmcache_platform import KVFormat, LayoutError, LayoutHints
 from lmcache_platform._kv.layout import discover_layout, discover_layouts, plane_views
+from support.cache import layer_shape, make_layers, token_rows
 
 NB, BS, H, D = 6, 4, 2, 8
 FIVE_D = [KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND, KVFormat.FLASHINFER, KVFormat.FLASHINFER_HND]

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import cpu_e2e_workers as workers
 import pytest
+
+from support import cpu_workers as workers
 
 CHUNK = 32
 #: Tokens per chunk of each transfer: full chunks and a partial one.

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import time
 
-import cpu_e2e_workers as workers
 import pytest
 
 from lmcache_platform_cpu import _gc, _plugin, _shm, reclaim_stale_segments
+from support import cpu_workers as workers
 
 SPAWN = multiprocessing.get_context("spawn")
 

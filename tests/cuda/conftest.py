@@ -11,11 +11,11 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections.abc import Iterator
 
-import cuda_workers
 import pytest
-from cuda_fakes import FakeDevices, FakeRuntime
 
 from lmcache_platform_cuda import _devices, _raw_ipc
+from support import cuda_workers as cuda_workers
+from support.cuda_fakes import FakeDevices, FakeRuntime
 
 
 @pytest.fixture

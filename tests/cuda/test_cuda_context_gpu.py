@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from cuda_workers import PeerHandle, pattern
 
 from lmcache_platform import DeviceIPCWrapper, KVFormat, allocate_kv_caches, wire
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
+from support.cuda_workers import PeerHandle, pattern
 
 pytestmark = [
     pytest.mark.cuda,

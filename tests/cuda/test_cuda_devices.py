@@ -1,6 +1,6 @@
 """UUID <-> ordinal mapping of the CUDA backend.
 
-No GPU here: ``FakeDevices`` (cuda_fakes) stands in for CUDA device enumeration,
+No GPU here: ``FakeDevices`` (support.cuda_fakes) stands in for CUDA device enumeration,
 which is the only part that needs hardware; the table and its errors are real.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from cuda_fakes import UUIDS, FakeDevices
 
 from lmcache_platform import DescriptorError
 from lmcache_platform_cuda._devices import DEVICES
+from support.cuda_fakes import UUIDS, FakeDevices
 
 
 def test_reordered_visible_devices_map_by_uuid(fake_devices: FakeDevices) -> None:

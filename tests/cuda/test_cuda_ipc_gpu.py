@@ -16,11 +16,11 @@ import textwrap
 
 import pytest
 import torch
-from cuda_workers import ALLOWED, PeerError, PeerHandle, digest, exporter_main, pattern, recv, send
 
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, wire
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 from lmcache_platform_cuda._devices import DEVICES
+from support.cuda_workers import ALLOWED, PeerError, PeerHandle, digest, exporter_main, pattern, recv, send
 
 pytestmark = [
     pytest.mark.cuda,
@@ -182,7 +182,7 @@ def test_reordered_visible_devices(kind: type[DeviceIPCWrapper]) -> None:
         """
         import sys
         from lmcache_platform import wire
-        from cuda_workers import ALLOWED, digest
+        from support.cuda_workers import ALLOWED, digest
         (w,) = wire.decode(bytes.fromhex(sys.stdin.read()), allowed=ALLOWED)
         t = w.to_tensor()
         print(t.device, digest(t))

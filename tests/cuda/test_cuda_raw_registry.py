@@ -1,6 +1,6 @@
 """Raw CUDA IPC: the process-wide, refcounted mapping table and view replay.
 
-No GPU here: the CUDA driver is replaced by ``FakeRuntime`` (cuda_fakes), whose
+No GPU here: the CUDA driver is replaced by ``FakeRuntime`` (support.cuda_fakes), whose
 "device memory" is host memory, and device enumeration by ``FakeDevices``. What
 is tested is ours: one open per allocation per process, refcounted idempotent
 ``close()``, unmapping only once no wrapper and no tensor uses a mapping, offsets
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from cuda_fakes import UUIDS, FakeDevices, FakeRuntime
 
 from lmcache_platform import DescriptorError
 from lmcache_platform_cuda import RawCudaIPCWrapper
 from lmcache_platform_cuda._raw_ipc import MAPPINGS
+from support.cuda_fakes import UUIDS, FakeDevices, FakeRuntime
 
 
 @pytest.fixture(autouse=True)

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from cuda_fakes import FakeDevices
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, WireFormatError, wire
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper, _plugin, _probe
 from lmcache_platform_cuda._config import IPC_ENV
+from support.cuda_fakes import FakeDevices
 
 UUID = "6f1d6c3e-2a5b-4c1e-9d3f-0a1b2c3d4e5f"
 ALLOWED = {cls.wire_tag: cls for cls in (CudaIPCWrapper, RawCudaIPCWrapper)}

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rel_helpers import emit
 
 import lmcache_platform as lp
 from lmcache_platform import Status
 from lmcache_platform.testing import make_distribution
 from support.plugins import BROKEN, GOOD, IMPORT_LOG_ENV, env_with_tests_on_path, plugin_source
+from support.reliability import emit
 
 _RETURN_WRAPPER = "def lmcache_platform_ipc_wrapper_class(device_type):\n    return Wrapper\n"
 _RETURN_CONTEXT = "def lmcache_platform_cache_context_class(device_type):\n    return Context\n"

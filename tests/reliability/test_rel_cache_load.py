@@ -1,6 +1,6 @@
 """Case 8: the server as a shared cache under load from several engine processes.
 
-Engines are spawned processes (``rel_cache_workers``) registered in one namespace,
+Engines are spawned processes (``support.cache_workers``) registered in one namespace,
 so they share every chunk. A chunk's bytes are a function of its key, so any engine
 checks any chunk it loads, whoever stored it.
 
@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from rel_cache_workers import Model, mixed_client, reader_client, store_then_load_client
-from rel_helpers import emit, segments_of, sized
 
 from lmcache_platform.server import ServerClient, ServerProcess, cache_namespace
+from support.cache_workers import Model, mixed_client, reader_client, store_then_load_client
+from support.reliability import emit, segments_of, sized
 
 SPAWN = multiprocessing.get_context("spawn")
 SMALL = dict(layers=4, heads=2, head=32, block=4, chunk=8, blocks=64)  # 16 KiB chunks, 16 slots

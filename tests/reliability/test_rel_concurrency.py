@@ -29,12 +29,12 @@ from typing import Any
 import importlib_metadata
 import pytest
 import torch
-from rel_helpers import SHM_DIR, emit
 
 import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, TransferError, wire
 from lmcache_platform._registry import REGISTRY, selected_backend, wire_classes_for
 from lmcache_platform_cpu import CpuShmIPCWrapper
+from support.reliability import SHM_DIR, emit
 
 SPAWN = multiprocessing.get_context("spawn")
 WORKERS = 2
@@ -256,10 +256,9 @@ def test_a_fork_after_wrap_never_unlinks_in_the_child(
 
 def test_spawned_workers_each_resolve_on_their_own(rel_child_pids: set[int], request: pytest.FixtureRequest) -> None:
     """Each child starts with nothing loaded, scans metadata once, and decodes with its own allow-list."""
-    from rel_workers import resolve_worker
-
     from lmcache_platform.testing import fake_backend
     from support.fakes import context_class, wrapper_class
+    from support.reliability_workers import resolve_worker
 
     tensors = [torch.arange(256, dtype=torch.float32) * (i + 1) for i in range(3)]
     wrappers = lp.wrap_kv_caches(tensors)

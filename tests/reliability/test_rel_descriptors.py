@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from rel_helpers import SHM_DIR, fd_targets, forge_name, mapped_shm, mappings_of
 
 from lmcache_platform import DescriptorError
 from lmcache_platform_cpu import CpuShmIPCWrapper
+from support.reliability import SHM_DIR, fd_targets, forge_name, mapped_shm, mappings_of
 
 NOBODY = 65534
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 import torch
-from rel_helpers import SHM_DIR, Resources, describe, emit, mappings_of, sized
 
 import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, ServerError, wire
 from lmcache_platform.server import ServerClient, ServerProcess
 from lmcache_platform_cpu import CpuShmIPCWrapper
+from support.reliability import SHM_DIR, Resources, describe, emit, mappings_of, sized
 
 SPAWN = multiprocessing.get_context("spawn")
 RSS_SLACK = 16 << 20
@@ -92,7 +92,7 @@ def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
     rel_child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
     """The consumer is another process, as in production; both sides' figures are checked."""
-    from rel_workers import reopen_consumer
+    from support.reliability_workers import reopen_consumer
 
     conn, child = SPAWN.Pipe()
     proc = SPAWN.Process(target=reopen_consumer, args=(child,), daemon=True)

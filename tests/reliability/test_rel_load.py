@@ -1,6 +1,6 @@
 """Case 6: the reference server under load from 8 engine processes.
 
-Each client (a spawned process, ``rel_workers.load_client``) wraps a small model,
+Each client (a spawned process, ``support.reliability_workers.load_client``) wraps a small model,
 registers it, then alternates store and retrieve requests, writing fresh random
 bytes before every store and comparing every retrieved byte with what it stored.
 The server is a real spawned :class:`lmcache_platform.server.ServerProcess`.
@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from rel_helpers import Resources, describe, emit, segments_of, sized
 
 from lmcache_platform.server import ServerClient, ServerProcess
+from support.reliability import Resources, describe, emit, segments_of, sized
 
 SPAWN = multiprocessing.get_context("spawn")
 CLIENTS = 8
@@ -45,7 +45,7 @@ def server() -> Iterator[ServerProcess]:
 
 def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) -> tuple[list[dict[str, Any]], float]:
     """Start ``n`` clients, release them together, collect their reports; return them and the wall time."""
-    from rel_workers import load_client
+    from support.reliability_workers import load_client
 
     procs, conns = [], []
     try:

@@ -26,12 +26,12 @@ from typing import Any
 
 import pytest
 import torch
-from rel_helpers import SHM_DIR, emit, mapped_shm, segments_of
 
 import lmcache_platform as lp
 from lmcache_platform import WrapError
 from lmcache_platform_cpu import CpuShmIPCWrapper, ShmCapacityError
 from support.plugins import env_with_tests_on_path
+from support.reliability import SHM_DIR, emit, mapped_shm, segments_of
 
 KIB = 1024
 

@@ -3,7 +3,7 @@
 Targets: the wrapper decoder (:func:`lmcache_platform.wire.decode`) over every wire
 class we ship (cpu shm, cuda torch IPC, cuda raw IPC), the reference server's
 request and reply decoders, its best-effort request-id reader, and its frame reader
-over a real socket. Inputs: a seeded byte-level mutator (:mod:`rel_fuzz`) over
+over a real socket. Inputs: a seeded byte-level mutator (:mod:`support.fuzz`) over
 valid messages made from real wrapped tensors, plus hypothesis for
 structure-aware generation (derandomized, so every run is the same).
 
@@ -32,8 +32,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rel_fuzz import Mutator
-from rel_helpers import (
+
+from lmcache_platform import DeviceIPCWrapper, EngineGroupInfo, KVFormat, LayoutHints, WireFormatError, wire
+from lmcache_platform.server import _protocol as P
+from lmcache_platform_cpu import CpuShmIPCWrapper
+from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
+from support.fuzz import Mutator
+from support.reliability import (
     PREFIX,
     SHM_DIR,
     Resources,
@@ -45,11 +50,6 @@ from rel_helpers import (
     segments_of,
     sized,
 )
-
-from lmcache_platform import DeviceIPCWrapper, EngineGroupInfo, KVFormat, LayoutHints, WireFormatError, wire
-from lmcache_platform.server import _protocol as P
-from lmcache_platform_cpu import CpuShmIPCWrapper
-from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 
 SEED = 0x1A7E_5EED
 N_WIRE = sized(100_000, 1_000_000)

@@ -221,7 +221,7 @@ class Peer:
 
 
 class PeerHandle:
-    """The test side of a spawned ``cuda_workers.peer_main`` process."""
+    """The test side of a spawned ``support.cuda_workers.peer_main`` process."""
 
     def __init__(self, conn: Connection, process: BaseProcess) -> None:
         self.conn = conn

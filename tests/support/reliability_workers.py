@@ -74,9 +74,8 @@ def reopen_consumer(conn: Connection) -> None:
     """Reopen each wrapper message it gets, touch every byte, close; report fds/maps/RSS."""
     import gc
 
-    from rel_helpers import Resources
-
     from lmcache_platform import wire
+    from support.reliability import Resources
 
     _send(conn, {"ready": True})
     marks: dict[str, Any] = {}
