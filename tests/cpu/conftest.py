@@ -1,7 +1,7 @@
 """Fixtures of the CPU-backend tests, and the leak checks that guard every one of them.
 
-Per test: every segment this process created is unlinked once the test's objects are
-collected. Per session: no segment made by this process or by a child it spawned
+Per test: every segment this process created is unlinked, and every memfd it exported
+closed, once the test's objects are collected. Per session: no segment made by this process or by a child it spawned
 (their pids are recorded through ``child_pids``) is left in /dev/shm.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import lmcache_platform
-from lmcache_platform_cpu import _shm
+from lmcache_platform_cpu import _memfd, _shm
 from support.shm import no_segment_left
 
 
@@ -47,9 +47,12 @@ def ipc_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture(autouse=True)
 def no_segment_left_by_test() -> Iterator[None]:
-    before = _shm.owned()
+    """Every segment and every memfd export this process made in the test is released."""
+    before, memfds = _shm.owned(), _memfd.owned()
     yield
-    if _shm.owned() - before:
+    if _shm.owned() - before or _memfd.owned() - memfds:
         gc.collect()  # only when needed: a full collection costs ~0.2 s with torch loaded
     leaked = _shm.owned() - before
     assert not leaked, f"the test left segments it created: {sorted(leaked)}"
+    kept = _memfd.owned() - memfds
+    assert not kept, f"the test left memfd exports open (fds {sorted(kept)})"

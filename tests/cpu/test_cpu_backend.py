@@ -105,7 +105,7 @@ def test_failed_construction_closes_the_wrappers_it_opened() -> None:
     engine_side[2].close()  # its memfd is closed: the third reopen fails
     base = mappings()
     # The fd number is free, or already reused by another file: refused either way.
-    with pytest.raises(DescriptorError, match="fails the (fd|name|memfd) check"):
+    with pytest.raises(DescriptorError, match=r"fails the (fd|name|memfd) check"):
         lmcache_platform.create_cache_context(server_side, 16)
     assert all(w.closed for w in server_side[:2])
     assert mappings() == base

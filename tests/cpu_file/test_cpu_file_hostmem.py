@@ -126,7 +126,6 @@ def test_find_stale_judges_only_our_files_of_dead_producers(kv_dir: Path) -> Non
     (kv_dir / stale).chmod(0o600)
     (kv_dir / "unrelated").write_bytes(b"")
     handle, mm = FileStore().create(4096)
-    live = handle["file_name"]
     try:
         assert find_stale(d.fd, _store.NAMES) == [stale]
         assert find_stale(d.path, _store.NAMES) == [stale]
