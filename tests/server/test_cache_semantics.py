@@ -12,9 +12,9 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
-from serve_kit import BLOCKS, CHUNK, CHUNK_BYTES, HEAD, Serve, TinyEngine, namespace, private_dir
 
 from lmcache_platform.server import ServerClient, ServerError, chunk_keys
+from support.serve import BLOCKS, CHUNK, CHUNK_BYTES, HEAD, Serve, TinyEngine, namespace, private_dir
 
 _models = itertools.count()
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from serve_kit import CHUNK_BYTES, TinyEngine, namespace
 
 from lmcache_platform.server import ReferenceServer, ServerClient
+from support.serve import CHUNK_BYTES, TinyEngine, namespace
 
 WAIT_S = 60  # a bound for the waits below, never a measured time
 

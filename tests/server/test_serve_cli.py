@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from serve_kit import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir, stale_socket
 
 from lmcache_platform._cli.serve import parse_size
 from lmcache_platform.server import ServerClient, ServerError, chunk_keys
+from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir, stale_socket
 
 
 def serve_cmd(*args: str) -> subprocess.CompletedProcess[str]:
