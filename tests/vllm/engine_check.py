@@ -78,7 +78,7 @@ def main(kind: str) -> dict:
             ),
         )  # fmt: skip
         report["startup_s"] = round(time.monotonic() - t0, 1)
-        llm.apply_model(_sensitive_weights)
+        llm.apply_model(sensitive_weights)
         worker = next(c for c in probe_connector.INSTANCES if c.registration is not None)
         client, ctx_id = worker.client, worker.registration.context
         names = list(worker.kv_caches)
@@ -125,7 +125,7 @@ def main(kind: str) -> dict:
     return report
 
 
-def _sensitive_weights(model) -> None:
+def sensitive_weights(model) -> None:
     """Replace vLLM's dummy weights (uniform +-1e-3) with Kaiming-scale ones.
 
     Dummy weights make every logit about 0, so the output barely depends on the KV

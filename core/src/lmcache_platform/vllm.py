@@ -1,4 +1,4 @@
-"""vLLM integration: a KV connector that registers vLLM's KV caches with a platform server.
+"""vLLM integration: a KV connector that keeps prefix KV in an lmcache-platform server.
 
 Load it by module path (``pip install 'lmcache-platform[vllm]'``)::
 
@@ -9,28 +9,60 @@ Load it by module path (``pip install 'lmcache-platform[vllm]'``)::
         kv_connector_extra_config={"socket": "/run/lmcache/server.sock"},
     )
 
-On the worker, :meth:`LMCachePlatformConnector.register_kv_caches` receives vLLM's
-``dict[layer_name, Tensor]`` (one strided ``[B, H, N, C]`` view per layer over one
-backing allocation), wraps it with :func:`lmcache_platform.wrap_kv_caches` and
-registers it with the server, passing the layout vLLM chose (``kv_cache_layout``),
-the head size and one :class:`~lmcache_platform.EngineGroupInfo` per KV-cache group.
-The translation from vLLM's config is :func:`registration_config`, usable on its own.
+KV computed by one engine is stored in the server (``lmcache-platform serve``) in
+whole chunks keyed by the prompt's tokens; another engine with the same model and KV
+layout, or the same one after a restart, loads those chunks into the blocks vLLM
+allocated instead of recomputing them. The server reads and writes the engine's
+memory directly (shared memory on CPU, CUDA IPC on GPUs): only block ids and keys
+cross the socket.
 
-This release registers and reports no external hits: the engine runs exactly as
-without a connector, and the registered context lets the server move the engine's
-blocks. ``import lmcache_platform`` never imports this module or vLLM.
+**Worker side.** :meth:`~LMCachePlatformConnector.register_kv_caches` wraps vLLM's
+``dict[layer_name, Tensor]`` with :func:`lmcache_platform.wrap_kv_caches` (views of one
+allocation share one export) and registers it, with the layout and groups of
+:func:`registration_config`, under the namespace of :func:`cache_namespace_for`.
+``start_load_kv`` fills the blocks the scheduler chose (``get``) before the forward
+pass; ``wait_for_save`` stores the whole prompt chunks the step completed (``put``;
+chunks the server has cost no copy).
 
-Extra-config keys: ``socket`` (the server's UNIX socket; else the environment variable
-``LMCACHE_PLATFORM_SOCKET``), ``tokens_per_chunk`` (default 256, a multiple of every
-group's block size).
+**Scheduler side.** ``get_num_new_matched_tokens`` computes the prompt's chained chunk
+keys (:func:`lmcache_platform.server.chunk_keys`), asks the server how many leading
+ones it holds (``lookup``) and offers the tokens beyond vLLM's own prefix-cache hit, in
+whole chunks, never the prompt's last token.
+
+**Failures never fail a request.** No server, a dead server, a refused registration or
+a full server: the connector reports no hits, logs once per change of state, and
+retries the connection with exponential backoff (1 s to 30 s). A load the server could
+not complete reports its blocks through ``get_block_ids_with_load_errors``, so vLLM
+recomputes them.
+
+**Device ordering.** On devices with streams (CUDA) the connector synchronizes the
+device before a store (the engine's kernels have written the blocks) and the server
+completes its writes before it answers a load. The platform has no cross-process
+event hook yet; these two synchronizations stand in for one.
+
+Extra-config keys (``kv_connector_extra_config``):
+
+``socket``
+    The server's UNIX socket. Else the environment variable ``LMCACHE_PLATFORM_SOCKET``.
+``tokens_per_chunk``
+    Tokens per stored chunk (default 256); a multiple of every KV-cache group's block size.
+``model_id``
+    What identifies the weights in the cache namespace (default: vLLM's model name or
+    path plus its revision). Two engines share KV only if it and the KV layout match.
+
+``import lmcache_platform`` never imports this module or vLLM.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -39,6 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ._errors import LMCachePlatformError
 from ._facade import wrap_kv_caches
 from ._types import EngineGroupInfo, LayoutHints
 
@@ -46,13 +79,19 @@ if TYPE_CHECKING:
     import torch
 
     from ._ipc_wrapper import DeviceIPCWrapper
-    from .server import Registration, ServerClient
+    from .server import GetResult, Registration, ServerClient
 
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: Environment variable naming the server's socket when the extra config does not.
 SOCKET_ENV = "LMCACHE_PLATFORM_SOCKET"
 DEFAULT_TOKENS_PER_CHUNK = 256
+#: First and longest wait between connection attempts, in seconds.
+RETRY_FIRST, RETRY_MAX = 1.0, 30.0
+
+
+# -- what vLLM's config says ---------------------------------------------------------------
 
 
 def registration_config(kv_cache_config: Any, layer_names: Sequence[str]) -> dict[str, Any]:
@@ -87,64 +126,262 @@ def registration_config(kv_cache_config: Any, layer_names: Sequence[str]) -> dic
     return {"layout_hints": hints, "engine_group_infos": tuple(groups)}
 
 
+def cache_namespace_for(
+    vllm_config: Any, kv_cache_config: Any, tokens_per_chunk: int, model_id: str | None = None
+) -> bytes:
+    """The namespace of this engine's chunks: equal exactly for engines whose KV bytes are.
+
+    Computed from the configs alone, so the scheduler and the worker agree: the model
+    (``model_id``, else vLLM's model name and revision), the physical layout, every
+    KV-cache group's spec (kind, block size, window, heads, head size, dtype, layer
+    count), the chunk size, and the tensor-parallel rank and size.
+    """
+    from .server import cache_namespace
+
+    model_config = vllm_config.model_config
+    model = model_id or f"{model_config.model}@{getattr(model_config, 'revision', None) or ''}"
+    groups: list[dict[str, Any]] = []
+    dtypes: set[str] = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        dtypes.add(str(getattr(spec, "dtype", "")).removeprefix("torch."))
+        groups.append({
+            "spec": type(spec).__name__, "block_size": int(spec.block_size),
+            "sliding_window": int(getattr(spec, "sliding_window", None) or 0),
+            "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
+            "head_size": int(getattr(spec, "head_size", 0)),
+            "layers": len(group.layer_names),
+        })  # fmt: skip
+    parallel = vllm_config.parallel_config
+    layout = json.dumps({"layout": str(getattr(kv_cache_config, "kv_cache_layout", "")), "groups": groups})
+    return cache_namespace(
+        model=model,
+        kv_layout=layout,
+        dtype=",".join(sorted(dtypes)) or "unknown",
+        block_size=min(g["block_size"] for g in groups),
+        chunk_size=tokens_per_chunk,
+        extra={
+            "tp_size": int(parallel.tensor_parallel_size),
+            "pp_size": int(parallel.pipeline_parallel_size),
+            "tp_rank": _tp_rank(),
+        },
+    )
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # the scheduler has no parallel state; it only looks up, per rank 0
+        return 0
+
+
+# -- the scheduler's plan, handed to the worker each step --------------------------------------
+
+
+#: One chunk to move: its key and, per KV-cache group, the block ids holding its tokens.
+ChunkMove = tuple[bytes, list[list[int]]]
+
+
+@dataclass
+class PlatformConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Per step: chunks to load before the forward pass and to store after it, per request."""
+
+    loads: dict[str, list[ChunkMove]] = field(default_factory=dict)
+    saves: dict[str, list[ChunkMove]] = field(default_factory=dict)
+
+
+@dataclass
+class _Request:
+    """What the scheduler side tracks for one running request."""
+
+    keys: list[bytes]
+    #: Whole prompt chunks that may be stored (the last token never is: vLLM recomputes it).
+    storable: int
+    #: Chunks already in the server or already sent to be stored.
+    done: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)
+    load: list[int] = field(default_factory=list)  # chunk indices to load this step
+
+
+class _Link:
+    """A server connection that never raises: failures become ``None``, logged per change."""
+
+    def __init__(
+        self, socket_path: str | None, role: str, on_connect: Callable[[ServerClient], None]
+    ) -> None:
+        self.socket_path = socket_path
+        self.role = role
+        self.on_connect = on_connect
+        self.client: ServerClient | None = None
+        self._retry_at = 0.0
+        self._delay = RETRY_FIRST
+        self._state = "new"
+        self._lock = threading.Lock()
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        if state != self._state:
+            level = logging.INFO if state == "connected" else logging.WARNING
+            _log.log(level, "lmcache-platform %s: server %s %s%s", self.role, self.socket_path, state,
+                     f" ({detail})" if detail else "")  # fmt: skip
+            self._state = state
+
+    def call(self, fn: Callable[[ServerClient], _T]) -> _T | None:
+        from .server import ServerClient
+
+        with self._lock:
+            if self.socket_path is None:
+                self._set_state("not configured", f"set kv_connector_extra_config['socket'] or {SOCKET_ENV}")
+                return None
+            if self.client is None:
+                if time.monotonic() < self._retry_at:
+                    return None
+                try:
+                    self.client = ServerClient(self.socket_path, timeout=60.0)
+                    self.on_connect(self.client)
+                except (OSError, LMCachePlatformError) as exc:
+                    self._drop(f"unreachable: {exc}")
+                    return None
+                self._delay = RETRY_FIRST
+                self._set_state("connected")
+            try:
+                return fn(self.client)
+            except (OSError, LMCachePlatformError) as exc:
+                self._drop(f"failed: {type(exc).__name__}: {exc}")
+                return None
+
+    def _drop(self, why: str) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self._retry_at = time.monotonic() + self._delay
+        self._delay = min(self._delay * 2, RETRY_MAX)
+        self._set_state("unavailable", why + f"; retrying in {self._retry_at - time.monotonic():.0f} s")
+
+    def close(self) -> None:
+        with self._lock:
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+
+
 class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
-    """Registers vLLM's KV caches with an lmcache-platform server (see the module docs)."""
+    """Keeps whole prompt chunks of KV in an lmcache-platform server (see the module docs)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra: Mapping[str, Any] = self._kv_transfer_config.kv_connector_extra_config or {}
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.socket_path: str | None = extra.get("socket") or os.environ.get(SOCKET_ENV)
         self.tokens_per_chunk = int(extra.get("tokens_per_chunk", DEFAULT_TOKENS_PER_CHUNK))
-        self.client: ServerClient | None = None
-        self.registration: Registration | None = None
+        self.namespace = cache_namespace_for(vllm_config, kv_cache_config, self.tokens_per_chunk,
+                                             extra.get("model_id"))  # fmt: skip
+        self.block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+        for g, size in enumerate(self.block_sizes):
+            if self.tokens_per_chunk % size:
+                raise ValueError(
+                    f"lmcache-platform: tokens_per_chunk {self.tokens_per_chunk} is not a multiple of "
+                    f"KV-cache group {g}'s block size {size}"
+                )
+        self.link = _Link(self.socket_path, role.name.lower(), self._on_connect)
+        # Worker side.
         self.kv_caches: dict[str, DeviceIPCWrapper] = {}
         #: vLLM's own per-layer tensors, as registered (what its kernels read and write).
         self.engine_kv_caches: dict[str, torch.Tensor] = {}
+        self.registration: Registration | None = None
+        self._device: torch.device | None = None
+        self._load_errors: set[int] = set()
+        self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_chunks": 0, "stored_chunks": 0, "load_errors": 0}
+        # Scheduler side.
+        self._requests: dict[str, _Request] = {}
+
+    @property
+    def client(self) -> ServerClient | None:
+        """The live server connection, if any."""
+        return self.link.client
+
+    def _on_connect(self, client: ServerClient) -> None:
+        """A new connection: the worker (re-)registers its KV caches (a restarted server has none)."""
+        self.registration = None
+        if self.kv_caches:
+            config = registration_config(self._kv_cache_config, list(self.kv_caches))
+            self.registration = client.register(
+                self.kv_caches, namespace=self.namespace, lmcache_tokens_per_chunk=self.tokens_per_chunk,
+                **config,
+            )
+            _log.info("lmcache-platform worker: registered %d layers as context %d",
+                      len(self.kv_caches), self.registration.context)  # fmt: skip
 
     # -- worker side -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap vLLM's per-layer views (one export per backing allocation) and register them."""
-        from .server import ServerClient
-
         self.engine_kv_caches = dict(kv_caches)
         self.kv_caches = wrap_kv_caches(kv_caches)
-        if self.socket_path is None:
-            _log.warning("lmcache-platform: no server socket configured (%s); not registering", SOCKET_ENV)
-            return
-        config = registration_config(self._kv_cache_config, list(kv_caches))
-        self.client = ServerClient(self.socket_path)
-        self.registration = self.client.register(
-            self.kv_caches, lmcache_tokens_per_chunk=self.tokens_per_chunk, **config
-        )
-        _log.info(
-            "lmcache-platform: registered %d layers with %s as context %d",
-            len(kv_caches), self.socket_path, self.registration.context,
-        )  # fmt: skip
+        self._device = next(iter(kv_caches.values())).device
+        self.link.call(lambda client: None)  # connect now, so the first request need not wait
+
+    def _sync_device(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self._device)
+
+    def _context(self, client: ServerClient) -> int:
+        if self.registration is None:
+            raise LMCachePlatformError("the KV caches are not registered with the server")
+        return self.registration.context
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Nothing to load: this release reports no external hits."""
+        """Fill the blocks the scheduler chose from the server, before the forward pass reads them."""
+        meta = self._connector_metadata
+        if not isinstance(meta, PlatformConnectorMetadata):
+            return
+        for req_id, chunks in meta.loads.items():
+            got = self.link.call(self._getter(chunks))
+            loaded = got.retrieved if got is not None else 0
+            self.stats["loaded_chunks"] += loaded
+            if loaded < len(chunks):
+                failed = {b for _, ids in chunks[loaded:] for group in ids for b in group}
+                self._load_errors |= failed
+                self.stats["load_errors"] += len(chunks) - loaded
+                _log.warning("lmcache-platform worker: %s loaded %d of %d chunks; vLLM recomputes the rest",
+                             req_id, loaded, len(chunks))  # fmt: skip
+
+    def _getter(self, chunks: list[ChunkMove]) -> Callable[[ServerClient], GetResult]:
+        def get(client: ServerClient) -> GetResult:
+            return client.get(self._context(client), chunks)
+
+        return get
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing is loading."""
+        """Loads complete in :meth:`start_load_kv`."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing is saved per layer."""
+        """Chunks are stored whole, after the step, in :meth:`wait_for_save`."""
 
     def wait_for_save(self) -> None:
-        """Nothing is saving."""
+        """Store the chunks this step completed that the server does not have yet."""
+        meta = self._connector_metadata
+        if not isinstance(meta, PlatformConnectorMetadata) or not meta.saves:
+            return
+        self._sync_device()  # the engine's kernels have written every block of the chunks
+        chunks = [move for moves in meta.saves.values() for move in moves]
+        put = self.link.call(lambda c: c.put(self._context(c), chunks))
+        if put is not None:
+            self.stats["stored_chunks"] += put.stored
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def shutdown(self) -> None:
-        """Unregister (the server closes its mapping of our memory) and drop the exports."""
-        if self.client is not None:
-            try:
-                if self.registration is not None:
-                    self.client.unregister(self.registration.context)
-            except Exception as exc:  # the server may be gone; the engine must still stop
-                _log.warning("lmcache-platform: unregister failed: %s", exc)
-            finally:
-                self.client.close()
-                self.client = None
+        """Unregister (the server drops its mapping of our memory, not the chunks) and close."""
+        if self.registration is not None:
+            registration = self.registration
+            self.link.call(lambda c: c.unregister(registration.context))
+            self.registration = None
+        self.link.close()
         for wrapper in self.kv_caches.values():
             wrapper.close()
         self.kv_caches = {}
@@ -152,18 +389,97 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
     # -- scheduler side ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
+        """Tokens the server can supply beyond ``num_computed_tokens``, in whole chunks."""
+        from .server import chunk_keys
+
+        state = self._requests.get(request.request_id)
+        if state is None:
+            prompt = list(request.prompt_token_ids or ())
+            keys = chunk_keys(prompt, self.tokens_per_chunk, self.namespace)
+            # Never the last prompt token: vLLM must compute it to sample the next one.
+            storable = max(0, (len(prompt) - 1) // self.tokens_per_chunk)
+            state = self._requests[request.request_id] = _Request(keys, storable)
+        self.stats["lookups"] += 1
+        hits = self.link.call(lambda c: c.lookup(self.namespace, state.keys[: state.storable])) or 0
+        end = hits * self.tokens_per_chunk
+        if end <= num_computed_tokens:
+            return 0, False
+        first = num_computed_tokens // self.tokens_per_chunk
+        state.load = list(range(first, hits))
+        self.stats["hit_tokens"] += end - num_computed_tokens
+        return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """No external tokens are ever loaded."""
+        """Remember the request's blocks; drop the load plan if vLLM took no external tokens."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = [list(g) for g in blocks.get_block_ids()]
+        if num_external_tokens == 0:
+            state.load = []
+
+    def _moves(self, state: _Request, chunks: Sequence[int]) -> list[ChunkMove]:
+        out = []
+        for c in chunks:
+            ids = []
+            for group, size in zip(state.block_ids, self.block_sizes, strict=True):
+                per = self.tokens_per_chunk // size
+                ids.append(group[c * per : (c + 1) * per])
+            out.append((state.keys[c], ids))
+        return out
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
+        meta = PlatformConnectorMetadata()
+        new_blocks: dict[str, tuple[list[int], ...] | None] = {
+            r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs
+        }
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            added = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+            if state is None or added is None:
+                continue
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                state.block_ids = [list(g) for g in added]
+            else:
+                for group, extra in zip(state.block_ids, added, strict=True):
+                    group.extend(extra)
+        for req_id, blocks in new_blocks.items():
+            state = self._requests.get(req_id)
+            if state is not None and blocks is not None:
+                state.block_ids = [list(g) for g in blocks]
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or not state.block_ids:
+                continue
+            if state.load:
+                meta.loads[req_id] = self._moves(state, state.load)
+                state.done = max(state.done, state.load[-1] + 1)
+                state.load = []
+            computed = _computed_after(scheduler_output, req_id, scheduled)
+            complete = min(state.storable, computed // self.tokens_per_chunk)
+            if complete > state.done:
+                meta.saves[req_id] = self._moves(state, range(state.done, complete))
+                state.done = complete
+        return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
         return False, None
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, None
+        return self.request_finished(request, [])
+
+
+def _computed_after(scheduler_output: Any, req_id: str, scheduled: int) -> int:
+    """Tokens of ``req_id`` whose KV exists once this step has run."""
+    for r in scheduler_output.scheduled_new_reqs:
+        if r.req_id == req_id:
+            return int(r.num_computed_tokens) + scheduled
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        if rid == req_id:
+            return int(cached.num_computed_tokens[i]) + scheduled
+    return 0
