@@ -153,7 +153,7 @@ def dependency_dir(root: Path) -> Path:
     )
     found = json.loads(subprocess.run(
         [sys.executable, "-c", probe], check=True, capture_output=True, text=True,
-    ).stdout)  # fmt: skip
+    ).stdout)
     deps = root / "deps"
     deps.mkdir()
     for file in found.values():
@@ -205,7 +205,7 @@ def resolve_once(approach: str, env: Env, deps: Path) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-S", "-E", "-c", _CHILD, approach, str(env.site), str(deps)],
         capture_output=True, text=True, cwd=env.site.parent, timeout=300,
-    )  # fmt: skip
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{approach} (N={env.n}, K={env.k}) failed:\n{proc.stderr}")
     report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -229,7 +229,7 @@ def measure(ns: list[int], ks: list[int], runs: int, delay_s: float) -> dict[str
                         "approach": approach, "n": n, "k": k, "runs": runs,
                         "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
                         "values_ms": ms, "modules_imported": reports[0]["imported"],
-                    })  # fmt: skip
+                    })
     return {
         "schema": SCHEMA_VERSION,
         "params": {
@@ -261,11 +261,11 @@ def targets(results: list[dict[str, Any]], ns: list[int], ks: list[int]) -> list
             goal = f"{LABELS[approach]}, N={n}: first resolution K={hi} / K={lo}"
             if approach == "lazy":
                 out.append(SpeedTarget.at_most(f"discovery.lazy.n{n}", goal + f" <= {FLAT_LIMIT}",
-                                          ratio, FLAT_LIMIT))  # fmt: skip
+                                          ratio, FLAT_LIMIT))
             else:
                 out.append(SpeedTarget.at_least(f"discovery.{approach}.n{n}",
                                            goal + f" > {FLAT_LIMIT} (eager grows with K)",
-                                           ratio, FLAT_LIMIT))  # fmt: skip
+                                           ratio, FLAT_LIMIT))
     return out
 
 
@@ -306,14 +306,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
     for i, n in enumerate(data["params"]["n"]):
         for a, color in zip(APPROACHES, ("tab:green", "tab:red", "tab:purple"), strict=True):
             rows = sorted((r for r in data["results"] if r["approach"] == a and r["n"] == n),
-                          key=lambda r: r["k"])  # fmt: skip
+                          key=lambda r: r["k"])
             ax.errorbar(
                 [r["k"] for r in rows], [r["median_ms"] for r in rows],
                 yerr=[[r["median_ms"] - r["min_ms"] for r in rows],
                       [r["max_ms"] - r["median_ms"] for r in rows]],
                 color=color, linestyle=styles[i % len(styles)], marker="o", capsize=3,
                 label=f"{LABELS[a]}, N={n}",
-            )  # fmt: skip
+            )
     ax.set_xlabel("backends installed (K)")
     ax.set_ylabel("first `cpu` resolution (ms)")
     ax.set_xscale("log")

@@ -111,7 +111,7 @@ def test_a_healthy_host_gets_no_hints() -> None:
 
 def test_backend_findings_become_hints_unless_info() -> None:
     found = [{"backend": "cpu", "device_type": "cpu", "level": level, "message": f"{level} line"}
-             for level in ("info", "warning", "error")]  # fmt: skip
+             for level in ("info", "warning", "error")]
     assert hints(synthetic(findings=found)) == ["warning: cpu: warning line", "error: cpu: error line"]
 
 
@@ -121,7 +121,7 @@ def test_backend_findings() -> None:
         "error: no backend is installed"
     )
     ambiguous = {**BACKENDS, "device_types": {"cpu": {"selected": None, "error": "x",
-                                                      "ambiguous": True}}}  # fmt: skip
+                                                      "ambiguous": True}}}
     assert any("LMCACHE_PLATFORM_BACKEND" in h for h in hints(synthetic(), ambiguous))
     stale = hints(synthetic(stale_resources={"cpu": ["/dev/shm/a", "/dev/shm/b"]}))
     assert stale == [
@@ -131,5 +131,5 @@ def test_backend_findings() -> None:
 
 def test_gpu_without_cuda_backend_suggests_installing_it() -> None:
     gpu = synthetic(torch={"installed": True, "error": None, "cuda_build": "12.4",
-                           "cuda_available": True, "cuda_visible_devices": None})  # fmt: skip
+                           "cuda_available": True, "cuda_visible_devices": None})
     assert any("pip install lmcache-platform-cuda" in h for h in hints(gpu))

@@ -25,7 +25,7 @@ from lmcache_platform.testing import make_distribution
 pytestmark = pytest.mark.slow
 
 CHECK_MODULES = ("test_context.py", "test_errors.py", "test_hooks.py", "test_hostmem.py", "test_ipc.py",
-                 "test_variant.py")  # fmt: skip
+                 "test_variant.py")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -38,7 +38,7 @@ def check(*args: str, env: dict[str, str], cwd: Path) -> tuple[int, dict[str, An
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_platform._cli", "check", *args, "--json"],
         capture_output=True, text=True, env=env, cwd=cwd, check=False,
-    )  # fmt: skip
+    )
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
     return proc.returncode, summary, proc.stderr
 
@@ -50,7 +50,7 @@ def test_cpu_passes_the_whole_suite_through_pytest_pyargs(tmp_path: Path) -> Non
         [sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.conformance",
          "--lmcache-backend", "cpu", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"],
         capture_output=True, text=True, env=clean_env(), cwd=tmp_path, check=False,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     suite = ElementTree.parse(junit).getroot().find("testsuite")
     assert suite is not None
@@ -80,7 +80,7 @@ def test_check_refuses_an_unknown_backend_and_flags_an_unusable_one(tmp_path: Pa
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_platform._cli", "check", "cpu.nonexistent"],
         capture_output=True, text=True, env=clean_env(), cwd=tmp_path, check=False,
-    )  # fmt: skip
+    )
     assert proc.returncode == 2 and "no installed backend is named 'cpu.nonexistent'" in proc.stderr
 
     # cpu.file without its directory cannot serve: only device-free checks run.
@@ -156,7 +156,7 @@ BROKEN = textwrap.dedent('''
 def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = tmp_path_factory.mktemp("broken-site")
     make_distribution(site, "broken-backend", "0.0.1", entry_points={"cpu.broken": "broken_backend"},
-                      files={"broken_backend.py": BROKEN})  # fmt: skip
+                      files={"broken_backend.py": BROKEN})
     return site
 
 
@@ -175,7 +175,7 @@ def test_each_fault_fails_exactly_the_checks_written_for_it(broken_site: Path, t
     failed = failing_checks(broken_site, tmp_path, faults)
     formats = ("flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla")
     cases = ("bfloat16-interior-strided", "float16-contiguous", "float32-transposed", "int8-offset",
-             "uint8-layer-of-a-stack")  # fmt: skip
+             "uint8-layer-of-a-stack")
     assert failed == {
         "test_every_wire_field_is_a_bounded_primitive",  # unbounded_field
         "test_every_hook_function_is_a_marked_implementation_of_a_known_spec",  # unmarked_hook

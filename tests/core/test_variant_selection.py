@@ -33,7 +33,7 @@ def serving_tag() -> str:
 
 def choice_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.INFO and "uses backend" in r.getMessage()]  # fmt: skip
+            if r.levelno == logging.INFO and "uses backend" in r.getMessage()]
 
 
 def test_the_primary_wins_over_its_variants_and_the_choice_is_logged_once(lmcache_registry, caplog):
@@ -45,7 +45,7 @@ def test_the_primary_wins_over_its_variants_and_the_choice_is_logged_once(lmcach
     info = lp.selected_backend("cpu")
     assert (info.name, info.selected_by, info.selected) == ("cpu", "primary", True)
     assert info.why_selected == ("the primary backend; to use one of cpu.file, cpu.memfd instead, "
-                                 "set LMCACHE_PLATFORM_BACKEND=<name>")  # fmt: skip
+                                 "set LMCACHE_PLATFORM_BACKEND=<name>")
     lp.get_kv_wrapper_factory("cpu")
     (line,) = choice_logs(caplog)
     assert line.startswith("lmcache-platform: device type 'cpu' uses backend 'cpu' (lmcache-platform-cpu 0.1)")
@@ -92,7 +92,7 @@ def install_site(site: Path, backends: dict[str, str]) -> None:
     """One distribution per backend; each module logs its own import."""
     for name, module in backends.items():
         make_distribution(site, f"vendor-{module}", "1.0", entry_points={name: module},
-                          files={f"{module}.py": plugin_source(module, "cpu")})  # fmt: skip
+                          files={f"{module}.py": plugin_source(module, "cpu")})
 
 
 def test_explicit_selection_never_imports_the_siblings(lmcache_registry, tmp_path, import_log):
@@ -147,7 +147,7 @@ def test_an_explicit_choice_in_a_fresh_process_skips_the_real_cpu_backend(tmp_pa
     env = env_with_tests_on_path({IMPORT_LOG_ENV: str(log), "LMCACHE_PLATFORM_BACKEND": "cpu.memfd"})
     env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.splitlines()  # fmt: skip
+                         check=True).stdout.splitlines()
     assert out == ["fresh_memfd_d/1", "True True", "[]"]
     assert imported(log) == ["fresh_memfd_d"]
 
@@ -176,12 +176,12 @@ def test_a_server_that_selected_another_backend_says_so_and_what_to_do(tmp_path)
     base = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
     engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               env={**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv),
-                                   "LMCACHE_PLATFORM_BACKEND": "cpu.file"})  # fmt: skip
+                                   "LMCACHE_PLATFORM_BACKEND": "cpu.file"})
     try:
         assert engine.stdout is not None
         data = engine.stdout.readline()
         server = subprocess.run([sys.executable, "-c", SERVER], input=data, capture_output=True,
-                                env={**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv)}, check=True)  # fmt: skip
+                                env={**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv)}, check=True)
     finally:
         engine.communicate(b"")
     message = server.stdout.decode()

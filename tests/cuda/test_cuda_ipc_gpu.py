@@ -195,6 +195,6 @@ def test_reordered_visible_devices(kind: type[DeviceIPCWrapper]) -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], input=payload(kind.wrap(t)), env=env,
         capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"cuda:{n - 2}", digest(t)]

@@ -84,7 +84,7 @@ def test_empty_tensor_needs_no_handle() -> None:
                                       ref_counter_handle=b"", ref_counter_offset=0, event_handle=b"",
                                       event_sync_required=0)),
         (RawCudaIPCWrapper, raw_fields(**empty, ipc_handle=b"", alloc_offset=0, storage_nbytes=0)),
-    ):  # fmt: skip
+    ):
         assert cls.from_fields(fields).nbytes == 0
 
 

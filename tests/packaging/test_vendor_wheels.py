@@ -36,7 +36,7 @@ def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run(venv_bin: Path, *args: str, cwd: Path, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTHONPATH"))}
     return subprocess.run([str(venv_bin / args[0]), *args[1:]], capture_output=True, text=True,
-                          env={**base, **env}, cwd=cwd, check=check)  # fmt: skip
+                          env={**base, **env}, cwd=cwd, check=check)
 
 
 def test_only_the_wheels_are_importable(venv_bin: Path, tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_installing_a_variant_keeps_the_primary_until_the_variant_is_chosen(venv
     assert by_name["cpu.file"]["entry_point"] == "cpu.file = lmcache_platform_cpu_file._plugin"
 
     chosen = json.loads(run(venv_bin, "lmcache-platform", "list", "--json", cwd=tmp_path,
-                            LMCACHE_PLATFORM_CPU_FILE_DIR=kv, LMCACHE_PLATFORM_BACKEND="cpu.file").stdout)  # fmt: skip
+                            LMCACHE_PLATFORM_CPU_FILE_DIR=kv, LMCACHE_PLATFORM_BACKEND="cpu.file").stdout)
     assert chosen["device_types"]["cpu"]["selected"] == "cpu.file"
     assert chosen["device_types"]["cpu"]["selected_by"] == "explicit"
 
@@ -74,7 +74,7 @@ def test_the_demo_runs_on_cpu_file(venv_bin: Path, tmp_path: Path) -> None:
     kv = tmp_path / "kv"
     proc = run(venv_bin, "lmcache-platform", "demo", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
                "--chunk-tokens", "64", "--chunks", "2", "--json", cwd=tmp_path, check=False,
-               LMCACHE_PLATFORM_CPU_FILE_DIR=str(kv), LMCACHE_PLATFORM_BACKEND="cpu.file")  # fmt: skip
+               LMCACHE_PLATFORM_CPU_FILE_DIR=str(kv), LMCACHE_PLATFORM_BACKEND="cpu.file")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["verify"]["mismatched_bytes"] == 0

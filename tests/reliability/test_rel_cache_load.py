@@ -39,7 +39,7 @@ SMALL_CHUNK_BYTES, BIG_CHUNK_BYTES = Model(**SMALL).chunk_bytes, Model(**BIG).ch
 
 def ns(name: str, model: dict[str, int]) -> str:
     return cache_namespace(model=name, kv_layout=json.dumps(model, sort_keys=True), dtype="bfloat16",
-                           block_size=model["block"], chunk_size=model["chunk"]).hex()  # fmt: skip
+                           block_size=model["block"], chunk_size=model["chunk"]).hex()
 
 
 class Clients:
@@ -122,7 +122,7 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
     cap = UNIVERSE // 4 * chunk_bytes
     namespace = ns("8.1", SMALL)
     specs = [{"model": SMALL, "seed": 700 + i, "universe": UNIVERSE, "requests": REQUESTS, "namespace": namespace}
-             for i in range(CLIENTS)]  # fmt: skip
+             for i in range(CLIENTS)]
     with ServerProcess(max_host_bytes=cap) as server:
         reports, wall = run(mixed_client, server, specs, rel_child_pids)
         status = server_counters(server)
@@ -130,7 +130,7 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
     assert errors == [], errors[:5]
     assert sum(r["mismatches"] for r in reports) == 0, "a loaded chunk was torn, stale or misplaced"
     total = {k: sum(r[k] for r in reports) for k in ("puts", "gets", "lookups", "stored", "present",
-                                                       "dropped", "retrieved", "hits")}  # fmt: skip
+                                                       "dropped", "retrieved", "hits")}
     assert total["puts"] + total["gets"] + total["lookups"] == CLIENTS * REQUESTS
     # the server's counters agree with what the engines saw
     assert status["stored"] == total["stored"] and status["present"] == total["present"]
@@ -145,7 +145,7 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
          f"{total['dropped']:,} dropped), {total['gets']:,} gets ({total['retrieved']:,} chunks loaded and checked), "
          f"{total['lookups']:,} lookups; {status['evictions']:,} evictions under a cap of {cap // chunk_bytes} "
          f"chunks; 0 errors, 0 torn chunks",
-         requests_per_s=CLIENTS * REQUESTS / wall, evictions=status["evictions"])  # fmt: skip
+         requests_per_s=CLIENTS * REQUESTS / wall, evictions=status["evictions"])
 
 
 # -- 8.2 ------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
     own = [list(range(1000 * (i + 1), 1000 * (i + 1) + OWN_KEYS)) for i in range(CLIENTS)]
     everyone = common + [k for keys in own for k in keys]
     specs = [{"model": SMALL, "namespace": namespace, "keys": common + own[i], "all_keys": everyone}
-             for i in range(CLIENTS)]  # fmt: skip
+             for i in range(CLIENTS)]
     with ServerProcess(max_host_bytes=2 * len(everyone) * chunk_bytes) as server:
         clients = Clients(store_then_load_client, server.socket_path, specs, rel_child_pids)
         try:
@@ -188,7 +188,7 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
     emit(request, "8.2 nothing lost",
          f"{CLIENTS} engines stored {len(everyone):,} distinct chunks at once ({COMMON} common to all, "
          f"copied once; {(CLIENTS - 1) * COMMON} puts found them present) in {stored_s:.2f} s; every engine "
-         f"then loaded all {len(everyone):,}: 0 missing, 0 mismatched")  # fmt: skip
+         f"then loaded all {len(everyone):,}: 0 missing, 0 mismatched")
 
 
 # -- 8.3 ------------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
     cap = READERS * READ_CHUNKS * chunk_bytes
     namespace = ns("8.3", BIG)
     specs = [{"model": BIG, "namespace": namespace, "first_key": 100 * i, "chunks": READ_CHUNKS,
-              "per_request": PER_REQUEST, "requests": READS} for i in range(READERS)]  # fmt: skip
+              "per_request": PER_REQUEST, "requests": READS} for i in range(READERS)]
     modes = ("per-context locks", "one lock")
     walls: dict[str, list[float]] = {m: [] for m in modes}
     with ServerProcess(max_host_bytes=cap) as par, ServerProcess(max_host_bytes=cap, parallel_transfers=False) as ser:
@@ -239,4 +239,4 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
          f"{READERS} engines x {READS} gets of {PER_REQUEST} x {chunk_bytes >> 20} MiB chunks, {ROUNDS} "
          f"alternating rounds per server: {figures}; parallel/serialized {best[modes[1]] / best[modes[0]]:.2f}x; "
          f"0 mismatches",
-         best_gb_per_s={m: moved / best[m] / 1e9 for m in modes})  # fmt: skip
+         best_gb_per_s={m: moved / best[m] / 1e9 for m in modes})

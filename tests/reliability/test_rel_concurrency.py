@@ -124,7 +124,7 @@ def engine_and_context() -> Iterator[tuple[list[torch.Tensor], lp.BaseCacheConte
 def test_concurrent_store_and_retrieve_on_one_context_are_bit_exact(
     engine_and_context: tuple[list[torch.Tensor], lp.BaseCacheContext], switch_often: None,
     request: pytest.FixtureRequest,
-) -> None:  # fmt: skip
+) -> None:
     """One thread per staging slot, each storing fresh bytes and retrieving them elsewhere."""
     tensors, ctx = engine_and_context
     rounds, per_chunk = 60, CHUNK // BLOCK
@@ -138,21 +138,21 @@ def test_concurrent_store_and_retrieve_on_one_context_are_bit_exact(
             dst = [8 * n + slot * 4 + (r % 2) * 2 + b for b in range(per_chunk)]  # above them
             for t in tensors:
                 t[:, src] = torch.randint(-(2**15), 2**15, t[:, src].shape, dtype=torch.int16,
-                                          generator=gen).view(torch.float16)  # fmt: skip
+                                          generator=gen).view(torch.float16)
             want = [t[:, src].clone() for t in tensors]
             ctx.store_chunk([src], slot=slot)
             for t in tensors:
                 t[:, dst] = 0
             ctx.retrieve_chunk([dst], slot=slot)
             bad += sum(not torch.equal(t[:, dst].view(torch.int16), w.view(torch.int16))
-                       for t, w in zip(tensors, want, strict=True))  # fmt: skip
+                       for t, w in zip(tensors, want, strict=True))
         return bad
 
     results, errors = race(n, worker)
     assert errors == []
     assert results == [0] * n, f"mismatched layer copies per thread: {results}"
     emit(request, "5 concurrent transfers",
-         f"{n} threads x {rounds} store+retrieve rounds on one context: 0 mismatched bytes")  # fmt: skip
+         f"{n} threads x {rounds} store+retrieve rounds on one context: 0 mismatched bytes")
 
 
 def test_transfers_on_a_closed_context_are_refused(
@@ -161,7 +161,7 @@ def test_transfers_on_a_closed_context_are_refused(
     _, ctx = engine_and_context
     ctx.close()
     for call in (lambda: ctx.store_chunk([[0, 1]]), lambda: ctx.retrieve_chunk([[2, 3]]),
-                 lambda: ctx.stage_block_ids([[0]])):  # fmt: skip
+                 lambda: ctx.stage_block_ids([[0]])):
         with pytest.raises(TransferError, match="closed"):
             call()
 
@@ -170,7 +170,7 @@ def test_transfers_on_a_closed_context_are_refused(
 def test_a_transfer_racing_close_is_refused_with_transfer_error(
     engine_and_context: tuple[list[torch.Tensor], lp.BaseCacheContext], monkeypatch: pytest.MonkeyPatch,
     op: str,
-) -> None:  # fmt: skip
+) -> None:
     """Deterministic: close() runs right after the request was validated, before the lock."""
     _, ctx = engine_and_context
     validate = ctx._plan  # the step between the open check and the lock
@@ -264,7 +264,7 @@ def test_spawned_workers_each_resolve_on_their_own(rel_child_pids: set[int], req
     wrappers = lp.wrap_kv_caches(tensors)
     checksum = float(sum(t.double().sum().item() for t in tensors))
     lp.register_backend(fake_backend("relworker", context_class=context_class("relworker"),
-                                     wrapper_class=wrapper_class("relworker")), "relworker")  # fmt: skip
+                                     wrapper_class=wrapper_class("relworker")), "relworker")
     procs, conns = [], []
     try:
         for _ in range(WORKERS):
@@ -298,4 +298,4 @@ def test_spawned_workers_each_resolve_on_their_own(rel_child_pids: set[int], req
         assert r["checksum_ok"] is True
         assert r["parent_state_leaked"] is False
     emit(request, "5 spawned workers", f"{WORKERS} spawned workers: each started with no backend loaded, "
-         "scanned metadata once and reopened the parent's wrappers bit-exact")  # fmt: skip
+         "scanned metadata once and reopened the parent's wrappers bit-exact")

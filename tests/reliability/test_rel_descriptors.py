@@ -38,7 +38,7 @@ def segment() -> Iterator[CpuShmIPCWrapper]:
 
 def fields(w: CpuShmIPCWrapper | None = None, **over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"dtype": "float32", "shape": [1024], "stride": [1], "storage_offset": 0,
-                            "device_uuid": "cpu", "shm_name": forge_name(), "shm_nbytes": 4096}  # fmt: skip
+                            "device_uuid": "cpu", "shm_name": forge_name(), "shm_nbytes": 4096}
     if w is not None:
         base.update(w.fields())
     base.update(over)
@@ -132,7 +132,7 @@ def test_hostile_layouts_are_refused_by_from_fields(over: dict[str, Any], match:
 
 
 DTYPES = ["complex64", "complex128", "qint8", "quint4x2", "uint16", "float", "object", "torch.float32",
-          "Float16", "float16 ", "", "__class__", "bits8", "float8_e4m3fnuz"]  # fmt: skip
+          "Float16", "float16 ", "", "__class__", "bits8", "float8_e4m3fnuz"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,7 +149,7 @@ def forged() -> Iterator[Callable[..., str]]:
     made: list[str] = []
 
     def make(kind: str = "file", *, size: int = 4096, mode: int = 0o600, uid: int | None = None,
-             target: str | None = None) -> str:  # fmt: skip
+             target: str | None = None) -> str:
         name = forge_name()
         path = os.path.join(SHM_DIR, name)
         made.append(path)

@@ -85,7 +85,7 @@ def test_10k_wrap_reopen_close_cycles_stay_flat(request: pytest.FixtureRequest) 
     after = settled()
     flat(before, after)
     emit(request, "4 wrap/reopen/close", f"{WRAP_CYCLES:,} cycles in process: {describe(before, after)}",
-         **before.delta(after))  # fmt: skip
+         **before.delta(after))
 
 
 def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
@@ -137,7 +137,7 @@ def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
     c_before, c_after = (Resources(**report["marks"][k]) for k in sorted(report["marks"], key=int))
     flat(c_before, c_after)  # the consumer
     emit(request, "4 spawned consumer", f"{CONSUMER_CYCLES} models reopened in a spawned consumer: "
-         f"producer {describe(before, after)}; consumer {describe(c_before, c_after)}")  # fmt: skip
+         f"producer {describe(before, after)}; consumer {describe(c_before, c_after)}")
 
 
 # -- context create and close ------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_1000_context_create_close_cycles_stay_flat(
     flat(before, after)
     assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
     emit(request, "4 context create/close", f"{CONTEXT_CYCLES:,} contexts: {describe(before, after)}",
-         **before.delta(after))  # fmt: skip
+         **before.delta(after))
 
 
 # -- a producer killed with SIGKILL ---------------------------------------------------------------
@@ -245,13 +245,13 @@ def test_gc_reclaims_every_segment_of_a_sigkilled_producer_while_a_consumer_maps
 ) -> None:
     command = _in_own_pid_namespace([sys.executable, "-c", GC_SCENARIO])
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         names = json.loads(proc.stdout.readline())["names"]
         views = [CpuShmIPCWrapper.from_fields({
             "dtype": "float16", "shape": [2, 16, 4, 2, 8], "stride": [1024, 64, 16, 8, 1], "storage_offset": 0,
-            "device_uuid": "cpu", "shm_name": n, "shm_nbytes": 4096}).to_tensor() for n in names]  # fmt: skip
+            "device_uuid": "cpu", "shm_name": n, "shm_nbytes": 4096}).to_tensor() for n in names]
         proc.stdin.write("go\n")
         proc.stdin.flush()
         stdout, stderr = proc.communicate(timeout=120)
@@ -279,7 +279,7 @@ def test_gc_reclaims_every_segment_of_a_sigkilled_producer_while_a_consumer_maps
     where = "in a private pid namespace" if command[0] != sys.executable else "in this pid namespace"
     emit(request, "4 SIGKILLed producer", f"{len(names)} segments of a SIGKILLed producer ({where}): `gc` listed "
          f"all and removed none, `gc --yes` removed all; a live producer's segment and a consumer's mappings "
-         f"were unaffected")  # fmt: skip
+         f"were unaffected")
 
 
 # -- the reference server killed ----------------------------------------------------------------
@@ -321,4 +321,4 @@ def test_a_killed_server_leaves_the_engine_working_and_a_new_server_takes_over(
         assert all(torch.equal(t[:, 10:12], s[:, 4:6]) for t, s in zip(tensors, snapshot, strict=True))
         client.unregister(ctx)
     emit(request, "4 killed server", "server SIGKILLed mid-session: old client gets an error, engine tensors "
-         "and segments intact, a new server registers the same wrappers and round-trips bit-exact")  # fmt: skip
+         "and segments intact, a new server registers the same wrappers and round-trips bit-exact")

@@ -52,7 +52,7 @@ def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) ->
         for i in range(n):
             conn, child = SPAWN.Pipe()
             p = SPAWN.Process(target=load_client, args=(child, server.socket_path, i, requests, 1000 + i, LAYERS, HEAD),
-                              daemon=True)  # fmt: skip
+                              daemon=True)
             p.start()
             child.close()
             assert p.pid is not None
@@ -149,4 +149,4 @@ def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
          f"{sum(r['retrieves'] for r in reports):,} retrieves) in {wall:.2f} s: {total / wall:,.0f} requests/s, "
          f"{moved / wall / 1e9:.3f} GB/s of chunk data ({moved / 2**20:.1f} MiB), 0 errors, 0 mismatches; "
          f"server {describe(before, after)}, connection threads all exited",
-         requests_per_s=total / wall, gb_per_s=moved / wall / 1e9)  # fmt: skip
+         requests_per_s=total / wall, gb_per_s=moved / wall / 1e9)

@@ -85,7 +85,7 @@ def _namespace_command() -> list[str] | None:
         return None
     mount = "mount -t tmpfs -o size=1M,mode=1777 tmpfs /dev/shm"
     return [unshare, "--mount", "--propagation", "private", "sh", "-c", f'{mount} && exec "$0" -c "$1"',
-            sys.executable, IN_NAMESPACE]  # fmt: skip
+            sys.executable, IN_NAMESPACE]
 
 
 def test_a_real_full_tmpfs_refuses_with_enospc_and_keeps_nothing(request: pytest.FixtureRequest) -> None:
@@ -113,7 +113,7 @@ def test_a_real_full_tmpfs_refuses_with_enospc_and_keeps_nothing(request: pytest
     assert segments_of({out["pid"]}) == []  # the host's /dev/shm never saw any of it
     emit(request, "7 real full tmpfs",
          f"1 MiB tmpfs over /dev/shm in a private mount namespace: batch of 1.5 MiB refused "
-         f"({out['batch']['message'].split(';')[0]}); kernel ENOSPC refused; nothing left")  # fmt: skip
+         f"({out['batch']['message'].split(';')[0]}); kernel ENOSPC refused; nothing left")
 
 
 # -- simulated ----------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_enospc_in_the_middle_of_a_batch_unwinds_the_layers_already_wrapped(
     assert set(segments_of({os.getpid()})) == before[0], "a segment of the failed batch was left behind"
     assert all(torch.equal(t, e) for t, e in zip(model, expected, strict=True))  # the engine lost nothing
     emit(request, "7 simulated ENOSPC", f"ENOSPC at layer 2 of 4: WrapError(layer=2) from ShmCapacityError; "
-         f"{len(calls) - 1} segments made before it were unlinked; engine tensors intact")  # fmt: skip
+         f"{len(calls) - 1} segments made before it were unlinked; engine tensors intact")
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.ENOMEM], ids=["ENOSPC", "ENOMEM"])

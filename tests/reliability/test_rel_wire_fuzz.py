@@ -66,7 +66,7 @@ CUDA_UUID = "GPU-6f1d6c3e-2a5b-4c1e-9d3f-0a1b2c3d4e5f"
 CUDA_LAYER: dict[str, Any] = {
     "dtype": "bfloat16", "shape": [2, 8, 16, 2, 64], "stride": [16384, 2048, 128, 64, 1],
     "storage_offset": 0, "device_uuid": CUDA_UUID,
-}  # fmt: skip
+}
 
 
 def cuda_fields() -> list[dict[str, Any]]:
@@ -77,7 +77,7 @@ def cuda_fields() -> list[dict[str, Any]]:
          "storage_offset_bytes": 4096, "ref_counter_handle": b"/torch_4242_2983412_7",
          "ref_counter_offset": 3, "event_handle": bytes(64), "event_sync_required": 1},
         {**CUDA_LAYER, "ipc_handle": bytes(range(64, 128)), "alloc_offset": 8192, "storage_nbytes": nbytes},
-    ]  # fmt: skip
+    ]
 
 
 # -- the outcome of one decode -------------------------------------------------------------
@@ -199,7 +199,7 @@ def wrappers() -> Iterator[list[DeviceIPCWrapper]]:
             os.close(fd)
             w: DeviceIPCWrapper = CpuShmIPCWrapper.from_fields({"dtype": dtype, "shape": shape, "stride": stride,
                                               "storage_offset": offset, "device_uuid": "cpu",
-                                              "shm_name": name, "shm_nbytes": nbytes})  # fmt: skip
+                                              "shm_name": name, "shm_nbytes": nbytes})
             probe = CpuShmIPCWrapper.from_fields(w.fields())
             assert probe.to_tensor().shape == tuple(shape)  # the view dies at once
             probe.close()
@@ -218,7 +218,7 @@ def wrappers() -> Iterator[list[DeviceIPCWrapper]]:
 
 def wire_corpus(ws: list[DeviceIPCWrapper]) -> list[bytes]:
     return [wire.encode(ws), wire.encode(ws[:1]), wire.encode(ws[4:]), wire.encode([ws[3]]),
-            wire.encode([]), wire.encode(ws[1:3] * 3)]  # fmt: skip
+            wire.encode([]), wire.encode(ws[1:3] * 3)]
 
 
 def protocol_corpus(ws: list[DeviceIPCWrapper]) -> list[bytes]:
@@ -237,7 +237,7 @@ def protocol_corpus(ws: list[DeviceIPCWrapper]) -> list[bytes]:
         P.encode_request("status", 6, context=7),
         P.encode_request("status", 7),
         P.encode_request("shutdown", 8),
-    ]  # fmt: skip
+    ]
 
 
 # -- the mutator ---------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def protocol_corpus(ws: list[DeviceIPCWrapper]) -> list[bytes]:
 def test_mutated_wrapper_messages_raise_only_wire_format_error(
     wrappers: list[DeviceIPCWrapper], never_mapped: list[str], watchdog: Callable[[], None],
     request: pytest.FixtureRequest,
-) -> None:  # fmt: skip
+) -> None:
     """Every tenth message goes through the default allow-list (the real registry)."""
     mutate = Mutator(wire_corpus(wrappers), SEED)
     tally = Tally()
@@ -261,7 +261,7 @@ def test_mutated_wrapper_messages_raise_only_wire_format_error(
 def test_mutated_requests_and_replies_raise_only_wire_format_error(
     wrappers: list[DeviceIPCWrapper], never_mapped: list[str], watchdog: Callable[[], None],
     request: pytest.FixtureRequest,
-) -> None:  # fmt: skip
+) -> None:
     replies = [P.encode_reply(9, {"context": 1, "bytes": 4096}), P.encode_error(9, "TransferError", "no")]
     mutate_requests = Mutator(protocol_corpus(wrappers), SEED + 1)
     mutate_replies = Mutator(replies, SEED + 2)
@@ -286,7 +286,7 @@ def _stream(mutate: Mutator, rng_pick: Callable[[list[int]], int]) -> bytes:
     for _ in range(rng_pick([1, 2, 3])):
         payload = mutate()
         length = rng_pick([len(payload)] * 4 + [0, max(len(payload) - 1, 0), len(payload) + 1,
-                                                P.MAX_FRAME_BYTES, P.MAX_FRAME_BYTES + 1, 0xFFFFFFFF])  # fmt: skip
+                                                P.MAX_FRAME_BYTES, P.MAX_FRAME_BYTES + 1, 0xFFFFFFFF])
         out += _PREFIX.pack(length) + payload
     return out[: rng_pick([len(out)] * 3 + [len(out) // 2, 3])]
 
@@ -294,7 +294,7 @@ def _stream(mutate: Mutator, rng_pick: Callable[[list[int]], int]) -> bytes:
 def test_hostile_byte_streams_through_the_frame_reader(
     wrappers: list[DeviceIPCWrapper], never_mapped: list[str], watchdog: Callable[[], None],
     request: pytest.FixtureRequest,
-) -> None:  # fmt: skip
+) -> None:
     """The server's read loop over a real socket: frames, then requests, until EOF or refusal."""
     mutate = Mutator(protocol_corpus(wrappers), SEED + 3)
     pick = mutate.rng.choice
@@ -320,7 +320,7 @@ def test_hostile_byte_streams_through_the_frame_reader(
             a.close()
             b.close()
     emit(request, "1 frame reader", f"seed {SEED + 3:#x}: {frames:,} frames read; " + tally.summary(),
-         messages=tally.total)  # fmt: skip
+         messages=tally.total)
 
 
 @pytest.fixture
@@ -397,12 +397,12 @@ _HOSTILE_STR = st.sampled_from([
     "", "..", "../../etc/passwd", "/dev/shm/lmcache_platform_1_2_" + "0" * 32, "lmcache_platform_",
     "lmcache_platform_1_1_" + "a" * 32 + "/..", "complex64", "torch.float32", "float", "object",
     "\x00", "x" * 200, "cpu", "cuda", "GPU-0",
-])  # fmt: skip
+])
 HOSTILE = st.one_of(
     _INT64, _EDGE_INTS, _HOSTILE_STR, st.text(max_size=40), st.binary(max_size=80),
     st.lists(st.one_of(_INT64, _EDGE_INTS), max_size=10), st.floats(), st.none(), st.booleans(),
     st.dictionaries(st.text(max_size=4), _INT64, max_size=3), st.lists(st.text(max_size=4), max_size=3),
-)  # fmt: skip
+)
 
 
 @st.composite
@@ -431,7 +431,7 @@ def _envelope(body: object, magic: bytes = wire.MAGIC, version: int = wire.VERSI
 _SETTINGS = settings(
     max_examples=N_HYPOTHESIS, derandomize=True, deadline=None, database=None,
     suppress_health_check=list(HealthCheck),
-)  # fmt: skip
+)
 
 
 def test_generated_wrapper_records(
@@ -486,14 +486,14 @@ def test_generated_arbitrary_bodies(never_mapped: list[str], request: pytest.Fix
 #: The fields each op carries (beyond "op" and "id"), as the reference client sends them.
 OP_FIELDS = {"register": ("wrappers", "config"), "store": ("context", "chunks"),
              "retrieve": ("context", "chunks"), "unregister": ("context",), "status": ("context",),
-             "shutdown": ()}  # fmt: skip
+             "shutdown": ()}
 
 
 @st.composite
 def requests(draw: st.DrawFn, ws: list[DeviceIPCWrapper]) -> dict[object, object]:
     """A request map near a valid one: each field is valid, hostile, missing or extra."""
     good = {"context": 1, "wrappers": wire.encode(ws[:2]), "config": P.encode_config(),
-            "chunks": [["c", [[1, 2]]], ["d", [[3, 4], [5]]]]}  # fmt: skip
+            "chunks": [["c", [[1, 2]]], ["d", [[3, 4], [5]]]]}
     op = draw(st.sampled_from(sorted(OP_FIELDS)))
     msg: dict[object, object] = {"op": op, "id": draw(st.integers(0, 100))}
     for key in OP_FIELDS[op]:
@@ -534,7 +534,7 @@ def _record(shape: list[int] | None = None, **over: Any) -> list[object]:
     """A CPU record of an empty tensor (it needs no segment), fields overridden."""
     shape = [0, 16] if shape is None else shape
     fields = {"dtype": "uint8", "shape": shape, "stride": [1] * len(shape), "storage_offset": 0,
-              "device_uuid": "cpu", "shm_name": "", "shm_nbytes": 0, **over}  # fmt: skip
+              "device_uuid": "cpu", "shm_name": "", "shm_nbytes": 0, **over}
     return ["cpu", CpuShmIPCWrapper.wire_tag, fields]
 
 
@@ -573,14 +573,14 @@ CAPS: list[tuple[str, Callable[[int], bytes], int | None, Callable[[bytes], obje
     ("tokens per chunk", lambda n: P.MAGIC + b"\x01" + msgpack.packb(
         {"op": "register", "id": 1, "wrappers": b"", "config": {**P.encode_config(), "lmcache_tokens_per_chunk": n}}),
      1 << 24, lambda d: P.decode_request(d), "outside"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("what, build, limit, decode, refusal", CAPS, ids=[c[0] for c in CAPS])
 def test_caps_hold_at_their_boundary(
     never_mapped: list[str], what: str, build: Callable[[int], bytes], limit: int | None,
     decode: Callable[[bytes], object], refusal: str,
-) -> None:  # fmt: skip
+) -> None:
     assert limit is not None
     at, over = build(limit), build(limit + 1)
     try:

@@ -86,7 +86,7 @@ CONFIG: dict[str, Any] = dict(
     ),
     engine_type=EngineType.SGLANG, separate_object_groups=False, full_sw_kv=True,
     layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(4)),
-)  # fmt: skip
+)
 
 
 def test_every_op_round_trips() -> None:

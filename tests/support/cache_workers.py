@@ -75,7 +75,7 @@ class Engine:
         self.client = ServerClient(socket_path, timeout=300)
         hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN, block_size=model.block, num_kv_heads=model.heads)
         self.ctx = self.client.register(self.wrappers, namespace=namespace, layout_hints=hints,
-                                        lmcache_tokens_per_chunk=model.chunk).context  # fmt: skip
+                                        lmcache_tokens_per_chunk=model.chunk).context
 
     def also(self, socket_path: str) -> Engine:
         """The same KV caches registered with the server at ``socket_path`` too."""
@@ -129,7 +129,7 @@ def mixed_client(conn: Connection, socket_path: str, spec: dict[str, Any]) -> No
     engine = Engine(model, socket_path, bytes.fromhex(spec["namespace"]))
     half = model.slots() // 2
     report: dict[str, Any] = {"puts": 0, "gets": 0, "lookups": 0, "stored": 0, "present": 0, "dropped": 0,
-                              "retrieved": 0, "hits": 0, "mismatches": 0, "errors": []}  # fmt: skip
+                              "retrieved": 0, "hits": 0, "mismatches": 0, "errors": []}
     _send(conn, {"ready": True})
     conn.recv_bytes()  # go
     started = time.perf_counter()
@@ -150,7 +150,7 @@ def mixed_client(conn: Connection, socket_path: str, spec: dict[str, Any]) -> No
                 for j in range(n):
                     engine.clear(half + j)
                 got = engine.client.get(engine.ctx, [(key(kk), [model.blocks_of(half + j)])
-                                                     for j, kk in enumerate(run)])  # fmt: skip
+                                                     for j, kk in enumerate(run)])
                 report["gets"] += 1
                 report["retrieved"] += got.retrieved
                 for j, kk in enumerate(run):
@@ -177,7 +177,7 @@ def store_then_load_client(conn: Connection, socket_path: str, spec: dict[str, A
     engine = Engine(model, socket_path, bytes.fromhex(spec["namespace"]))
     mine, everyone = spec["keys"], spec["all_keys"]
     report: dict[str, Any] = {"stored": 0, "present": 0, "dropped": 0, "retrieved": 0, "missing": 0,
-                              "mismatches": 0, "errors": []}  # fmt: skip
+                              "mismatches": 0, "errors": []}
     _send(conn, {"ready": True})
     conn.recv_bytes()
     batch = model.slots() // 2
@@ -199,7 +199,7 @@ def store_then_load_client(conn: Connection, socket_path: str, spec: dict[str, A
             for j in range(len(run)):
                 engine.clear(batch + j)
             got = engine.client.get(engine.ctx, [(key(kk), [model.blocks_of(batch + j)])
-                                                 for j, kk in enumerate(run)])  # fmt: skip
+                                                 for j, kk in enumerate(run)])
             report["retrieved"] += got.retrieved
             report["missing"] += len(run) - got.retrieved
             for j, kk in enumerate(run[: got.retrieved]):
@@ -248,6 +248,6 @@ def reader_client(conn: Connection, socket_paths: list[str], spec: dict[str, Any
             mismatches += not first.check(half + j, base + j)
             first.clear(half + j)
         _send(conn, {"seconds": seconds, "bytes": moved, "mismatches": mismatches, "errors": errors[:5],
-                     "error_count": len(errors)})  # fmt: skip
+                     "error_count": len(errors)})
     for e in reversed(engines):
         e.close()

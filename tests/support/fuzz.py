@@ -28,7 +28,7 @@ _LENGTH_HEADERS: dict[int, int] = {
     0xD9: 1, 0xDA: 2, 0xDB: 4,  # str 8/16/32
     0xDC: 2, 0xDD: 4,  # array 16/32
     0xDE: 2, 0xDF: 4,  # map 16/32
-}  # fmt: skip
+}
 _INT_HEADERS = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
 _HOSTILE_INTS = [
     b"\xd3" + struct.pack(">q", -(1 << 63)),
@@ -52,7 +52,7 @@ class Mutator:
             self._flip_bits, self._overwrite, self._truncate, self._insert, self._delete,
             self._splice, self._tamper_length, self._tamper_length, self._tamper_int,
             self._tamper_header,
-        ]  # fmt: skip
+        ]
 
     def __call__(self) -> bytes:
         data = bytearray(self.rng.choice(self.corpus))

@@ -64,7 +64,7 @@ def resolve_worker(conn: Connection, wrappers: bytes, checksum: float) -> None:
         "pid": os.getpid(), **fresh, "scans": len(scans), "factory": factory.__qualname__,
         "backend": [info.name, info.distribution], "checksum_ok": total == checksum,
         "parent_state_leaked": parent_state_leaked,
-    })  # fmt: skip
+    })
 
 
 # -- case 4: a consumer process that reopens and closes, reporting its own resources ---------
@@ -182,4 +182,4 @@ def load_client(
         w.close()
     _send(conn, {"client": client_id, "stores": stores, "retrieves": retrieves, "bytes": moved,
                  "mismatches": mismatches, "errors": errors[:5], "error_count": len(errors),
-                 "seconds": elapsed})  # fmt: skip
+                 "seconds": elapsed})

@@ -33,7 +33,7 @@ def namespace(model: str = "tiny", head: int = HEAD) -> bytes:
     return cache_namespace(
         model=model, kv_layout=f"flash_attn [2, *, {BLOCK}, {HEADS}, {head}] x {LAYERS}",
         dtype="float32", block_size=BLOCK, chunk_size=CHUNK,
-    )  # fmt: skip
+    )
 
 
 class Serve:
@@ -47,7 +47,7 @@ class Serve:
             cmd += ["--socket", str(socket_path)]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                         env={**os.environ, **(env or {})})  # fmt: skip
+                                         env={**os.environ, **(env or {})})
 
     def wait_ready(self) -> Serve:
         """Until a status request is answered; fail if the process exits first."""
@@ -116,7 +116,7 @@ class TinyEngine:
 
     def register(self, client: ServerClient, ns: bytes | None = None) -> int:
         return client.register(self.wrappers, namespace=ns, lmcache_tokens_per_chunk=CHUNK,
-                               layout_hints=self.hints).context  # fmt: skip
+                               layout_hints=self.hints).context
 
     @staticmethod
     def blocks(i: int) -> list[int]:
@@ -133,7 +133,7 @@ class TinyEngine:
         """Whether the blocks of slot ``i`` hold exactly the pattern of ``seed``."""
         gen = torch.Generator().manual_seed(seed)
         return all(torch.equal(t[:, self.blocks(i)], torch.rand(t[:, self.blocks(i)].shape, generator=gen))
-                   for t in self.tensors)  # fmt: skip
+                   for t in self.tensors)
 
     def is_zero(self, i: int) -> bool:
         return all(not t[:, self.blocks(i)].any() for t in self.tensors)

@@ -27,7 +27,7 @@ def build_wheel(project: Path, out: Path) -> Path:
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "--disable-pip-version-check", "-q", "-w", str(out), str(project)],
         check=True, capture_output=True, text=True,
-    )  # fmt: skip
+    )
     (wheel,) = set(out.glob("*.whl")) - before
     return wheel
 
@@ -84,11 +84,11 @@ def pip_install(python: Path, *wheels: Path) -> None:
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
          "--no-index", "--disable-pip-version-check", "-q", *map(str, wheels)],
         check=True, capture_output=True, text=True,
-    )  # fmt: skip
+    )
 
 
 def write_backend_project(root: Path, *, dist: str, package: str, backend: str,
-                          device: str) -> Path:  # fmt: skip
+                          device: str) -> Path:
     """A minimal third-party backend project, as a vendor would write one."""
     (root / "src" / package).mkdir(parents=True)
     (root / "pyproject.toml").write_text(textwrap.dedent(f"""

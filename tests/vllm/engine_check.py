@@ -22,7 +22,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BASE = {"vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False}  # fmt: skip
+        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
 MODELS: dict[str, dict] = {
     # Full attention with GQA (4 query heads over 2 KV heads).
     "gqa": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
@@ -76,7 +76,7 @@ def main(kind: str) -> dict:
                 kv_role="kv_both",
                 kv_connector_extra_config={"socket": server.socket_path, "tokens_per_chunk": CHUNK},
             ),
-        )  # fmt: skip
+        )
         report["startup_s"] = round(time.monotonic() - t0, 1)
         llm.apply_model(sensitive_weights)
         worker = next(c for c in probe_connector.INSTANCES if c.registration is not None)
@@ -97,7 +97,7 @@ def main(kind: str) -> dict:
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             steps = [sorted([tid, v.logprob] for tid, v in step.items()) for step in out.outputs[0].logprobs]
             return {"tokens": list(out.outputs[0].token_ids), "logprobs": steps,
-                    "cached": int(out.num_cached_tokens or 0)}  # fmt: skip
+                    "cached": int(out.num_cached_tokens or 0)}
 
         report["cold"] = run()  # computes every token
         report["hit"] = run()  # vLLM's own prefix-cache hit: the reference for hit runs
@@ -107,7 +107,7 @@ def main(kind: str) -> dict:
             (f"chunk-{c}", [ids[c * CHUNK // g.block_size : (c + 1) * CHUNK // g.block_size]
                             for ids, g in zip(blocks, groups, strict=True)])
             for c in range(PROMPT_LEN // CHUNK)
-        ]  # fmt: skip
+        ]
         backing = torch.empty(0, dtype=torch.uint8).set_(next(iter(kv.values())).untyped_storage())
         written = backing.clone()
         t0 = time.monotonic()

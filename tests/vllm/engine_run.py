@@ -38,13 +38,13 @@ def main(spec: dict) -> None:
                 kv_role="kv_both",
                 kv_connector_extra_config={"socket": spec["socket"], "tokens_per_chunk": spec.get("chunk", 256),
                                            "model_id": spec.get("model_id", "tests/vllm " + spec["model"])},
-            )  # fmt: skip
+            )
         t0 = time.monotonic()
         llm = LLM(
             model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
             kv_cache_memory_bytes=48 << 20, max_model_len=4096, max_num_batched_tokens=4096,
             enforce_eager=True, enable_prefix_caching=True, seed=0, kv_transfer_config=transfer,
-        )  # fmt: skip
+        )
         llm.apply_model(sensitive_weights)
         print(json.dumps({"startup_s": round(time.monotonic() - t0, 1)}), flush=True)
         params = SamplingParams(max_tokens=spec.get("max_tokens", 4), temperature=0.0, logprobs=5)
@@ -57,7 +57,7 @@ def main(spec: dict) -> None:
             steps = [sorted([tid, v.logprob] for tid, v in step.items()) for step in out.outputs[0].logprobs]
             print(json.dumps({"prompt": i, "tokens": list(out.outputs[0].token_ids), "logprobs": steps,
                               "cached": int(out.num_cached_tokens or 0), "stats": _stats(),
-                              "seconds": round(time.monotonic() - t0, 3)}), flush=True)  # fmt: skip
+                              "seconds": round(time.monotonic() - t0, 3)}), flush=True)
         if spec.get("wait"):
             time.sleep(3600)
 

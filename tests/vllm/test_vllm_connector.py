@@ -45,7 +45,7 @@ class Serve:
         self.proc = subprocess.Popen(
             [str(python), "-m", "lmcache_platform._cli", "serve", "--socket", self.socket],
             stdout=subprocess.DEVNULL, stderr=self.log.open("w"), cwd=ROOT,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 60
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -61,7 +61,7 @@ class Serve:
 def engine(python: Path, **spec: object) -> tuple[list[dict], str]:
     """Run one engine to completion; its per-prompt results and its log."""
     proc = subprocess.run([str(python), str(HERE / "engine_run.py"), json.dumps({"model": "gqa", **spec})],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
         pytest.fail(f"engine {spec} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return _results(proc.stdout), proc.stdout + proc.stderr
@@ -88,7 +88,7 @@ def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(pyt
             [str(python), str(HERE / "engine_run.py"),
              json.dumps({"model": "gqa", "socket": server.socket, "prompts": [P, P], "wait": True})],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
-        )  # fmt: skip
+        )
         assert a_proc.stdout is not None
         lines = []
         while len(_results("".join(lines))) < 2:
@@ -137,7 +137,7 @@ def test_no_server_a_dead_server_and_an_empty_one_never_change_the_output(python
     server = Serve(python, tmp_path)
     try:
         results, log = engine(python, socket=server.socket, prompts=prompts,
-                              kill_server_after=2, server_pid=server.proc.pid)  # fmt: skip
+                              kill_server_after=2, server_pid=server.proc.pid)
     finally:
         server.stop()
     assert [same(x, y) for x, y in zip(results, (plain, plain_r, plain_hit), strict=True)] == [True] * 3

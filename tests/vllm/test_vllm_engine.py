@@ -49,7 +49,7 @@ def engine_run():
             proc = subprocess.run(
                 [str(python), str(HERE / "engine_check.py"), kind],
                 capture_output=True, text=True, timeout=600, cwd=ROOT,
-            )  # fmt: skip
+            )
             if proc.returncode != 0:
                 pytest.fail(f"engine_check {kind} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
             reports[kind] = json.loads(proc.stdout.strip().splitlines()[-1])

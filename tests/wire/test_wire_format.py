@@ -72,7 +72,7 @@ def make(i: int = 0, **over: Any) -> FakeWrapper:
         name=f"seg{i}", handle=bytes([i % 256]) * 16, ids=[i, i + 1], size=4096 * (i + 1),
         dtype=torch.bfloat16, shape=(2, 4, 16, 8, 128), stride=(65536, 16384, 1024, 128, 1),
         storage_offset=i, device_uuid="host-0",
-    )  # fmt: skip
+    )
     kw.update(over)
     return FakeWrapper(**kw)
 
@@ -81,7 +81,7 @@ def backend(wrapper: type, wire_classes: list[type] | None = None) -> object:
     return fake_backend(
         "fakedev", context_class=context_class("fakedev"), wrapper_class=wrapper,
         wire_classes=wire_classes,
-    )  # fmt: skip
+    )
 
 
 def envelope(body: object, *, magic: bytes = wire.MAGIC, version: int = wire.VERSION) -> bytes:
@@ -173,7 +173,7 @@ def wrappers(draw: st.DrawFn) -> FakeWrapper:
         dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.uint8])),
         shape=shape, stride=stride, storage_offset=draw(st.integers(0, 1 << 20)),
         device_uuid=draw(st.text(max_size=128)),
-    )  # fmt: skip
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -257,7 +257,7 @@ def test_unknown_wire_tag_names_the_tag() -> None:
 def test_tag_of_another_device_type_is_refused() -> None:
     rec = ["fakedev", OtherDeviceWrapper.wire_tag, make().fields()]
     reject(envelope([rec]), "belongs to device type 'otherdev'",
-           allowed={OtherDeviceWrapper.wire_tag: OtherDeviceWrapper})  # fmt: skip
+           allowed={OtherDeviceWrapper.wire_tag: OtherDeviceWrapper})
 
 
 def test_unknown_device_type_is_wrapped_with_its_cause(lmcache_registry: Any) -> None:
@@ -335,7 +335,7 @@ def test_wrappers_built_before_a_bad_record_are_closed() -> None:
     bad = record()
     bad[1] = "fakedev.unknown/1"
     reject(envelope([record(name="first"), record(name="second"), bad]), "not accepted",
-           allowed=ALLOWED)  # fmt: skip
+           allowed=ALLOWED)
     assert RELEASED == ["first", "second"]
 
 
@@ -370,7 +370,7 @@ def test_fuzz_random_bytes(data: bytes) -> None:
 
 @settings(max_examples=1000, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)),
-                min_size=1, max_size=8))  # fmt: skip
+                min_size=1, max_size=8))
 def test_fuzz_mutated_valid_messages(mutations: list[tuple[int, int]]) -> None:
     data = bytearray(_VALID)
     for pos, value in mutations:

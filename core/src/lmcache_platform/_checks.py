@@ -29,7 +29,7 @@ def show(value: object) -> str:
 def expect_map(
     value: object, where: str, *, keys: Set[str], optional: Set[str] = frozenset(),
     error: Error = WireFormatError,
-) -> dict[str, object]:  # fmt: skip
+) -> dict[str, object]:
     """``value`` must be a map with exactly ``keys`` plus any of ``optional``."""
     if not isinstance(value, dict):
         raise error(f"{where}: expected a map, got {type(value).__name__}")
@@ -44,7 +44,7 @@ def expect_map(
 def expect_int(
     value: object, where: str, *, lo: int | None = None, hi: int | None = None,
     error: Error = WireFormatError,
-) -> int:  # fmt: skip
+) -> int:
     """``value`` must be an ``int`` (``bool`` is not one) within ``[lo, hi]``."""
     if type(value) is not int:
         raise error(f"{where}: expected int, got {type(value).__name__}")
@@ -73,7 +73,7 @@ def _expect_sized(value: object, kind: type, where: str, max_len: int | None, er
 def expect_str(
     value: object, where: str, *, max_len: int | None, pattern: re.Pattern[str] | None = None,
     error: Error = WireFormatError,
-) -> str:  # fmt: skip
+) -> str:
     _expect_sized(value, str, where, max_len, error)
     assert isinstance(value, str)
     if pattern is not None and not pattern.fullmatch(value):
@@ -100,6 +100,6 @@ def expect_list(
 def expect_int_list(
     value: object, where: str, *, lo: int | None = None, hi: int | None = None, max_len: int | None,
     error: Error = WireFormatError,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     items = expect_list(value, where, max_len=max_len, error=error)
     return [expect_int(v, f"{where}[{i}]", lo=lo, hi=hi, error=error) for i, v in enumerate(items)]

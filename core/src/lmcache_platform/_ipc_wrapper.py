@@ -28,7 +28,7 @@ ALLOWED_DTYPES: tuple[str, ...] = (
     "float16", "bfloat16", "float32", "float64",
     "float8_e4m3fn", "float8_e5m2",
     "int8", "uint8", "int16", "int32", "int64", "bool",
-)  # fmt: skip
+)
 
 MAX_NDIM = 8
 #: Upper bound for any dimension, stride or offset (in elements): 2**48.

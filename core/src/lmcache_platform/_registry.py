@@ -92,7 +92,7 @@ class _Backend:
         return kind(
             message, backend=self.name, distribution=self.distribution,
             version=self.version, entry_point=self.entry_point,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class Registry:
                     self._add(_Backend(
                         name=spec.name, distribution=spec.distribution, version=spec.version,
                         entry_point=spec.entry_point, load=spec.load, problem=spec.problem,
-                    ))  # fmt: skip
+                    ))
             self._scanned = True
 
     def _add(self, backend: _Backend) -> None:
@@ -325,14 +325,14 @@ class Registry:
             choice = _selection.select(
                 device_type, self._backends_for(device_type), _config.preferred_backends(),
                 what=what, load=self._load_if_needed, installed=sorted(self._backends),
-            )  # fmt: skip
+            )
             chosen = choice.backend
             assert isinstance(chosen, _Backend)
             if self._announced.get(device_type) != chosen.name:
                 self._announced[device_type] = chosen.name
                 where = f"{chosen.distribution} {chosen.version}" if chosen.distribution else "manual"
                 logger.info("lmcache-platform: device type %r uses backend %r (%s): %s",
-                            device_type, chosen.name, where, choice.why)  # fmt: skip
+                            device_type, chosen.name, where, choice.why)
             return choice
 
     def _select(self, device_type: str, what: str) -> _Backend:
@@ -434,7 +434,7 @@ class Registry:
         backend = _Backend(
             name=name, distribution=distribution, version=version,
             entry_point=None, load=lambda: plugin, manual=True,
-        )  # fmt: skip
+        )
         with self._lock:
             if name in self._backends:
                 raise ValueError(f"a backend named {name!r} is already registered")
@@ -451,13 +451,13 @@ class Registry:
             name=name, distribution=distribution, version=version,
             entry_point=f"{name} = <installed by test>", load=lambda: plugin,
             problem=None if _discovery.BACKEND_NAME_RE.match(name) else f"invalid name {name!r}",
-        )  # fmt: skip
+        )
         with self._lock:
             self._ensure_scanned()
             self._add(_Backend(
                 name=spec.name, distribution=distribution, version=version,
                 entry_point=spec.entry_point, load=spec.load, problem=spec.problem,
-            ))  # fmt: skip
+            ))
             self._forget(spec.device_type)
 
     def unregister_backend(self, name: str) -> None:
@@ -485,7 +485,7 @@ class Registry:
             version=b.version, entry_point=b.entry_point, status=b.status, reason=b.reason,
             traceback=b.error.traceback if b.error else None, manual=b.manual,
             selected_by=choice.rule.value if choice else None, why_selected=choice.why if choice else "",
-        )  # fmt: skip
+        )
 
     def backends(self, *, load: bool = False) -> list[BackendInfo]:
         """Every known backend, sorted; ``load=True`` loads them all first."""
@@ -548,7 +548,7 @@ class Registry:
             self._scanned = state["scanned"]
             self.search_path = state["search_path"]
             for table, (snap, auto) in ((self.contexts, state["contexts"]),
-                                        (self.wrappers, state["wrappers"])):  # fmt: skip
+                                        (self.wrappers, state["wrappers"])):
                 table.restore(snap)
                 table.auto.update(auto)
 

@@ -64,7 +64,7 @@ def fake_backend(
             lmcache_platform_ipc_wrapper_class, lmcache_platform_wire_classes,
             lmcache_platform_probe,
         )
-    })  # fmt: skip
+    })
 
 
 def make_distribution(

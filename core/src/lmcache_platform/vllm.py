@@ -117,7 +117,7 @@ def registration_config(kv_cache_config: Any, layer_names: Sequence[str]) -> dic
         groups.append(
             EngineGroupInfo(layer_indices=tuple(layers), block_size=int(spec.block_size),
                             sliding_window=int(window) if window else None)
-        )  # fmt: skip
+        )
     layout = getattr(kv_cache_config, "kv_cache_layout", None)
     hints = LayoutHints(
         engine_layout=str(layout) if layout else None,
@@ -151,7 +151,7 @@ def cache_namespace_for(
             "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
             "head_size": int(getattr(spec, "head_size", 0)),
             "layers": len(group.layer_names),
-        })  # fmt: skip
+        })
     parallel = vllm_config.parallel_config
     layout = json.dumps({"layout": str(getattr(kv_cache_config, "kv_cache_layout", "")), "groups": groups})
     return cache_namespace(
@@ -224,7 +224,7 @@ class _Link:
         if state != self._state:
             level = logging.INFO if state == "connected" else logging.WARNING
             _log.log(level, "lmcache-platform %s: server %s %s%s", self.role, self.socket_path, state,
-                     f" ({detail})" if detail else "")  # fmt: skip
+                     f" ({detail})" if detail else "")
             self._state = state
 
     def call(self, fn: Callable[[ServerClient], _T]) -> _T | None:
@@ -275,7 +275,7 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         self.socket_path: str | None = extra.get("socket") or os.environ.get(SOCKET_ENV)
         self.tokens_per_chunk = int(extra.get("tokens_per_chunk", DEFAULT_TOKENS_PER_CHUNK))
         self.namespace = cache_namespace_for(vllm_config, kv_cache_config, self.tokens_per_chunk,
-                                             extra.get("model_id"))  # fmt: skip
+                                             extra.get("model_id"))
         self.block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
         for g, size in enumerate(self.block_sizes):
             if self.tokens_per_chunk % size:
@@ -310,7 +310,7 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
                 **config,
             )
             _log.info("lmcache-platform worker: registered %d layers as context %d",
-                      len(self.kv_caches), self.registration.context)  # fmt: skip
+                      len(self.kv_caches), self.registration.context)
 
     # -- worker side -------------------------------------------------------------------
 
@@ -346,7 +346,7 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
                 self._load_errors |= failed
                 self.stats["load_errors"] += len(chunks) - loaded
                 _log.warning("lmcache-platform worker: %s loaded %d of %d chunks; vLLM recomputes the rest",
-                             req_id, loaded, len(chunks))  # fmt: skip
+                             req_id, loaded, len(chunks))
 
     def _getter(self, chunks: list[ChunkMove]) -> Callable[[ServerClient], GetResult]:
         def get(client: ServerClient) -> GetResult:

@@ -26,7 +26,7 @@ LAYERS, HEADS, HEAD, BLOCK, TOKENS = 32, 8, 128, 16, 256
 #: Formats measured, current vLLM first (GPU flash-attention's LBNHC order: one
 #: allocation, one view a layer); SGLang's K/V pairs do not travel in one wire message.
 FORMATS = (KVFormat.VLLM, KVFormat.VLLM_MLA, KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND,
-           KVFormat.FLASHINFER, KVFormat.FLASHINFER_HND, KVFormat.MLA)  # fmt: skip
+           KVFormat.FLASHINFER, KVFormat.FLASHINFER_HND, KVFormat.MLA)
 _MLA = (KVFormat.MLA, KVFormat.VLLM_MLA)
 
 
@@ -38,7 +38,7 @@ def _layers(fmt: KVFormat, num_blocks: int) -> list[Any]:
     layers = allocate_kv_caches(fmt, num_layers=LAYERS if vllm else 1, num_blocks=num_blocks,
                                 block_size=BLOCK, num_kv_heads=HEADS, head_size=576 if fmt in _MLA else HEAD,
                                 dtype=torch.bfloat16, device="cuda",
-                                engine_layout="LBNHC" if vllm else None)  # fmt: skip
+                                engine_layout="LBNHC" if vllm else None)
     out = [t for t in layers if isinstance(t, torch.Tensor)]
     if not vllm:
         out = [torch.empty_like(out[0]) for _ in range(LAYERS)]
@@ -160,7 +160,7 @@ def run(quick: bool) -> dict[str, Any]:
                   "chunk_tokens": TOKENS, "dtype": "bfloat16", "iterations": iters},
         "handoff": {},
         "formats": {},
-    }  # fmt: skip
+    }
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     server = ctx.Process(target=_server, args=(theirs,), daemon=True)

@@ -58,7 +58,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_CUdeviceptr), _CUipcMemHandle, ctypes.c_uint],
     "cuIpcCloseMemHandle": [_CUdeviceptr],
     "cuCtxSynchronize": [],
-}  # fmt: skip
+}
 
 
 class _CudaBuffer:

@@ -147,7 +147,7 @@ class Receiver:
                 f"{ack['corners']}, expected {LAYERS} layers with {EXPECTED_CORNERS}"
             )
         return {**stages, "decode": ack.get("decode", 0.0), "to_tensor": ack.get("to_tensor", 0.0),
-                "total": total}  # fmt: skip
+                "total": total}
 
     def close(self) -> None:
         if not self._mid_trial:  # mid-trial it awaits a payload, not a command: just stop it
@@ -175,7 +175,7 @@ def sharing_strategy(strategy: str) -> Iterator[None]:
 
 
 def _trials(recv: Receiver, method: str, send: Callable[[], dict[str, float]],
-            runs: int, warmup: int) -> list[dict[str, float]]:  # fmt: skip
+            runs: int, warmup: int) -> list[dict[str, float]]:
     for _ in range(warmup):
         recv.handoff(method, send)
     return [recv.handoff(method, send) for _ in range(runs)]
@@ -220,7 +220,7 @@ def bench_handoff(report: Report, settings: Settings) -> None:
             else:
                 _handoff_torch(report, recv, "torch CUDA IPC", size, device, runs, params)
             why = (f"pickling copies every byte; skipped above {size_label(PICKLE_MAX)}"
-                   if size > PICKLE_MAX else _room_for(6 * size, 0, device))  # fmt: skip
+                   if size > PICKLE_MAX else _room_for(6 * size, 0, device))
             if why:
                 report.skipped.append(Skip("handoff", PICKLE, why, params))
             else:
@@ -289,14 +289,14 @@ def _handoff_ours(report: Report, recv: Receiver, sizes: list[int], device: str,
         report.results.append(Result("handoff", OURS, "ms", tuple(t["total"] * 1e3 for t in ts), p))
         for stage in ("wrap", "encode", "decode", "to_tensor"):
             report.results.append(Result("handoff stages", f"ours: {stage}", "ms",
-                                         tuple(t[stage] * 1e3 for t in ts), p))  # fmt: skip
+                                         tuple(t[stage] * 1e3 for t in ts), p))
         transport = [t["total"] - t["wrap"] - t["encode"] - t["decode"] - t["to_tensor"] for t in ts]
         report.results.append(Result("handoff stages", "ours: pipe and acknowledgement", "ms",
-                                     tuple(x * 1e3 for x in transport), p))  # fmt: skip
+                                     tuple(x * 1e3 for x in transport), p))
 
 
 def _handoff_torch(report: Report, recv: Receiver, label: str, size: int, device: str, runs: int,
-                   params: dict[str, Any]) -> None:  # fmt: skip
+                   params: dict[str, Any]) -> None:
     tensors = kv_set(size, device)
     if device == "cpu":
         for t in tensors:
@@ -314,7 +314,7 @@ def _handoff_torch(report: Report, recv: Receiver, label: str, size: int, device
 
 
 def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs: int,
-                    params: dict[str, Any]) -> None:  # fmt: skip
+                    params: dict[str, Any]) -> None:
     """Pickle, send, unpickle. The receiver only takes the bytes (nothing unpickles bytes
     from another process); the unpickling of the same bytes is timed here and added."""
     tensors = kv_set(size, device)
@@ -353,7 +353,7 @@ def _handoff_targets(report: Report) -> None:
         "handoff.vs_torch_file_system",
         f"1 GiB hand-off <= {VS_TORCH_LIMIT:g} x torch file_system strategy", value, VS_TORCH_LIMIT,
         note="" if value is not None else "1 GiB not measured in this run",
-    ))  # fmt: skip
+    ))
     ours = [r for r in report.section("handoff") if r.case == OURS]
     if len(ours) >= 2:
         lo = min(ours, key=lambda r: r.params["size_bytes"])
@@ -365,7 +365,7 @@ def _handoff_targets(report: Report) -> None:
     report.targets.append(SpeedTarget.at_most(
         "handoff.flat", f"our hand-off is flat in size (largest / smallest <= {FLAT_LIMIT:g})",
         flat, FLAT_LIMIT, note=note,
-    ))  # fmt: skip
+    ))
 
 
 def bench_migration(report: Report, settings: Settings) -> None:
@@ -373,7 +373,7 @@ def bench_migration(report: Report, settings: Settings) -> None:
     device = settings.device
     if device != "cpu":
         report.skipped.append(Skip("migration", "all methods",
-                                   f"{device} memory is shared in place; nothing migrates"))  # fmt: skip
+                                   f"{device} memory is shared in place; nothing migrates"))
         return
     for size in sizes_of(settings):
         params = _params(size, device)

@@ -78,7 +78,7 @@ class Result:
         return Result(
             self.section, self.case, self.unit, self.values, self.params,
             ratio=ratio, ratio_of=baseline.case, note=self.note,
-        )  # fmt: skip
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -142,7 +142,7 @@ class Skip:
 
     def to_json(self) -> dict[str, Any]:
         return {"section": self.section, "case": self.case, "params": dict(self.params),
-                "reason": self.reason}  # fmt: skip
+                "reason": self.reason}
 
 
 @dataclass
@@ -188,6 +188,6 @@ def ratio_rows(results: Sequence[Result], baseline_case: str, *keys: str) -> lis
             (b for b in results
              if b.case == baseline_case and all(b.params.get(k) == r.params.get(k) for k in keys)),
             None,
-        )  # fmt: skip
+        )
         out.append(r.relative_to(base) if base is not None else r)
     return out

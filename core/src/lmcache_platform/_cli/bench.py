@@ -41,31 +41,31 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
                   "ratio = median / ours: first wrap"),
     "transfer": ("Store/retrieve of 256-token chunks, 32 layers (GB/s, higher is better)",
                  ("format", "chunk_bytes"), "ratio = median / copy_ of the same bytes and shape"),
-}  # fmt: skip
+}
 ORDER = tuple(SECTIONS)
 _RUNNABLE = ("import", "dispatch", "handoff", "migration", "transfer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="device type of the KV caches (default: cpu)")  # fmt: skip
+                        help="device type of the KV caches (default: cpu)")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes, fewer repeats: a smoke run (10 to 30 s on 2 cores)")  # fmt: skip
+                        help="small sizes, fewer repeats: a smoke run (10 to 30 s on 2 cores)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--save", type=Path, metavar="FILE",
-                        help="also write the JSON document to FILE")  # fmt: skip
+                        help="also write the JSON document to FILE")
     parser.add_argument("--plot", type=Path, metavar="FILE",
-                        help="write a PNG of hand-off time against size per method")  # fmt: skip
+                        help="write a PNG of hand-off time against size per method")
     parser.add_argument("--section", action="append", choices=_RUNNABLE, dest="sections",
-                        help="run only this section (repeatable; default: all)")  # fmt: skip
+                        help="run only this section (repeatable; default: all)")
     parser.add_argument("--sizes", type=parse_sizes, metavar="LIST",
                         help="hand-off and migration sizes, e.g. 64M,1G (default: 64M,1G,4G; "
-                             "--quick: 4M,16M,64M)")  # fmt: skip
+                             "--quick: 4M,16M,64M)")
     parser.add_argument("--runs", type=_positive, metavar="N",
-                        help="repeats of every measurement (default: per section)")  # fmt: skip
+                        help="repeats of every measurement (default: per section)")
     parser.add_argument("--threads", type=_positive, metavar="N",
                         help="torch intra-op threads in this process (default: torch's choice); "
-                             "1 keeps copies steady on a busy machine")  # fmt: skip
+                             "1 keeps copies steady on a busy machine")
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     device: str = args.device
     if device == "cuda" and not _cuda_available():
         print("lmcache-platform bench: --device cuda needs a CUDA build of torch and a visible GPU",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr)
         return 2
     if args.threads:
         import torch
@@ -190,7 +190,7 @@ def _sections(settings: Settings, report: Report) -> dict[str, Callable[[], None
         bench_transfer(report, settings)
 
     return {"import": imports, "dispatch": dispatch, "handoff": handoff,
-            "migration": migration, "transfer": transfer}  # fmt: skip
+            "migration": migration, "transfer": transfer}
 
 
 def _cuda_available() -> bool:
@@ -263,7 +263,7 @@ def format_report(report: Report) -> str:
         "backend: " + (f"{backend.get('name')} ({backend.get('distribution')} {backend.get('version')})"
                        if "name" in backend else str(backend.get("error"))),
         f"figures: median, min and max over repeated runs; noisy: max > {NOISY_SPREAD:g} x min",
-    ]  # fmt: skip
+    ]
     for section in ORDER:
         rows = report.section(section)
         if not rows:
@@ -273,7 +273,7 @@ def format_report(report: Report) -> str:
         table = [[*(str(r.params.get(k, "")) for k in keys), r.case, _fmt(r.median), _fmt(r.min),
                   _fmt(r.max), r.unit, f"{r.ratio:.2f}" if r.ratio is not None else "",
                   "noisy" if r.noisy else ""]
-                 for r in rows]  # fmt: skip
+                 for r in rows]
         header = [*keys, "case", "median", "min", "max", "unit", "ratio", ""]
         lines += _columns([header, *table], right=set(range(len(keys) + 1, len(header))))
     lines += ["", "== Targets (benchmark figures, not assertions) =="]
@@ -298,7 +298,7 @@ def _columns(rows: list[list[str]], right: set[int]) -> list[str]:
         "  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
                          for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def plot_handoff(report: Report, path: Path) -> bool:
@@ -322,7 +322,7 @@ def plot_handoff(report: Report, path: Path) -> bool:
             xs, [r.median for r in results],
             yerr=[[r.median - r.min for r in results], [r.max - r.median for r in results]],
             marker="o", capsize=3, label=method,
-        )  # fmt: skip
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     labels = {r.params["size_bytes"]: str(r.params["size"]) for r in rows}

@@ -233,7 +233,7 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
         k: getattr(args, k)
         for k in ("device", "layers", "kv_heads", "head_size", "block_size", "num_blocks",
                   "chunk_tokens", "chunks", "format", "dtype")
-    }  # fmt: skip
+    }
     fmt = KVFormat(args.format)
     if Axis.KV_DIM in FORMATS[fmt].axes or fmt is KVFormat.VLLM_MLA:
         args.engine_layout = args.engine_layout or ("LBNHC" if args.device == "cuda" else "LBHNC")
@@ -255,10 +255,10 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
     layers = allocate_kv_caches(fmt, num_layers=args.layers, num_blocks=args.num_blocks,
                                 block_size=args.block_size, num_kv_heads=args.kv_heads,
                                 head_size=args.head_size, dtype=dtype, device=args.device,
-                                engine_layout=args.engine_layout)  # fmt: skip
+                                engine_layout=args.engine_layout)
     tensors = [t for t in layers if not isinstance(t, tuple)]
     report["sizes"] = {"kv_cache_bytes": sum(t.nbytes for t in tensors),
-                       "layer_bytes": tensors[0].nbytes}  # fmt: skip
+                       "layer_bytes": tensors[0].nbytes}
     _fill(tensors, plan.block_dim)
 
     server = ServerProcess()
@@ -364,7 +364,7 @@ def _format(r: dict[str, Any]) -> str:
     if "backend" in r:
         b = r["backend"]
         lines.append(f"backend   {b['name']} ({b['distribution'] or 'manual'} {b['version'] or ''})"
-                     f" for device type {b['device_type']}")  # fmt: skip
+                     f" for device type {b['device_type']}")
     if "server_backend" in r:
         s = r["server_backend"]
         lines.append(f"server    {s['name']} ({s['distribution'] or 'manual'} {s['version'] or ''})")
@@ -385,7 +385,7 @@ def _format(r: dict[str, Any]) -> str:
             f"{_size(sizes['handoff_message_bytes'])}"
         )
     labels = {"server_start": "server start", "wrap": "wrap", "handoff": "hand-off",
-              "store": "store", "retrieve": "retrieve", "verify": "verify"}  # fmt: skip
+              "store": "store", "retrieve": "retrieve", "verify": "verify"}
     for key, label in labels.items():
         t = r.get("timings", {}).get(key)
         if t is None:

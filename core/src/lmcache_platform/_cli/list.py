@@ -56,7 +56,7 @@ def collect(*, load: bool = True) -> dict[str, Any]:
         for i in infos
     ]
     return {"schema": SCHEMA, "api_version": API_VERSION, "backends": backends,
-            "device_types": device_types}  # fmt: skip
+            "device_types": device_types}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -65,10 +65,10 @@ def format_table(report: dict[str, Any]) -> str:
         rows.append((
             b["name"] + (" *" if b["selected"] else ""), b["device_type"],
             b["distribution"] or "(manual)", b["version"] or "-", b["status"], b["reason"],
-        ))  # fmt: skip
+        ))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)).rstrip()
-             + (f"  {r[5]}" if r[5] else "") for r in rows]  # fmt: skip
+             + (f"  {r[5]}" if r[5] else "") for r in rows]
     if not report["backends"]:
         lines.append("(no backends installed: pip install lmcache-platform-cpu)")
     lines.append("")
@@ -87,11 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check", action="store_true",
         help="exit 1 if any backend failed to load or a device type is ambiguous",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--no-load", action="store_true",
         help="read installed metadata only; import no backend (statuses stay 'not loaded')",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:

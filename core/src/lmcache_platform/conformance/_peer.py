@@ -128,7 +128,7 @@ class _Server:
 
         info = selected_backend(device_type)
         return {"pid": os.getpid(), "backend": info.name, "distribution": info.distribution,
-                "version": info.version}  # fmt: skip
+                "version": info.version}
 
     def open(self, wire: bytes) -> dict[str, Any]:
         """Decode wrappers (default allow-list) and reopen each as a tensor."""
@@ -219,7 +219,7 @@ class _Server:
             (kv, layers, kept, hidden), dtype = ctx.get_kernel_group_shape_dtype(num_tokens, index)
             staged = ctx.get_temp_kernel_group_buffer(slot, index)[:, :, :kept]
             groups.append({"layers": kg["layer_indices"], "shape": [kv, layers, kept, hidden],
-                           "dtype": str(dtype).removeprefix("torch."), "data": to_bytes(staged)})  # fmt: skip
+                           "dtype": str(dtype).removeprefix("torch."), "data": to_bytes(staged)})
         return groups
 
     def retrieve(self, handle: int, ids: list[list[int]], slot: int, num_tokens: int) -> None:
@@ -240,14 +240,14 @@ class _Server:
         except TransferError as exc:
             refused = str(exc)
         return {"closed": ctx.closed, "wrappers_closed": [w.closed for w in ctx.kv_caches],
-                "store_after_close": refused}  # fmt: skip
+                "store_after_close": refused}
 
 
 def serve(conn: Connection) -> None:
     """The peer's loop: one request, one answer, until ``exit`` or a closed pipe."""
     server = _Server()
     names = ("hello", "open", "write", "read", "close", "reopen_fields", "context", "store", "retrieve",
-             "close_context")  # fmt: skip
+             "close_context")
     ops: dict[str, Callable[..., Any]] = {name: getattr(server, name) for name in names}
     while True:
         try:
@@ -265,5 +265,5 @@ def serve(conn: Connection) -> None:
                 "mro": [c.__name__ for c in type(exc).__mro__],
                 "message": str(exc),
                 "traceback": traceback.format_exc(),
-            }}  # fmt: skip
+            }}
         conn.send_bytes(_pack(reply))

@@ -18,7 +18,7 @@ from .plugin import TARGET_KEY
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--lmcache-report", metavar="PATH", default=None,
-                     help="write the conformance results as JSON to PATH")  # fmt: skip
+                     help="write the conformance results as JSON to PATH")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -35,7 +35,7 @@ class _Collector:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         entry = self.results.setdefault(report.nodeid, {"test": report.nodeid, "outcome": "passed",
-                                                        "detail": "", "duration": 0.0})  # fmt: skip
+                                                        "detail": "", "duration": 0.0})
         entry["duration"] += report.duration
         if report.skipped:
             entry["outcome"] = "skipped"
@@ -51,6 +51,6 @@ class _Collector:
         if target is not None:
             backend = {"name": target.name, "device_type": target.device_type,
                        "distribution": target.info.distribution, "version": target.info.version,
-                       "status": target.info.status.value, "unavailable": target.unavailable}  # fmt: skip
+                       "status": target.info.status.value, "unavailable": target.unavailable}
         self.path.write_text(json.dumps({"backend": backend, "exitstatus": int(exitstatus),
-                                         "results": list(self.results.values())}))  # fmt: skip
+                                         "results": list(self.results.values())}))

@@ -55,7 +55,7 @@ def register(
     info = peer.call(
         "context", wire=wire.encode(wrappers), kv_format=fmt.value, tokens_per_chunk=_kv.CHUNK,
         block_size=_kv.BLOCK_SIZE, num_kv_heads=_kv.HEADS,
-    )  # fmt: skip
+    )
     return Registered(fmt, layers, wrappers, info)
 
 

@@ -71,7 +71,7 @@ def test_every_hook_function_is_a_marked_implementation_of_a_known_spec(
 
 def test_the_required_hooks_are_implemented(plugin: object) -> None:
     for name in ("lmcache_platform_api_version", "lmcache_platform_cache_context_class",
-                 "lmcache_platform_ipc_wrapper_class"):  # fmt: skip
+                 "lmcache_platform_ipc_wrapper_class"):
         assert callable(getattr(plugin, name, None)), f"{name} is required"
 
 

@@ -47,7 +47,7 @@ def test_a_spawned_process_aliases_the_engine_tensor_both_ways(
     assert type(wrapper) in lmcache_backend.wire_classes.values(), type(wrapper)
     assert to_bytes(tensor) == contents, "wrap() must keep the tensor's contents"
     assert (wrapper.dtype, wrapper.shape, wrapper.stride, wrapper.storage_offset) == (
-        tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())  # fmt: skip
+        tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
     whole = storage_image(tensor)  # everything the engine's storage holds, neighbours included
 
     opened = lmcache_peer.call("open", wire=wire.encode([wrapper]))
@@ -56,7 +56,7 @@ def test_a_spawned_process_aliases_the_engine_tensor_both_ways(
         "dtype": str(dtype).removeprefix("torch."), "shape": list(tensor.shape),
         "stride": list(tensor.stride()), "storage_offset": tensor.storage_offset(),
         "device_type": lmcache_device.type,
-    }  # fmt: skip
+    }
     assert seen == contents, "to_tensor() in the peer must show the engine's bytes"
 
     # The peer writes: the engine sees it in its own tensor, and nothing else changed.

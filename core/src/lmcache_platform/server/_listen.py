@@ -108,7 +108,7 @@ def _clear_stale(socket_path: str) -> None:
     logger.warning(
         "replaced the stale socket %s left by a server that is gone", socket_path,
         extra={"event": "stale_socket", "fields": {"socket": socket_path}},
-    )  # fmt: skip
+    )
 
 
 def _bind(socket_path: str) -> socket.socket:

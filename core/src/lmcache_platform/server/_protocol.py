@@ -366,7 +366,7 @@ _CODEC: dict[str, tuple[Callable[[Any], object], Callable[[object], Any]]] = {
     "separate_object_groups": (_keep, lambda v: expect_bool(v, "config separate_object_groups")),
     "full_sw_kv": (_keep, lambda v: expect_bool(v, "config full_sw_kv")),
     "layer_names": (list, _decode_layer_names),
-}  # fmt: skip
+}
 
 
 def _engine_layout(value: object) -> str:
@@ -422,7 +422,7 @@ def decode_reply(payload: bytes) -> Reply:
     msg = expect_map(
         _codec.unpack(MAGIC, VERSION, payload, _LIMITS, what="reply"),
         "reply", keys={"id", "ok"}, optional={"result", "error"},
-    )  # fmt: skip
+    )
     rid = expect_int(msg["id"], "reply id", lo=0, hi=MAX_ID)
     if expect_bool(msg["ok"], "reply ok"):
         result = msg.get("result")
@@ -434,4 +434,4 @@ def decode_reply(payload: bytes) -> Reply:
         rid, False, {},
         expect_str(error["type"], "reply error type", max_len=128),
         expect_str(error["message"], "reply error message", max_len=8192),
-    )  # fmt: skip
+    )

@@ -159,7 +159,7 @@ class ReferenceServer:
             f"listening on {self.socket_path} (pid {os.getpid()}, host memory cap "
             f"{self.max_host_bytes} bytes)",
             socket=self.socket_path, pid=os.getpid(), max_host_bytes=self.max_host_bytes,
-        )  # fmt: skip
+        )
 
     def serve_forever(self) -> None:
         """Accept clients until :meth:`stop` or a ``shutdown`` request; then clean up."""
@@ -188,10 +188,10 @@ class ReferenceServer:
                 logging.WARNING, "refused_connection",
                 f"refusing a client ({peer}): {self.max_connections} connections open",
                 peer=peer, limit=self.max_connections,
-            )  # fmt: skip
+            )
             with contextlib.suppress(OSError):
                 _protocol.send_frame(client, _protocol.encode_error(
-                    0, "ServerError", f"too many connections (limit {self.max_connections})"))  # fmt: skip
+                    0, "ServerError", f"too many connections (limit {self.max_connections})"))
             client.close()
             return
         client.settimeout(None)
@@ -229,7 +229,7 @@ class ReferenceServer:
             logging.INFO, "stopped",
             f"stopped: {stats['chunks']} chunks ({stats['host_bytes']} bytes) released, socket removed",
             socket=self.socket_path, **stats,
-        )  # fmt: skip
+        )
 
     # -- per connection ----------------------------------------------------------------
 
@@ -296,7 +296,7 @@ class ReferenceServer:
             logging.WARNING, "refused",
             f"refused {op} request {request_id} from {conn.peer}: {type(exc).__name__}: {exc}",
             op=op, request_id=request_id, peer=conn.peer, error_type=type(exc).__name__, error=str(exc),
-        )  # fmt: skip
+        )
 
     # -- operations --------------------------------------------------------------------
 
@@ -343,7 +343,7 @@ class ReferenceServer:
             context=ctx_id, peer=conn.peer, device_type=device_type, backend=backend.name,
             num_layers=len(wrappers), chunk_bytes=chunk_bytes, tokens_per_chunk=ctx.lmcache_tokens_per_chunk,
             namespace=req.namespace.hex(),
-        )  # fmt: skip
+        )
         return {
             "context": ctx_id,
             "device_type": device_type,
@@ -513,7 +513,7 @@ class ReferenceServer:
             logging.INFO, "close",
             f"closed context {ctx_id} ({reason}); {dropped} chunks of its own dropped",
             context=ctx_id, reason=reason, dropped=dropped,
-        )  # fmt: skip
+        )
 
 
 # -- helpers -----------------------------------------------------------------------------
