@@ -25,7 +25,7 @@ def findings() -> list[DoctorFinding]:
 
     if ipc_kind() == "memfd":
         return [DoctorFinding.info("exports CPU KV caches as sealed memfds (anonymous shared memory: "
-                                   "the container's memory limit applies, /dev/shm does not)")]  # fmt: skip
+                                   "the container's memory limit applies, /dev/shm does not)")]
     from ._shm import SHM_DIR
 
     return shm_findings(SHM_DIR)
@@ -39,13 +39,13 @@ def shm_findings(path: str) -> list[DoctorFinding]:
         return [DoctorFinding.warning(f"{path} is not usable ({exc.strerror or exc}): {SHM_FIX}")]
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     out = [DoctorFinding.info(f"exports CPU KV caches as {path} segments: "
-                              f"{_gib(free)} free of {_gib(total)}")]  # fmt: skip
+                              f"{_gib(free)} free of {_gib(total)}")]
     if total < MIN_BYTES:
         out.append(DoctorFinding.warning(f"{path} is only {_gib(total)} (CPU KV caches live "
-                                         f"there): {SHM_FIX}"))  # fmt: skip
+                                         f"there): {SHM_FIX}"))
     elif free < MIN_BYTES:
         out.append(DoctorFinding.warning(f"{path} has only {_gib(free)} free of {_gib(total)}: "
-                                         f"free it or {SHM_FIX}"))  # fmt: skip
+                                         f"free it or {SHM_FIX}"))
     return out
 
 
