@@ -27,6 +27,7 @@ from typing import Any
 
 from .._bench.stats import NOISY_SPREAD, Report, Result, Settings, Skip
 from .._errors import LMCachePlatformError
+from . import positive_int as _positive
 
 #: section -> (title, parameter columns, what ratios compare with)
 SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -85,16 +86,6 @@ def parse_sizes(text: str) -> tuple[int, ...]:
             raise argparse.ArgumentTypeError(f"size {item!r} is below 1 MiB")
         sizes.append(value)
     return tuple(sorted(set(sizes)))
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

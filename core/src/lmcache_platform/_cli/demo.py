@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._kv.layout import ENGINE_LAYOUTS, FORMATS, Axis, allocate_kv_caches, kv_cache_shape
 from .._types import KVFormat, LayoutHints
+from . import positive_int as _positive
 
 if TYPE_CHECKING:
     import torch
@@ -85,13 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--chunks", type=_positive, default=8, help="chunks to store (8)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="KV device (cpu)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 from ..server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HOST_BYTES
+from . import positive_int as _positive
 
 SOCKET_ENV = "LMCACHE_PLATFORM_SOCKET"
 MAX_HOST_BYTES_ENV = "LMCACHE_PLATFORM_MAX_HOST_BYTES"
@@ -73,12 +74,6 @@ def parse_size(text: str) -> int:
     if m is None or int(m.group(1)) < 1:
         raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (use e.g. 16G, 512MiB or 1048576)")
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 class JsonLogFormatter(logging.Formatter):
