@@ -8,8 +8,8 @@ object hooks and UTF-8 strings, so decoding can allocate at most ``Limits.max_by
 and can only ever produce ``dict``/``list``/``str``/``bytes``/``int``/``float``/
 ``bool``/``None``. Callers then check the structure against their schema.
 
-Every failure, whatever msgpack raises, becomes :class:`WireFormatError`. The structure
-checks callers run on the result are those of :mod:`._checks`, re-exported here.
+Every failure, whatever msgpack raises, becomes :class:`WireFormatError`. Callers then
+check the result's structure with :mod:`._checks`.
 """
 
 from __future__ import annotations
@@ -19,32 +19,7 @@ from typing import NoReturn
 
 import msgpack
 
-from ._checks import (
-    expect_bool,
-    expect_bytes,
-    expect_int,
-    expect_int_list,
-    expect_list,
-    expect_map,
-    expect_str,
-    show,
-)
 from ._errors import WireFormatError
-
-__all__ = [
-    "HEADER_LEN",
-    "Limits",
-    "expect_bool",
-    "expect_bytes",
-    "expect_int",
-    "expect_int_list",
-    "expect_list",
-    "expect_map",
-    "expect_str",
-    "pack",
-    "show",
-    "unpack",
-]
 
 HEADER_LEN = 5
 _PICKLE_PROTO = 0x80  # first byte of every pickle of protocol >= 2

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from . import _codec
+from . import _checks, _codec
 from ._errors import LMCachePlatformError, WireFormatError
 from ._ipc_wrapper import DeviceIPCWrapper
 
@@ -94,7 +94,7 @@ def decode(
     and only that backend's wire classes are accepted. Raises
     :class:`WireFormatError` on any bad input.
     """
-    records = _codec.expect_list(
+    records = _checks.expect_list(
         _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT), _WHAT, max_len=MAX_WRAPPERS
     )
     classes_by_type: dict[str, Mapping[str, type[DeviceIPCWrapper]]] = {}
@@ -116,11 +116,11 @@ def _decode_record(
     cache: dict[str, Mapping[str, type[DeviceIPCWrapper]]],
 ) -> DeviceIPCWrapper:
     where = f"record {index}"
-    items = _codec.expect_list(record, where, max_len=3)
+    items = _checks.expect_list(record, where, max_len=3)
     if len(items) != 3:
         raise WireFormatError(f"{where}: expected [device_type, wire_tag, fields]")
-    device_type = _codec.expect_str(items[0], f"{where} device type", max_len=32, pattern=DEVICE_TYPE_RE)
-    tag = _codec.expect_str(items[1], f"{where} wire tag", max_len=64, pattern=WIRE_TAG_RE)
+    device_type = _checks.expect_str(items[0], f"{where} device type", max_len=32, pattern=DEVICE_TYPE_RE)
+    tag = _checks.expect_str(items[1], f"{where} wire tag", max_len=64, pattern=WIRE_TAG_RE)
     fields = items[2]
     if not isinstance(fields, dict):
         raise WireFormatError(f"{where} ({tag}): fields must be a map, got {type(fields).__name__}")

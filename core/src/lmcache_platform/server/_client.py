@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import _codec, wire
+from .. import _checks, wire
 from .._errors import ServerError, WireFormatError
 from . import _protocol
 from ._protocol import Chunk
@@ -117,16 +117,16 @@ class ServerClient:
         fields: dict[str, Any] = {"wrappers": wire.encode(wrappers), "config": config}
         if namespace is not None:
             fields["namespace"] = namespace
-        r = _codec.expect_map(self.call("register", **fields), "register reply", keys=_REGISTRATION_KEYS)
+        r = _checks.expect_map(self.call("register", **fields), "register reply", keys=_REGISTRATION_KEYS)
         backend = r["backend"]
         if not isinstance(backend, dict):
             raise WireFormatError("register reply: backend must be a map")
         counts = {
-            k: _codec.expect_int(r[k], f"register reply {k}", lo=0, hi=_protocol.MAX_ID)
+            k: _checks.expect_int(r[k], f"register reply {k}", lo=0, hi=_protocol.MAX_ID)
             for k in ("context", "num_layers", "num_object_groups", "max_batch_size", "chunk_bytes")
         }
-        device_type = _codec.expect_str(r["device_type"], "register reply device_type", max_len=32)
-        ns = _codec.expect_bytes(r["namespace"], "register reply namespace", max_len=_protocol.MAX_KEY_LEN)
+        device_type = _checks.expect_str(r["device_type"], "register reply device_type", max_len=32)
+        ns = _checks.expect_bytes(r["namespace"], "register reply namespace", max_len=_protocol.MAX_KEY_LEN)
         return Registration(device_type=device_type, backend=backend, namespace=ns, **counts)
 
     def store(self, context: int, chunks: Sequence[ChunkSpec]) -> int:
@@ -212,5 +212,5 @@ def _chunks(specs: Sequence[ChunkSpec] | Sequence[KeyedChunkSpec]) -> list[Chunk
 
 
 def _counts(result: dict[str, Any], op: str, keys: Sequence[str]) -> dict[str, int]:
-    r = _codec.expect_map(result, f"{op} reply", keys=set(keys))
-    return {k: _codec.expect_int(r[k], f"{op} reply {k}", lo=0, hi=_protocol.MAX_ID) for k in keys}
+    r = _checks.expect_map(result, f"{op} reply", keys=set(keys))
+    return {k: _checks.expect_int(r[k], f"{op} reply {k}", lo=0, hi=_protocol.MAX_ID) for k in keys}

@@ -22,7 +22,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .. import _codec, wire
-from .._codec import (
+from .._checks import (
     expect_bool,
     expect_bytes,
     expect_int,
@@ -30,6 +30,7 @@ from .._codec import (
     expect_list,
     expect_map,
     expect_str,
+    show,
 )
 from .._errors import WireFormatError
 from .._kv.layout import ENGINE_LAYOUTS
@@ -193,7 +194,7 @@ def decode_request(payload: bytes) -> Request:
         raise WireFormatError(f"request: expected a map, got {type(msg).__name__}")
     op = msg.get("op")
     if not isinstance(op, str) or op not in _SCHEMA:
-        raise WireFormatError(f"request: unknown op {_codec.show(op)} (known: {', '.join(OPS)})")
+        raise WireFormatError(f"request: unknown op {show(op)} (known: {', '.join(OPS)})")
     required, optional = _SCHEMA[op]
     expect_map(msg, f"{op} request", keys=required | {"op", "id"}, optional=optional)
     rid = expect_int(msg["id"], f"{op} request id", lo=0, hi=MAX_ID)
