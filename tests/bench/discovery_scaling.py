@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_platform._bench.stats import SCHEMA_VERSION, SpeedTarget
+from lmcache_platform._bench.stats import SCHEMA_VERSION, SpeedTarget, figure
 
 APPROACHES = ("lazy", "pluggy", "walk")
 LABELS = {
@@ -296,35 +296,24 @@ def format_table(data: dict[str, Any]) -> str:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = ["-", "--", ":", "-."]
-    for i, n in enumerate(data["params"]["n"]):
-        for a, color in zip(APPROACHES, ("tab:green", "tab:red", "tab:purple"), strict=True):
-            rows = sorted((r for r in data["results"] if r["approach"] == a and r["n"] == n),
-                          key=lambda r: r["k"])
-            ax.errorbar(
-                [r["k"] for r in rows], [r["median_ms"] for r in rows],
-                yerr=[[r["median_ms"] - r["min_ms"] for r in rows],
-                      [r["max_ms"] - r["median_ms"] for r in rows]],
-                color=color, linestyle=styles[i % len(styles)], marker="o", capsize=3,
-                label=f"{LABELS[a]}, N={n}",
-            )
-    ax.set_xlabel("backends installed (K)")
-    ax.set_ylabel("first `cpu` resolution (ms)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_title(f"Discovery scaling (backend import delay {data['params']['delay_ms']:g} ms)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"Discovery scaling (backend import delay {data['params']['delay_ms']:g} ms)"
+    with figure(path, title, legend_size=7) as ax:
+        for i, n in enumerate(data["params"]["n"]):
+            for a, color in zip(APPROACHES, ("tab:green", "tab:red", "tab:purple"), strict=True):
+                rows = sorted((r for r in data["results"] if r["approach"] == a and r["n"] == n),
+                              key=lambda r: r["k"])
+                ax.errorbar(
+                    [r["k"] for r in rows], [r["median_ms"] for r in rows],
+                    yerr=[[r["median_ms"] - r["min_ms"] for r in rows],
+                          [r["max_ms"] - r["median_ms"] for r in rows]],
+                    color=color, linestyle=styles[i % len(styles)], marker="o", capsize=3,
+                    label=f"{LABELS[a]}, N={n}",
+                )
+        ax.set_xlabel("backends installed (K)")
+        ax.set_ylabel("first `cpu` resolution (ms)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._bench.stats import NOISY_SPREAD, Report, Result, Settings, Skip
+from .._bench.stats import NOISY_SPREAD, Report, Result, Settings, Skip, figure
 from .._errors import LMCachePlatformError
 from . import positive_int as _positive
 
@@ -297,36 +297,24 @@ def plot_handoff(report: Report, path: Path) -> bool:
     rows = report.section("handoff")
     if not rows:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by_method: dict[str, list[Result]] = {}
     for r in rows:
         by_method.setdefault(r.case, []).append(r)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, results in by_method.items():
-        results.sort(key=lambda r: r.params["size_bytes"])
-        xs = [r.params["size_bytes"] / (1 << 20) for r in results]
-        ax.errorbar(
-            xs, [r.median for r in results],
-            yerr=[[r.median - r.min for r in results], [r.max - r.median for r in results]],
-            marker="o", capsize=3, label=method,
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    labels = {r.params["size_bytes"]: str(r.params["size"]) for r in rows}
-    ax.set_xticks([n / (1 << 20) for n in sorted(labels)], [labels[n] for n in sorted(labels)])
-    ax.minorticks_off()
-    ax.set_xlabel("KV-cache set size (32 layers)")
-    ax.set_ylabel("hand-off time (ms)")
     m = report.meta
-    ax.set_title(f"Hand-off to another process ({m['device']}, {m['cpus']} CPUs)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, f"Hand-off to another process ({m['device']}, {m['cpus']} CPUs)", legend_size=8) as ax:
+        for method, results in by_method.items():
+            results.sort(key=lambda r: r.params["size_bytes"])
+            xs = [r.params["size_bytes"] / (1 << 20) for r in results]
+            ax.errorbar(
+                xs, [r.median for r in results],
+                yerr=[[r.median - r.min for r in results], [r.max - r.median for r in results]],
+                marker="o", capsize=3, label=method,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        labels = {r.params["size_bytes"]: str(r.params["size"]) for r in rows}
+        ax.set_xticks([n / (1 << 20) for n in sorted(labels)], [labels[n] for n in sorted(labels)])
+        ax.minorticks_off()
+        ax.set_xlabel("KV-cache set size (32 layers)")
+        ax.set_ylabel("hand-off time (ms)")
     return True
