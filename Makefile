@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap bootstrap-vllm demo test lint typecheck docs unit bench soak gpu-check clean
+.PHONY: bootstrap bootstrap-vllm bench-vllm demo test lint typecheck docs unit bench soak gpu-check clean
 
 bootstrap:
 	@scripts/bootstrap
@@ -32,6 +32,10 @@ unit: bootstrap bootstrap-vllm
 
 bench: bootstrap
 	$(BIN)/lmcache-platform bench --quick
+
+# Time to first token with and without the vLLM connector's hit (real engines; ~10 min).
+bench-vllm: bootstrap bootstrap-vllm
+	.venv-vllm/bin/python tests/bench/vllm_ttft.py
 
 soak: bootstrap
 	scripts/soak

@@ -62,11 +62,11 @@ def main(spec: dict) -> None:
             time.sleep(3600)
 
 
-def _stats() -> dict[str, int]:
+def _stats() -> dict[str, float]:
     """The connector's counters so far, scheduler and worker side added up."""
     import probe_connector
 
-    stats: dict[str, int] = {}
+    stats: dict[str, float] = {}
     for connector in probe_connector.INSTANCES:
         for k, v in connector.stats.items():
             stats[k] = stats.get(k, 0) + v

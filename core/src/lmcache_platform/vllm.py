@@ -305,7 +305,10 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         self.registration: Registration | None = None
         self._device: torch.device | None = None
         self._load_errors: set[int] = set()
-        self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_chunks": 0, "stored_chunks": 0, "load_errors": 0}
+        #: Counters (this side's): lookups, tokens offered, chunks and bytes moved, seconds spent.
+        self.stats: dict[str, float] = dict.fromkeys(
+            ("lookups", "hit_tokens", "loaded_chunks", "loaded_bytes", "load_seconds", "stored_chunks",
+             "stored_bytes", "store_seconds", "load_errors"), 0)  # fmt: skip
         # Scheduler side.
         self._requests: dict[str, _Request] = {}
 
@@ -352,9 +355,12 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         if not isinstance(meta, PlatformConnectorMetadata):
             return
         for req_id, chunks in meta.loads.items():
+            start = time.perf_counter()
             got = self.link.call(self._getter(chunks))
+            self.stats["load_seconds"] += time.perf_counter() - start
             loaded = got.retrieved if got is not None else 0
             self.stats["loaded_chunks"] += loaded
+            self.stats["loaded_bytes"] += got.bytes if got is not None else 0
             if loaded < len(chunks):
                 failed = {b for _, ids in chunks[loaded:] for group in ids for b in group}
                 self._load_errors |= failed
@@ -381,9 +387,12 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
             return
         self._sync_device()  # the engine's kernels have written every block of the chunks
         chunks = [move for moves in meta.saves.values() for move in moves]
+        start = time.perf_counter()
         put = self.link.call(lambda c: c.put(self._context(c), chunks))
+        self.stats["store_seconds"] += time.perf_counter() - start
         if put is not None:
             self.stats["stored_chunks"] += put.stored
+            self.stats["stored_bytes"] += put.bytes
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
