@@ -293,6 +293,24 @@ def test_another_pid_namespace_says_to_switch_to_named_segments(export: CpuMemfd
         forged.to_tensor()
 
 
+@pytest.mark.parametrize("where", ["/proc/<pid>/fd", "the fd"])
+def test_an_unreadable_proc_says_to_switch_to_named_segments(
+    where: str, export: CpuMemfdIPCWrapper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What hidepid, another user or a non-dumpable producer look like: EACCES from /proc."""
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: Any, **kwargs: Any) -> int:
+        if (where == "the fd") == ("dir_fd" in kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(DescriptorError, match=r"fails the access check: .*(hidepid|dumpable).*"
+                                              r"switch both sides to named segments"):  # fmt: skip
+        reopen(export).to_tensor()
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

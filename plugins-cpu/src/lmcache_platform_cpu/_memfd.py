@@ -36,6 +36,7 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 SWITCH = "switch both sides to named segments (LMCACHE_PLATFORM_CPU_IPC=shm)"
 _U64 = (1 << 64) - 1
+Refuse = Callable[[str, str], DescriptorError]
 
 _lock = threading.Lock()
 _owned: dict[int, int] = {}  # fd -> inode of the memfds this process created and still exports
@@ -123,7 +124,7 @@ class MemfdStore:
         return handle, mm
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
-        pid, fd, name = _int(handle, "memfd_pid"), _int(handle, "memfd_fd"), handle["memfd_name"]
+        pid, fd, name = _int(handle, "memfd_pid"), _int(handle, "memfd_fd"), str(handle["memfd_name"])
         where = f"memfd export {name!r} (fd {fd} of pid {pid})"
 
         def refuse(check: str, why: str) -> DescriptorError:
@@ -133,13 +134,9 @@ class MemfdStore:
             theirs = _int(handle, "memfd_pidns")
             raise refuse("pid namespace", f"it was made in pid namespace {theirs}, this process is in "
                          f"{pid_namespace()}, where its pid means nothing; {SWITCH}")  # fmt: skip
-        own = _open_fd(pid, fd, refuse)
-        try:
-            target = os.readlink(f"/proc/self/fd/{own}")  # what was opened, not what the path says now
-            if not target.startswith("/memfd:"):
-                raise refuse("memfd", f"fd {fd} of pid {pid} is {target!r}, not a memfd")
-            if target.removeprefix("/memfd:").removesuffix(" (deleted)") != name:
-                raise refuse("name", f"fd {fd} of pid {pid} is another memfd ({target!r})")
+        own = _open_fd(pid, fd, name, refuse)
+        try:  # again, on what was opened: the producer may have swapped the fd in between
+            _check_target(os.readlink(f"/proc/self/fd/{own}"), f"fd {fd} of pid {pid}", name, refuse)
             st = os.fstat(own)
             if not stat.S_ISREG(st.st_mode):
                 raise refuse("file type", "not a regular file")
@@ -175,8 +172,22 @@ def _int(handle: Handle, name: str) -> int:
     return value
 
 
-def _open_fd(pid: int, fd: int, refuse: Callable[[str, str], DescriptorError]) -> int:
-    """Open ``/proc/<pid>/fd/<fd>`` read-write: the directory without following a symlink."""
+def _check_target(target: str, what: str, name: str, refuse: Refuse) -> None:
+    """Refuse unless ``target`` (a ``/proc/.../fd/N`` link) is the memfd named ``name``."""
+    if not target.startswith("/memfd:"):
+        raise refuse("memfd", f"{what} is {target!r}, not a memfd")
+    if target.removeprefix("/memfd:").removesuffix(" (deleted)") != name:
+        raise refuse("name", f"{what} is another memfd ({target!r})")
+
+
+def _open_fd(pid: int, fd: int, name: str, refuse: Refuse) -> int:
+    """Open fd ``fd`` of process ``pid`` read-write through /proc, if it is the memfd ``name``.
+
+    The directory is opened without following a symlink. The link is read before the
+    open, so that nothing but a memfd of that name is ever opened (a device's open can
+    have side effects); ``O_NOCTTY`` and ``O_NONBLOCK`` cover the race with a producer
+    that swaps the fd meanwhile, which the caller's second look then refuses.
+    """
     try:
         d = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -185,7 +196,8 @@ def _open_fd(pid: int, fd: int, refuse: Callable[[str, str], DescriptorError]) -
         raise refuse("access", f"/proc/{pid}/fd is not readable here (/proc mounted with hidepid, another "
                      f"user, or a producer that is not dumpable); {SWITCH}") from None  # fmt: skip
     try:
-        return os.open(str(fd), os.O_RDWR | os.O_CLOEXEC, dir_fd=d)
+        _check_target(os.readlink(str(fd), dir_fd=d), f"fd {fd} of pid {pid}", name, refuse)
+        return os.open(str(fd), os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK, dir_fd=d)
     except FileNotFoundError:
         raise refuse("fd", f"pid {pid} has no fd {fd} (it closed the export)") from None
     except PermissionError:
