@@ -22,6 +22,7 @@ from lmcache_platform import (
     WireField,
     kv_cache_shape,
 )
+from lmcache_platform.conformance._kv import token_view
 
 
 class HeldWrapper(DeviceIPCWrapper):
@@ -116,29 +117,12 @@ def context(
 
 
 def token_rows(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> torch.Tensor:
-    """Reference: tokens ``[lo, hi)`` of ``block`` as ``[kv, tokens, hidden]`` bytes.
+    """Reference: tokens ``[lo, hi)`` of ``block`` as ``[kv, tokens, hidden]``.
 
-    Written per format by hand, independently of the layout model under test. For the
-    slot formats the page size is ``hi``'s block size: pass slot-relative positions.
+    The conformance kit's hand-indexed reference (independent of the layout model under
+    test), flattened; the slot formats use :func:`slot_rows`.
     """
-    if fmt is KVFormat.MLA:
-        rows = t[block, lo:hi].unsqueeze(0)
-    elif fmt is KVFormat.FLASH_ATTN:
-        rows = t[:, block, lo:hi]
-    elif fmt is KVFormat.FLASH_ATTN_HND:
-        rows = t[:, block, :, lo:hi].transpose(1, 2)
-    elif fmt is KVFormat.FLASHINFER:
-        rows = t[block, :, lo:hi]
-    elif fmt is KVFormat.FLASHINFER_HND:
-        rows = t[block, :, :, lo:hi].transpose(1, 2)
-    elif fmt is KVFormat.VLLM:
-        d = t.shape[3] // 2
-        page = t[block, :, lo:hi].transpose(0, 1)  # [tokens, heads, 2 * d]
-        rows = torch.stack([page[..., :d], page[..., d:]])
-    elif fmt is KVFormat.VLLM_MLA:
-        rows = t[block, 0, lo:hi].unsqueeze(0)
-    else:
-        raise ValueError(f"token_rows has no reference for {fmt}; use slot_rows")
+    rows = token_view(t, fmt, block, lo, hi)
     return rows.reshape(rows.shape[0], hi - lo, -1)
 
 

@@ -103,14 +103,20 @@ def view_in(image: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def token_view(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> torch.Tensor:
-    """Tokens ``[lo, hi)`` of ``block``: a view ``[kv, tokens, heads, head]`` (MLA ``[1, tokens, head]``)."""
+    """Tokens ``[lo, hi)`` of ``block``: a view ``[kv, tokens, heads, head]`` (MLA ``[1, tokens, head]``).
+
+    Indexed by hand per format, independently of the layout model it checks; the core
+    test suite uses it as its reference too. SGLang's slot pools have none.
+    """
+    if fmt in (KVFormat.SGLANG, KVFormat.SGLANG_MLA):
+        raise ValueError(f"token_view has no reference for the slot format {fmt.value}")
     if fmt is KVFormat.MLA:
         return t[block, lo:hi].unsqueeze(0)
     if fmt is KVFormat.VLLM_MLA:
         return t[block, 0, lo:hi].unsqueeze(0)
     if fmt is KVFormat.VLLM:  # [heads, tokens, 2 * head] -> [2, tokens, heads, head]
         page = t[block, :, lo:hi]
-        return page.view(*page.shape[:-1], 2, HEAD_SIZE).permute(2, 1, 0, 3)
+        return page.view(*page.shape[:-1], 2, page.shape[-1] // 2).permute(2, 1, 0, 3)
     if fmt is KVFormat.FLASH_ATTN:
         return t[:, block, lo:hi]
     if fmt is KVFormat.FLASH_ATTN_HND:
