@@ -1,4 +1,9 @@
-"""The conformance suite's host-memory checks (``test_hostmem``) catch the faults they are for.
+"""The conformance suite against the ``cpu`` backend's second kind, and its host-memory checks.
+
+``tests/conformance`` runs the whole suite on the default (memfd) export; here it runs
+on named segments (``LMCACHE_PLATFORM_CPU_IPC=shm``), so both kinds conform.
+
+The host-memory checks (``test_hostmem``) catch the faults they are for.
 
 ``cpu.leaky`` is the ``cpu`` backend's named-segment wrapper over a store with faults
 chosen by ``LEAKY_FAULTS``, installed as a real distribution in a temporary site dir.
@@ -8,6 +13,7 @@ written for it fails, so none of them is a check that cannot fail.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +126,15 @@ def test_each_fault_fails_exactly_the_host_memory_check_written_for_it(
     for fault in ("child_releases", "copies_views"):  # one at a time: each fails only its own
         alone = outcomes(leaky_site, tmp_path, fault)
         assert {name for name, kind in alone.items() if kind != "passed"} == FAULT_CHECKS[fault], alone
+
+
+def test_the_named_segment_kind_passes_the_whole_suite(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
+    env["LMCACHE_PLATFORM_CPU_IPC"] = "shm"
+    proc = subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "check", "cpu", "--json"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=900)  # fmt: skip
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 0 and summary["verdict"] == "pass", proc.stderr[-3000:]
+    counts = summary["counts"]
+    assert counts["failed"] == counts["error"] == counts["skipped"] == 0 and counts["passed"] >= 40, counts
+    assert any("test_hostmem.py" in r["test"] for r in summary["results"])

@@ -375,3 +375,25 @@ def test_a_forked_child_never_unlinks_its_parents_segments() -> None:
     assert exists(w.shm_name) and w.shm_name in _shm.owned()
     assert torch.equal(reopen(w).to_tensor(), pattern(128))
     w.close()
+
+
+def test_a_segment_shrunk_after_mapping_is_refused_before_a_transfer_touches_it() -> None:
+    """The residual risk of named segments, narrowed: checked before each transfer (one fstat)."""
+    layer = torch.arange(2 * 8 * 4 * 2 * 8, dtype=torch.float32).view(2, 8, 4, 2, 8)  # FLASH_ATTN
+    w = CpuShmIPCWrapper.wrap(layer)
+    consumer = reopen(w)
+    hints = lmcache_platform.LayoutHints(kv_format=lmcache_platform.KVFormat.FLASH_ATTN, block_size=4,
+                                         num_kv_heads=2)  # fmt: skip
+    ctx = lmcache_platform.create_cache_context([consumer], 8, layout_hints=hints)
+    ctx.store_chunk([[0, 1]])
+    consumer.verify()  # whole: nothing to say
+    os.truncate(os.path.join(_shm.SHM_DIR, w.shm_name), 1024)  # any process of this user may
+    with pytest.raises(DescriptorError, match=r"shrank to 1024 of its 4096 bytes after it was mapped"):
+        consumer.verify()
+    for transfer in (ctx.store_chunk, ctx.retrieve_chunk):
+        with pytest.raises(DescriptorError, match="refusing to touch it"):
+            transfer([[0, 1]])
+    ctx.close()
+    consumer.verify()  # closed: nothing mapped by it any more, nothing to check
+    w.close()
+    del layer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_platform import DescriptorError, WireField
+from lmcache_platform import DescriptorError, WireField, hostmem
 from lmcache_platform.hostmem import HostMemoryIPCWrapper, SegmentNames, find_stale, producer_alive
 from lmcache_platform_cpu_file import CpuFileIPCWrapper, FileStore, _store
 
@@ -24,7 +24,12 @@ def test_names_are_ascii_only_and_never_paths() -> None:
     names = SegmentNames("vendor_kv_", kind="vendor", noun="buffer")
     name = names.new()
     assert names.parse(name)[1] == os.getpid() and len(name) <= names.max_len
-    for bad in (f"vendor_kv_\u0661_\u0662_{'a' * 32}", f"vendor_kv_1_2_{'a' * 32}/..", "../" + name, name + "\n"):
+    for bad in (
+        f"vendor_kv_\u0661_\u0662_{'a' * 32}",
+        f"vendor_kv_1_2_{'a' * 32}/..",
+        "../" + name,
+        name + "\n",
+    ):
         with pytest.raises(DescriptorError, match="is not a buffer of this project"):
             names.parse(bad)
     with pytest.raises(ValueError, match="prefix"):
@@ -136,3 +141,50 @@ def test_find_stale_judges_only_our_files_of_dead_producers(kv_dir: Path) -> Non
         (kv_dir / "unrelated").unlink()
     assert producer_alive(os.getpid(), segment_ctime=0.0)
     assert not producer_alive(int(dead), segment_ctime=time.time())
+
+
+def fake_cgroups(root: Path, limit: int, usage: int, inactive: int) -> str:
+    """Mirror this process's real cgroup paths under ``root`` with a memory limit at the leaf."""
+    leaf = ""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            files, base = ("memory.max", "memory.current", "inactive_file"), root
+        elif "memory" in controllers.split(","):
+            files, base = (
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+                root / "memory",
+            )
+        else:
+            continue
+        here = base / path.lstrip("/")
+        here.mkdir(parents=True, exist_ok=True)
+        (here / files[0]).write_text(f"{limit}\n")
+        (here / files[1]).write_text(f"{usage}\n")
+        (here / "memory.stat").write_text(f"cache 1\n{files[2]} {inactive}\n")
+        for parent in here.parents:  # unlimited ancestors, as on a host
+            if parent == base.parent:
+                break
+            if not (parent / files[0]).exists():
+                (parent / files[0]).write_text(
+                    "max\n" if files[0] == "memory.max" else f"{(1 << 63) - 4096}\n"
+                )
+                (parent / files[1]).write_text(f"{usage}\n")
+        leaf = str(here / files[0])
+    return leaf
+
+
+def test_memory_headroom_is_the_tightest_cgroup_limit_less_usage_with_cache_counted_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hostmem, "CGROUP_ROOT", str(tmp_path))
+    leaf = fake_cgroups(tmp_path, limit=64 << 20, usage=60 << 20, inactive=8 << 20)
+    room = hostmem.memory_headroom()
+    assert room is not None and room.free == 12 << 20, room
+    assert room.limit.startswith(f"the memory cgroup limit {tmp_path}/") and room.limit.endswith(
+        "memory.limit_in_bytes (64.0 MiB, 52.0 MiB in use)" if "memory/" in room.limit else
+        "memory.max (64.0 MiB, 52.0 MiB in use)"), room.limit  # fmt: skip
+    assert leaf.startswith(str(tmp_path))
+    fake_cgroups(tmp_path, limit=1 << 50, usage=0, inactive=0)  # a limit looser than the host's memory
+    room = hostmem.memory_headroom()
+    assert room is not None and room.limit.startswith("the host's available memory (MemAvailable + SwapFree")
