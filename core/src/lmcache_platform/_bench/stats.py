@@ -30,6 +30,9 @@ class Settings:
     runs: int | None = None
     #: Hand-off and migration sizes in bytes, instead of the defaults.
     sizes: tuple[int, ...] | None = None
+    #: The hand-off and migration KV set: ``"vllm"`` (current vLLM: one allocation, a
+    #: strided view per layer) or ``"per-layer"`` (one allocation per layer, older engines).
+    layout: str = "vllm"
 
     def repeats(self, quick: int, full: int) -> int:
         """``runs`` if given, else the section's default for a quick or a full run."""

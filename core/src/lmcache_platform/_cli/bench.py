@@ -50,6 +50,9 @@ _RUNNABLE = ("import", "dispatch", "handoff", "migration", "transfer")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="device type of the KV caches (default: cpu)")
+    parser.add_argument("--layout", choices=("vllm", "per-layer"), default="vllm",
+                        help="KV set of the hand-off and migration sections: current vLLM's views of one "
+                             "allocation (default) or one allocation per layer (older engines)")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, fewer repeats: a smoke run (10 to 30 s on 2 cores)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    settings = Settings(device=device, quick=args.quick, runs=args.runs, sizes=args.sizes)
+    settings = Settings(device=device, quick=args.quick, runs=args.runs, sizes=args.sizes,
+                        layout=getattr(args, "layout", "vllm"))  # fmt: skip
     with _sigterm_exits():
         report = _measure(settings, args.sections or _RUNNABLE)
     if args.plot:
