@@ -7,6 +7,8 @@ enqueued on a stream of its own, so a server overlaps them with its other work a
 orders them against an engine's events by entering :meth:`stream_context` and
 waiting there. Callers that read a staging slot or hand blocks back to the engine
 synchronize first (:meth:`synchronize`, or an event recorded inside the context).
+Nothing else is CUDA's: the base's ``close`` synchronizes, then drops every buffer and
+view, which hands the memory back to torch's caching allocator.
 """
 
 from __future__ import annotations
@@ -46,14 +48,3 @@ class GPUCacheContext(BaseCacheContext):
 
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             yield
-
-    def release(self) -> None:
-        """Hand the staging and block-id buffers back to torch's caching allocator.
-
-        Runs after :meth:`synchronize`, so no enqueued transfer still uses them;
-        the base then drops the transfer views and closes the wrappers.
-        """
-        import torch
-
-        self._staging = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._block_ids_buffer = None
