@@ -74,8 +74,9 @@ __all__ = [
 #: ``device_uuid`` of every host-memory descriptor: there is one host.
 HOST_UUID = "cpu"
 
-#: A store's handle: one value per field of its ``handle_fields``, already bounds-checked.
-Handle = Mapping[str, Primitive]
+#: A store's handle: one value per field of its ``handle_fields``. Every value a store
+#: receives was checked against its declaration first, so an ``int`` field holds an int.
+Handle = Mapping[str, Any]
 
 
 class HostMemoryStore(Protocol):

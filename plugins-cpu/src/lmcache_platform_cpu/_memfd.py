@@ -124,16 +124,18 @@ class MemfdStore:
         return handle, mm
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
-        pid, fd, name = _int(handle, "memfd_pid"), _int(handle, "memfd_fd"), str(handle["memfd_name"])
+        pid, fd, name = handle["memfd_pid"], handle["memfd_fd"], handle["memfd_name"]
         where = f"memfd export {name!r} (fd {fd} of pid {pid})"
 
         def refuse(check: str, why: str) -> DescriptorError:
             return DescriptorError(f"{where} fails the {check} check: {why}; nothing was mapped")
 
         if handle["memfd_pidns"] != pid_namespace():
-            theirs = _int(handle, "memfd_pidns")
-            raise refuse("pid namespace", f"it was made in pid namespace {theirs}, this process is in "
-                         f"{pid_namespace()}, where its pid means nothing; {SWITCH}")  # fmt: skip
+            raise refuse(
+                "pid namespace",
+                f"it was made in pid namespace {handle['memfd_pidns']}, this "
+                f"process is in {pid_namespace()}, where that pid means nothing; {SWITCH}",
+            )
         own = _open_fd(pid, fd, name, refuse)
         try:  # again, on what was opened: the producer may have swapped the fd in between
             _check_target(os.readlink(f"/proc/self/fd/{own}"), f"fd {fd} of pid {pid}", name, refuse)
@@ -142,7 +144,7 @@ class MemfdStore:
                 raise refuse("file type", "not a regular file")
             if st.st_uid != os.geteuid():
                 raise refuse("owner", f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
-            said = (_int(handle, "memfd_dev"), _int(handle, "memfd_ino"))
+            said = (handle["memfd_dev"], handle["memfd_ino"])
             if (st.st_dev, st.st_ino) != said:
                 raise refuse("inode", f"it is inode {st.st_ino} on device {st.st_dev}, the descriptor says "
                              f"{said[1]} on {said[0]} (a reused fd or pid)")  # fmt: skip
@@ -157,19 +159,13 @@ class MemfdStore:
             os.close(own)
 
     def release(self, handle: Handle) -> bool:
-        fd, ino = _int(handle, "memfd_fd"), handle["memfd_ino"]
+        fd, ino = handle["memfd_fd"], handle["memfd_ino"]
         with _lock:
             if handle["memfd_pid"] != os.getpid() or _owned.get(fd) != ino:
                 return False  # not ours: another process's, or a parent's before fork
             del _owned[fd]
         os.close(fd)  # existing mappings, here and in every consumer, keep the memory
         return True
-
-
-def _int(handle: Handle, name: str) -> int:
-    value = handle[name]
-    assert isinstance(value, int)  # checked against handle_fields before any store method
-    return value
 
 
 def _check_target(target: str, what: str, name: str, refuse: Refuse) -> None:

@@ -260,7 +260,7 @@ class ShmStore:
     handle_fields: Mapping[str, WireField] = {"shm_name": WireField(str, max_len=MAX_NAME_LEN)}
 
     def check_handle(self, handle: Handle) -> None:
-        parse_name(_name(handle))
+        parse_name(handle["shm_name"])
 
     def check_capacity(self, nbytes: int) -> None:
         check_capacity(nbytes)
@@ -270,16 +270,10 @@ class ShmStore:
         return {"shm_name": name}, mm
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
-        return open_existing(_name(handle), nbytes)
+        return open_existing(handle["shm_name"], nbytes)
 
     def release(self, handle: Handle) -> bool:
-        return unlink(_name(handle))
-
-
-def _name(handle: Handle) -> str:
-    name = handle["shm_name"]
-    assert isinstance(name, str)  # checked against handle_fields before any store method
-    return name
+        return unlink(handle["shm_name"])
 
 
 #: The store ``CpuShmIPCWrapper`` keeps its memory in.

@@ -164,7 +164,7 @@ class FileStore:
     handle_fields: Mapping[str, WireField] = {"file_name": WireField(str, max_len=NAMES.max_len)}
 
     def check_handle(self, handle: Handle) -> None:
-        NAMES.parse(_name(handle))
+        NAMES.parse(handle["file_name"])
 
     def check_capacity(self, nbytes: int) -> None:
         d = directory()
@@ -196,7 +196,7 @@ class FileStore:
             os.close(fd)
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
-        name = _name(handle)
+        name: str = handle["file_name"]
         NAMES.parse(name)
         d = directory()
         try:
@@ -217,19 +217,13 @@ class FileStore:
             os.close(fd)
 
     def release(self, handle: Handle) -> bool:
-        name = _name(handle)
+        name: str = handle["file_name"]
         with _lock:
             d = _owned.pop(name, None)
         if d is None:
             return False  # not ours (another process's, or a parent's before fork)
         _unlink_in(d, name)
         return True
-
-
-def _name(handle: Handle) -> str:
-    name = handle["file_name"]
-    assert isinstance(name, str)  # checked against handle_fields before any store method
-    return name
 
 
 def _reserve(d: Directory, fd: int, size: int) -> None:
