@@ -94,10 +94,16 @@ def test_declared_wire_fields_that_disagree_with_the_store_are_refused() -> None
         ({"shape": WireField(list, max_len=4)}, r"reuses \['shape'\]"),
         ({"vendor_pid": WireField(int, lo=1, hi=99)}, r"must admit the empty value 0"),
         ({"vendor_name": "str"}, "must map field names to WireField declarations"),
+        (
+            {"handle": WireField(str, max_len=8)},
+            r"the wire field\(s\) \['handle'\] would hide the wrapper's own",
+        ),
+        ({"close": WireField(int, lo=0)}, r"\['close'\] would hide"),
         ({}, "must map field names to WireField declarations"),
     ],
 )
 def test_a_handle_schema_the_kit_cannot_carry_is_refused(fields: dict[str, object], match: str) -> None:
+    """Each refusal happens when the wrapper class is made, saying what to change."""
     odd_store = FileStore()
     odd_store.handle_fields = fields  # type: ignore[assignment]
     with pytest.raises(TypeError, match=match):
@@ -188,3 +194,11 @@ def test_memory_headroom_is_the_tightest_cgroup_limit_less_usage_with_cache_coun
     fake_cgroups(tmp_path, limit=1 << 50, usage=0, inactive=0)  # a limit looser than the host's memory
     room = hostmem.memory_headroom()
     assert room is not None and room.limit.startswith("the host's available memory (MemAvailable + SwapFree")
+
+
+def test_an_nbytes_field_hiding_a_wrapper_attribute_is_refused() -> None:
+    """``nbytes`` is the view's byte span on every wrapper: a field of that name would hide it."""
+    with pytest.raises(TypeError, match=r"\['nbytes'\] would hide the wrapper's own attribute"):
+
+        class Hiding(CpuFileIPCWrapper):
+            nbytes_field = "nbytes"

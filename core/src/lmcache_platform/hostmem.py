@@ -590,6 +590,10 @@ def _check_store(cls: type, store: object) -> dict[str, WireField]:
     if clash:
         raise TypeError(f"{where}.handle_fields reuses {clash}: the base fields and nbytes_field "
                         f"{nbytes_field!r} are the wrapper's; rename the handle's fields")  # fmt: skip
+    shadowed = sorted(n for n in (*schema, nbytes_field) if hasattr(HostMemoryIPCWrapper, n))
+    if shadowed:  # each field becomes an attribute of the wrapper
+        raise TypeError(f"{cls.__name__}: the wire field(s) {shadowed} would hide the wrapper's own "
+                        "attribute of that name; rename them in handle_fields or nbytes_field")  # fmt: skip
     for name, spec in schema.items():
         empty = _EMPTY.get(spec.kind)
         try:
