@@ -708,6 +708,32 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
     # -- producer ----------------------------------------------------------------------
 
     @classmethod
+    def empty(cls, *size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new contiguous CPU tensor born in the store's memory, for an engine's KV cache.
+
+        Wrapping it, or any view of it (the per-layer views an engine cuts out of one
+        buffer), copies nothing: peak memory stays that of the cache, where wrapping a
+        tensor made elsewhere needs a second copy for the time of the migration. Every
+        view of it, wrapped or not, aliases the exported memory. The contents start as
+        the store makes them (zeros for memfds, segments and files). Raises the store's
+        capacity error when it is too small.
+        """
+        import torch
+
+        shape, itemsize = tuple(size), torch.empty((), dtype=dtype).element_size()
+        dtype_name(dtype)
+        nbytes = torch.Size(shape).numel() * itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        tracker = cls._memory()
+        with tracker.lock:
+            handle, mm = tracker.store.create(nbytes)
+            storage = _storage_over(mm, nbytes)
+            tracker.track(mm, storage.data_ptr(), _Segment(dict(handle), nbytes, weakref.ref(mm), owned=True))
+        stride = torch.empty(shape, dtype=dtype, device="meta").stride()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, stride)
+
+    @classmethod
     def wrap(cls, tensor: torch.Tensor) -> Self:
         """Move ``tensor`` into the store (once per storage) and describe it.
 
@@ -715,7 +741,8 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         same old storage (a view the engine derived, the flat buffer its layers were
         cut from) keeps pointing at the old memory until it is wrapped too, which then
         copies nothing and shares the first one's handle. So wrap every view the
-        engine will use before it writes the KV cache again.
+        engine will use before it writes the KV cache again, or allocate the cache
+        with :meth:`empty`, which needs neither the copy nor the re-pointing.
 
         Idempotent: a tensor already in the store's memory (made here, or reopened
         here with :meth:`to_tensor`), or a view of it, is described without copying.
