@@ -6,7 +6,6 @@ conformance suite's job; ``tests/conformance`` runs it against ``cpu.file``.
 
 from __future__ import annotations
 
-import ast
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import lmcache_platform_cpu_file
 from lmcache_platform import Availability
 from lmcache_platform.testing import RegistryFixture
 from lmcache_platform_cpu_file import CpuFileIPCWrapper, _plugin, _store
+from support.imports import non_stdlib_imports
 
 PACKAGE = Path(lmcache_platform_cpu_file.__file__).parent
 
@@ -139,18 +139,8 @@ ALLOWED_IMPORTS = {"lmcache_platform", "lmcache_platform.hostmem", "lmcache_plat
 def test_it_uses_only_the_public_core_api() -> None:
     """As a vendor's backend would: no private core module, no other backend."""
     for path in sorted(PACKAGE.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                modules = [node.module]
-            elif isinstance(node, ast.Import):
-                modules = [alias.name for alias in node.names]
-            else:
-                continue
-            for module in modules:
-                top = module.split(".")[0]
-                if top in sys.stdlib_module_names or top == "__future__":
-                    continue
-                assert module in ALLOWED_IMPORTS, f"{path.name} imports {module}"
+        for module in non_stdlib_imports(path.read_text()):
+            assert module in ALLOWED_IMPORTS, f"{path.name} imports {module}"
 
 
 def test_the_entry_point_loads_neither_torch_nor_the_wrapper() -> None:

@@ -9,7 +9,6 @@ conformance suite on the result.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_platform.testing import make_distribution
+from support.imports import non_stdlib_imports
 
 pytestmark = pytest.mark.slow
 
@@ -52,20 +52,9 @@ def test_the_example_fits_in_200_lines_as_the_guide_says_and_uses_the_public_api
     stated = re.search(r"and (\d+) lines in all", prose)
     assert stated and int(stated.group(1)) == total <= LIMIT, (total, stated)
     for path, source in files.items():
-        if not path.endswith(".py"):
-            continue
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.ImportFrom) and node.level == 0:
-                modules = [node.module or ""]
-            elif isinstance(node, ast.Import):
-                modules = [alias.name for alias in node.names]
-            else:
-                continue
-            for module in modules:
-                top = module.split(".")[0]
-                assert module in PUBLIC or (top in sys.stdlib_module_names and top != "_posixshmem"), (
-                    f"{path} imports {module}, which is not public API"
-                )
+        if path.endswith(".py"):
+            private = [m for m in non_stdlib_imports(source) if m not in PUBLIC]
+            assert not private, f"{path} imports {private}, which is not public API"
 
 
 def test_the_example_passes_the_whole_conformance_suite(tmp_path: Path) -> None:
