@@ -16,12 +16,12 @@ from lmcache_platform_cpu_file import DirectoryError, FileCapacityError, FileSto
 STORE = FileStore()
 
 
-
 def create(nbytes: int) -> tuple[str, mmap.mmap]:
     """``STORE.create`` with the name out of the handle."""
     handle, mm = STORE.create(nbytes)
     assert set(handle) == {"file_name"} and isinstance(handle["file_name"], str)
     return handle["file_name"], mm
+
 
 def test_a_missing_directory_is_created_private_whatever_the_umask(kv_dir: Path) -> None:
     old = os.umask(0o277)  # would leave the owner without write and search
@@ -130,7 +130,9 @@ def test_open_checks_type_owner_mode_and_size_before_mapping(kv_dir: Path) -> No
     finally:
         mm.close()
         STORE.release({"file_name": name})
-    with pytest.raises(DescriptorError, match=r"does not exist .* set LMCACHE_PLATFORM_CPU_FILE_DIR differently"):
+    with pytest.raises(
+        DescriptorError, match=r"does not exist .* set LMCACHE_PLATFORM_CPU_FILE_DIR differently"
+    ):
         STORE.open_existing({"file_name": name}, 4096)
 
 
@@ -159,13 +161,17 @@ def test_a_capacity_shortfall_creates_nothing(kv_dir: Path, monkeypatch: pytest.
     assert info.value.errno == errno.ENOSPC and info.value.needed == 1 << 20
 
 
-def test_running_out_of_space_while_reserving_leaves_nothing(kv_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_running_out_of_space_while_reserving_leaves_nothing(
+    kv_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_space(fd: int, offset: int, size: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     owned = _store.owned()
-    with pytest.raises(FileCapacityError, match=r"refused to reserve 1048576 bytes although .* are reported free"):
+    with pytest.raises(
+        FileCapacityError, match=r"refused to reserve 1048576 bytes although .* are reported free"
+    ):
         create(1 << 20)
     assert os.listdir(_store.directory().path) == [] and _store.owned() == owned
 
