@@ -50,7 +50,11 @@ def test_installed_entry_point_is_selected_for_cpu() -> None:
 def test_probe_says_why_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr("os.memfd_create")
     answer = _plugin.lmcache_platform_probe("cpu")
-    assert answer is not None and not answer.ok and "no os.memfd_create; set LMCACHE_PLATFORM_CPU_IPC=shm" in answer.reason
+    assert (
+        answer is not None
+        and not answer.ok
+        and "no os.memfd_create; set LMCACHE_PLATFORM_CPU_IPC=shm" in answer.reason
+    )
     monkeypatch.setenv("LMCACHE_PLATFORM_CPU_IPC", "shm")  # named segments need no memfds, but /dev/shm
     monkeypatch.setattr(_shm, "SHM_DIR", "/nonexistent-shm-dir")
     answer = _plugin.lmcache_platform_probe("cpu")

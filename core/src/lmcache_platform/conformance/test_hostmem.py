@@ -35,8 +35,10 @@ ABSURD = 1 << 46
 def hostmem_class(lmcache_backend: Target, lmcache_device: torch.device) -> type[HostMemoryIPCWrapper]:
     cls = lmcache_backend.wrapper_class
     if not (isinstance(cls, type) and issubclass(cls, HostMemoryIPCWrapper)):
-        pytest.skip(f"{lmcache_backend.name} is not a host-memory backend (its wrapper is not a "
-                    "lmcache_platform.hostmem.HostMemoryIPCWrapper)")
+        pytest.skip(
+            f"{lmcache_backend.name} is not a host-memory backend (its wrapper is not a "
+            "lmcache_platform.hostmem.HostMemoryIPCWrapper)"
+        )
     return cls
 
 
@@ -129,8 +131,13 @@ def test_a_forked_child_never_releases_its_parents_memory(
 ) -> None:
     if not hasattr(os, "fork"):
         pytest.skip("no fork on this platform")
-    proc = subprocess.Popen([sys.executable, "-c", FORKING_PRODUCER], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKING_PRODUCER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdin is not None
         line = proc.stdout.readline().split()
