@@ -369,9 +369,14 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     def get_engine_kv_format(self, kernel_group_idx: int) -> KVFormat:
         return self._manager.kernel_groups[self._kg(kernel_group_idx)].kv_format
 
-    def get_slots_per_chunk_in_sw(self, kernel_group_idx: int) -> int:
-        """Tokens of a full chunk the group keeps (less than a chunk for a trimmed window)."""
+    def tokens_kept_per_chunk(self, kernel_group_idx: int) -> int:
+        """Tokens of a full chunk the group keeps (fewer than a chunk for a trimmed window)."""
         return self._manager.kernel_groups[self._kg(kernel_group_idx)].tokens_per_slot
+
+    def get_slots_per_chunk_in_sw(self, kernel_group_idx: int) -> int:
+        """Upstream LMCache's name for :meth:`tokens_kept_per_chunk` (it counts tokens, not
+        staging slots); kept so ported code runs."""
+        return self.tokens_kept_per_chunk(kernel_group_idx)
 
     def get_kernel_group_shape_dtype(
         self, num_tokens: int, kernel_group_idx: int
