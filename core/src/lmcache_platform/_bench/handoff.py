@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._errors import LMCachePlatformError
-from . import child as _bench_child
+from . import child as receiver
 from .stats import Report, Result, Settings, Skip, SpeedTarget, ratio_rows
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ def _room_for(ram: int, shm: int, device: str) -> str | None:
 
 
 class Receiver:
-    """The spawned receiving process and its channels (see :mod:`._bench_child`)."""
+    """The spawned receiving process and its channels (see :mod:`.child`)."""
 
     def __init__(self) -> None:
         import torch.multiprocessing as tmp
@@ -131,7 +131,7 @@ class Receiver:
         ctx = tmp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.queue = ctx.Queue()
-        self.proc = ctx.Process(target=_bench_child.serve, args=(child, self.queue), daemon=True)
+        self.proc = ctx.Process(target=receiver.serve, args=(child, self.queue), daemon=True)
         self.proc.start()
         child.close()
         self._mid_trial = False  # between "ready" and the acknowledgement
@@ -353,7 +353,7 @@ def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs
         copies = pickle.loads(sent.pop())  # noqa: S301 - bytes this process just made
         out["loads"] = time.perf_counter() - t0
         out["total"] += out["loads"]
-        if len(copies) != LAYERS or _bench_child.corner_values(copies) != EXPECTED_CORNERS:
+        if len(copies) != LAYERS or receiver.corner_values(copies) != EXPECTED_CORNERS:
             raise RuntimeError("hand-off by pickle: the unpickled set does not match")
         return out
 
