@@ -24,8 +24,12 @@ def findings() -> list[DoctorFinding]:
     from ._config import ipc_kind
 
     if ipc_kind() == "memfd":
-        return [DoctorFinding.info("exports CPU KV caches as sealed memfds (anonymous shared memory: "
-                                   "the container's memory limit applies, /dev/shm does not)")]
+        return [
+            DoctorFinding.info(
+                "exports CPU KV caches as sealed memfds (anonymous shared memory: "
+                "the container's memory limit applies, /dev/shm does not)"
+            )
+        ]
     from ._shm import SHM_DIR
 
     return shm_findings(SHM_DIR)
@@ -38,14 +42,17 @@ def shm_findings(path: str) -> list[DoctorFinding]:
     except OSError as exc:
         return [DoctorFinding.warning(f"{path} is not usable ({exc.strerror or exc}): {SHM_FIX}")]
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    out = [DoctorFinding.info(f"exports CPU KV caches as {path} segments: "
-                              f"{_gib(free)} free of {_gib(total)}")]
+    out = [
+        DoctorFinding.info(f"exports CPU KV caches as {path} segments: {_gib(free)} free of {_gib(total)}")
+    ]
     if total < MIN_BYTES:
-        out.append(DoctorFinding.warning(f"{path} is only {_gib(total)} (CPU KV caches live "
-                                         f"there): {SHM_FIX}"))
+        out.append(
+            DoctorFinding.warning(f"{path} is only {_gib(total)} (CPU KV caches live there): {SHM_FIX}")
+        )
     elif free < MIN_BYTES:
-        out.append(DoctorFinding.warning(f"{path} has only {_gib(free)} free of {_gib(total)}: "
-                                         f"free it or {SHM_FIX}"))
+        out.append(
+            DoctorFinding.warning(f"{path} has only {_gib(free)} free of {_gib(total)}: free it or {SHM_FIX}")
+        )
     return out
 
 

@@ -85,6 +85,10 @@ def lmcache_platform_doctor(device_type: str) -> list[DoctorFinding] | None:
     free = d.free_bytes()
     found = [DoctorFinding.info(f"KV files in {d.path}: {free / (1 << 30):.2f} GiB free")]
     if free < 1 << 30:
-        found.append(DoctorFinding.warning(f"{d.path} has less than 1 GiB free: free it, or point "
-                                           f"{_store.ENV_DIR} at a larger file system"))
+        found.append(
+            DoctorFinding.warning(
+                f"{d.path} has less than 1 GiB free: free it, or point "
+                f"{_store.ENV_DIR} at a larger file system"
+            )
+        )
     return found
