@@ -22,7 +22,7 @@ from lmcache_platform import (
     WireField,
     kv_cache_shape,
 )
-from lmcache_platform.conformance._kv import token_view
+from lmcache_platform.conformance._kv import random_bits, token_view
 
 
 class HeldWrapper(DeviceIPCWrapper):
@@ -73,14 +73,8 @@ def layer_shape(fmt: KVFormat, nb: int, bs: int, h: int, d: int) -> tuple[int, .
     return kv_cache_shape(fmt, num_blocks=nb, block_size=bs, num_kv_heads=h, head_size=d)
 
 
-def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """A tensor of ``dtype`` filled with random bit patterns (NaN payloads included)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n = 1
-    for s in shape:
-        n *= s
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).view(shape)
+#: Random bit patterns of a dtype from a generator: the conformance kit's helper.
+random_bytes = random_bits
 
 
 def make_layers(

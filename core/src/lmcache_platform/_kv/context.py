@@ -623,11 +623,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         bounds-checked. Every argument is validated before anything is copied.
         On a device with streams the copy is enqueued on :attr:`stream`.
         """
-        slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=False)
-        with self._transfer_lock:
-            self._check_open()  # again: a close() may have won the race for the lock
-            with self.stream_context():
-                self.store(self._transfer_plan(slot, num_tokens, ids))
+        self._run(block_ids_per_group, slot, num_tokens, retrieve=False)
 
     def retrieve_chunk(
         self,
@@ -643,11 +639,23 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         group); every other token of every block stays untouched. The written
         blocks must be distinct. Every argument is validated before anything is written.
         """
-        slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=True)
+        self._run(block_ids_per_group, slot, num_tokens, retrieve=True)
+
+    def _run(
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        slot: int,
+        num_tokens: int | None,
+        *,
+        retrieve: bool,
+    ) -> None:
+        """Validate in full, then plan and run the store or retrieve under the transfer lock."""
+        slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=retrieve)
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
             with self.stream_context():
-                self.retrieve(self._transfer_plan(slot, num_tokens, ids))
+                plan = self._transfer_plan(slot, num_tokens, ids)
+                self.retrieve(plan) if retrieve else self.store(plan)
 
     # -- lifetime ----------------------------------------------------------------------
 

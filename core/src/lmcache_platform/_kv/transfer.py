@@ -265,32 +265,29 @@ class GroupMover:
 
     def gather(self, slot: int, part: GroupTransfer) -> None:
         """Copy the part's tokens from the paged blocks into staging slot ``slot``."""
-        import torch
-
-        v = self._gather
-        d, pos = v.dim, 0
-        for blk, n, off, length in _segments(part.first_token, part.num_tokens, self.block_size):
-            if off == 0 and length == n * self.block_size:
-                ids = part.block_ids[blk : blk + n]
-                for src, out in zip(v.pages, v.runs(slot, pos, n), strict=True):
-                    torch.index_select(src, d, ids, out=out)
-            else:
-                block = part.block_id_list[blk]
-                for src, dst in zip(v.pages, v.stage[slot], strict=True):
-                    dst.narrow(d, pos, length).copy_(src.select(d, block).narrow(d, off, length))
-            pos += length
+        self._move(slot, part, to_staging=True)
 
     def scatter(self, slot: int, part: GroupTransfer) -> None:
         """Copy staging slot ``slot`` back into the part's paged blocks."""
-        v = self._scatter
+        self._move(slot, part, to_staging=False)
+
+    def _move(self, slot: int, part: GroupTransfer, *, to_staging: bool) -> None:
+        """Whole blocks with one index op per paged view, partial edge blocks with ``copy_``."""
+        import torch
+
+        v = self._gather if to_staging else self._scatter
         d, pos = v.dim, 0
         for blk, n, off, length in _segments(part.first_token, part.num_tokens, self.block_size):
             if off == 0 and length == n * self.block_size:
                 ids = part.block_ids[blk : blk + n]
-                for dst, data in zip(v.pages, v.runs(slot, pos, n), strict=True):
-                    dst.index_copy_(d, ids, data)
+                for pages, run in zip(v.pages, v.runs(slot, pos, n), strict=True):
+                    if to_staging:
+                        torch.index_select(pages, d, ids, out=run)
+                    else:
+                        pages.index_copy_(d, ids, run)
             else:
-                block = part.block_id_list[blk]
-                for dst, src in zip(v.pages, v.stage[slot], strict=True):
-                    dst.select(d, block).narrow(d, off, length).copy_(src.narrow(d, pos, length))
+                for pages, stage in zip(v.pages, v.stage[slot], strict=True):
+                    paged = pages.select(d, part.block_id_list[blk]).narrow(d, off, length)
+                    staged = stage.narrow(d, pos, length)
+                    (staged if to_staging else paged).copy_(paged if to_staging else staged)
             pos += length

@@ -67,9 +67,9 @@ def layer_shape(fmt: KVFormat) -> tuple[int, ...]:
                           head_size=HEAD_SIZE)
 
 
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` holding random bit patterns."""
-    gen = torch.Generator().manual_seed(seed)
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int | torch.Generator) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` holding random bit patterns (NaN payloads included)."""
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = 1
     for n in shape:
