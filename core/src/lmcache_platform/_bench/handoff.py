@@ -334,6 +334,33 @@ def _handoff_torch(report: Report, recv: Receiver, label: str, size: int, device
     report.results.append(Result("handoff", label, "ms", tuple(t["total"] * 1e3 for t in trials), params))
 
 
+def _picklable(tensors: list[torch.Tensor]) -> Any:
+    """The set as pickle should carry it: views of one allocation as that storage once.
+
+    Pickling each view would serialize the whole shared storage once per layer (32
+    times the bytes, and out of memory at 256 MiB); so views travel as the backing
+    bytes plus each layer's (shape, stride, offset), rebuilt by :func:`_unpickled`.
+    """
+    import torch
+
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    if len(storages) != 1 or len(tensors) < 2:
+        return tensors
+    backing = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(tensors[0].untyped_storage())
+    return (backing, str(tensors[0].dtype).removeprefix("torch."),
+            [(tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors])  # fmt: skip
+
+
+def _unpickled(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, list):
+        return obj
+    import torch
+
+    backing, dtype, views = obj
+    typed = backing.view(getattr(torch, dtype))
+    return [typed.as_strided(shape, stride, offset) for shape, stride, offset in views]
+
+
 def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs: int,
                     params: dict[str, Any]) -> None:
     """Pickle, send, unpickle. The receiver only takes the bytes (nothing unpickles bytes
@@ -342,7 +369,7 @@ def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs
     sent: list[bytes] = []
 
     def send() -> dict[str, float]:
-        data = pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(_picklable(tensors), protocol=pickle.HIGHEST_PROTOCOL)
         recv.conn.send_bytes(data)
         sent.append(data)
         return {"sent_bytes": float(len(data))}
@@ -350,7 +377,7 @@ def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs
     def trial() -> dict[str, float]:
         out = recv.handoff("pickle", send)
         t0 = time.perf_counter()
-        copies = pickle.loads(sent.pop())  # noqa: S301 - bytes this process just made
+        copies = _unpickled(pickle.loads(sent.pop()))  # noqa: S301 - bytes this process just made
         out["loads"] = time.perf_counter() - t0
         out["total"] += out["loads"]
         if len(copies) != LAYERS or receiver.corner_values(copies) != EXPECTED_CORNERS:
