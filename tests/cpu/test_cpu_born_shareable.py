@@ -95,7 +95,7 @@ print(json.dumps({"before": before, "added": peak() - before, "exports": len({w.
 def peak_added(how: str, nbytes: int) -> dict[str, int]:
     env = {**os.environ, "LMCACHE_PLATFORM_CPU_IPC": "memfd"}
     proc = subprocess.run([sys.executable, "-c", PEAK, how, str(nbytes)], capture_output=True, text=True,
-                          env=env, timeout=300, check=False)  # fmt: skip
+                          env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     out: dict[str, int] = json.loads(proc.stdout)
     return out
@@ -108,4 +108,4 @@ def test_wrapping_a_born_shareable_cache_adds_no_peak_memory(request: pytest.Fix
     assert born["added"] <= max(nbytes // 20, 64 << 20), born  # the goal: at most 5 % or 64 MiB
     print(f"\n[peak memory] wrapping a {nbytes >> 20} MiB cache cut into 32 layers: born shareable "
           f"+{born['added'] / 2**20:.0f} MiB, allocated by torch and migrated "
-          f"+{migrated['added'] / 2**20:.0f} MiB (ru_maxrss)")  # fmt: skip
+          f"+{migrated['added'] / 2**20:.0f} MiB (ru_maxrss)")

@@ -35,7 +35,7 @@ KINDS = {
               "gone": "closed the export"},
     "shm": {"nbytes": "shm_nbytes", "name": "shm_name", "bad_name": "not a segment of this project",
             "gone": "does not exist"},
-}  # fmt: skip
+}
 
 
 class Peer:
@@ -101,7 +101,7 @@ def peers(child_pids: set[int], kind: str) -> Iterator[tuple[Peer, Peer]]:
 
 def layer(fmt: str, dtype: str, **extra: Any) -> dict[str, Any]:
     return {"format": fmt, "dtype": dtype, "num_blocks": 48, "block_size": 16, "heads": 4,
-            "head_size": 8, **extra}  # fmt: skip
+            "head_size": 8, **extra}
 
 
 @dataclass
@@ -117,14 +117,14 @@ class Case:
         return {
             "tokens_per_chunk": CHUNK, "hints": self.hints, "groups": self.groups,
             "separate_object_groups": self.separate_object_groups, "full_sw_kv": self.full_sw_kv,
-        }  # fmt: skip
+        }
 
     def verify_groups(self) -> list[dict[str, Any]]:
         """Per engine group: its layers, block size and tokens kept per chunk (the spec)."""
         groups = self.groups or [
             {"layer_indices": list(range(len(self.layers))),
              "block_size": self.layers[0]["block_size"], "sliding_window": None}
-        ]  # fmt: skip
+        ]
         out = []
         for g in groups:
             window = g.get("sliding_window")
@@ -135,7 +135,7 @@ class Case:
 
 FORMATS = ["flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla"]
 DTYPES = {"flash_attn": "bfloat16", "flash_attn_hnd": "float16", "flashinfer": "float32",
-          "flashinfer_hnd": "float8_e4m3fn", "mla": "bfloat16"}  # fmt: skip
+          "flashinfer_hnd": "float8_e4m3fn", "mla": "bfloat16"}
 
 
 def single_format(fmt: str, hinted: bool) -> Case:
@@ -163,7 +163,7 @@ CASES["two-groups-sliding-window-shared-memory"] = Case(
      for i in range(5)],
     groups=[{"layer_indices": [0, 2, 4], "block_size": 16, "sliding_window": None},
             {"layer_indices": [1, 3], "block_size": 16, "sliding_window": 8}],
-)  # fmt: skip
+)
 CASES["two-groups-sliding-window-full-kv-one-object"] = Case(
     [layer("flashinfer", "float16", num_blocks=96), layer("mla", "float16", block_size=8, num_blocks=96),
      layer("flashinfer", "float16", num_blocks=96), layer("mla", "float16", block_size=8, num_blocks=96)],
@@ -171,7 +171,7 @@ CASES["two-groups-sliding-window-full-kv-one-object"] = Case(
             {"layer_indices": [1, 3], "block_size": 8, "sliding_window": 12}],
     separate_object_groups=False,
     full_sw_kv=True,
-)  # fmt: skip
+)
 
 
 def plan(case: Case, seed: int) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ def gc_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lmcache_platform._cli", "gc", *args],
         capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+    )
 
 
 def test_gc_reclaims_a_sigkilled_producers_segments_but_not_live_ones(child_pids: set[int]) -> None:

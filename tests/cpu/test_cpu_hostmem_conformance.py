@@ -82,7 +82,7 @@ FAULT_CHECKS = {
                      "test_a_forked_child_never_releases_its_parents_memory",
                      "test_closing_every_export_keeps_the_engine_tensor_and_a_new_export_works"},
     "leaks_on_refusal": {"test_a_capacity_error_creates_nothing"},
-}  # fmt: skip
+}
 CHECKS = set().union(*FAULT_CHECKS.values())
 
 
@@ -90,7 +90,7 @@ CHECKS = set().union(*FAULT_CHECKS.values())
 def leaky_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = tmp_path_factory.mktemp("leaky-site")
     make_distribution(site, "leaky-backend", "0.0.1", entry_points={"cpu.leaky": "leaky_backend"},
-                      files={"leaky_backend.py": LEAKY})  # fmt: skip
+                      files={"leaky_backend.py": LEAKY})
     return site
 
 
@@ -103,7 +103,7 @@ def outcomes(site: Path, tmp_path: Path, faults: str) -> dict[str, str]:
         [sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.conformance", "--lmcache-backend",
          "cpu.leaky", "-k", "test_hostmem", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"],
         capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=600,
-    )  # fmt: skip
+    )
     assert junit.exists(), proc.stdout + proc.stderr
     result: dict[str, str] = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
@@ -132,7 +132,7 @@ def test_the_named_segment_kind_passes_the_whole_suite(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
     env["LMCACHE_PLATFORM_CPU_IPC"] = "shm"
     proc = subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "check", "cpu", "--json"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=900)
     summary = json.loads(proc.stdout)
     assert proc.returncode == 0 and summary["verdict"] == "pass", proc.stderr[-3000:]
     counts = summary["counts"]

@@ -348,7 +348,7 @@ def _cgroup_headrooms() -> list[Headroom]:
             out += _walk(CGROUP_ROOT, path, "memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
             out += _walk(os.path.join(CGROUP_ROOT, "memory"), path, "memory.limit_in_bytes",
-                         "memory.usage_in_bytes", "total_inactive_file")  # fmt: skip
+                         "memory.usage_in_bytes", "total_inactive_file")
     return out
 
 
@@ -583,17 +583,17 @@ def _check_store(cls: type, store: object) -> dict[str, WireField]:
         raise TypeError(f"{where} is not a HostMemoryStore: it lacks {', '.join(missing)}")
     schema = store.handle_fields  # type: ignore[attr-defined]
     if not isinstance(schema, Mapping) or not schema or not all(
-            isinstance(k, str) and isinstance(v, WireField) for k, v in schema.items()):  # fmt: skip
+            isinstance(k, str) and isinstance(v, WireField) for k, v in schema.items()):
         raise TypeError(f"{where}.handle_fields must map field names to WireField declarations")
     nbytes_field = cls.nbytes_field  # type: ignore[attr-defined]
     clash = sorted(set(schema) & {*BASE_FIELDS, nbytes_field})
     if clash:
         raise TypeError(f"{where}.handle_fields reuses {clash}: the base fields and nbytes_field "
-                        f"{nbytes_field!r} are the wrapper's; rename the handle's fields")  # fmt: skip
+                        f"{nbytes_field!r} are the wrapper's; rename the handle's fields")
     shadowed = sorted(n for n in (*schema, nbytes_field) if hasattr(HostMemoryIPCWrapper, n))
     if shadowed:  # each field becomes an attribute of the wrapper
         raise TypeError(f"{cls.__name__}: the wire field(s) {shadowed} would hide the wrapper's own "
-                        "attribute of that name; rename them in handle_fields or nbytes_field")  # fmt: skip
+                        "attribute of that name; rename them in handle_fields or nbytes_field")
     for name, spec in schema.items():
         empty = _EMPTY.get(spec.kind)
         try:
@@ -602,7 +602,7 @@ def _check_store(cls: type, store: object) -> dict[str, WireField]:
             spec.check(cls.__name__, name, empty)
         except DescriptorError as exc:
             raise TypeError(f"{where}.handle_fields[{name!r}] must admit the empty value {empty!r} "
-                            f"(an empty tensor's handle): {exc}") from None  # fmt: skip
+                            f"(an empty tensor's handle): {exc}") from None
     return {**schema, nbytes_field: WireField(int, lo=0, hi=MAX_EXTENT)}
 
 
@@ -671,7 +671,7 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         if set(handle) != set(cls.wire_fields):
             raise TypeError(f"{where} takes {', '.join(cls.wire_fields)} besides the base fields; "
                             f"missing {sorted(set(cls.wire_fields) - set(handle))}, "
-                            f"unknown {sorted(set(handle) - set(cls.wire_fields))}")  # fmt: skip
+                            f"unknown {sorted(set(handle) - set(cls.wire_fields))}")
         for name, spec in cls.wire_fields.items():
             handle[name] = spec.check(where, name, handle[name])
         nbytes: int = handle.pop(nbytes_field)

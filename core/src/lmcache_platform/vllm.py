@@ -308,7 +308,7 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         #: Counters (this side's): lookups, tokens offered, chunks and bytes moved, seconds spent.
         self.stats: dict[str, float] = dict.fromkeys(
             ("lookups", "hit_tokens", "loaded_chunks", "loaded_bytes", "load_seconds", "stored_chunks",
-             "stored_bytes", "store_seconds", "load_errors"), 0)  # fmt: skip
+             "stored_bytes", "store_seconds", "load_errors"), 0)
         # Scheduler side.
         self._requests: dict[str, _Request] = {}
 
@@ -334,8 +334,13 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap vLLM's per-layer views (one export per backing allocation) and register them."""
         self.engine_kv_caches = dict(kv_caches)
-        self.kv_caches = wrap_kv_caches(kv_caches)
         self._device = next(iter(kv_caches.values())).device
+        try:
+            self.kv_caches = wrap_kv_caches(kv_caches)
+        except LMCachePlatformError as exc:  # e.g. no room to export: run without the server
+            _log.warning("lmcache-platform worker: cannot export the KV caches (%s); "
+                         "the engine runs without the connector", exc)
+            return
         self.link.call(lambda client: None)  # connect now, so the first request need not wait
 
     def _sync_device(self) -> None:

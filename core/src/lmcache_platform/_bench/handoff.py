@@ -80,7 +80,7 @@ def kv_set(size: int, device: str, layout: str = "vllm") -> list[torch.Tensor]:
     views = allocate_kv_caches(fmt, num_layers=1 if per_layer else LAYERS, num_blocks=blocks,
                                block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE,
                                dtype=torch.float16, device=device,
-                               engine_layout=None if per_layer else order)  # fmt: skip
+                               engine_layout=None if per_layer else order)
     tensors = [t for t in views if not isinstance(t, tuple)]
     if per_layer:
         tensors = [torch.empty_like(tensors[0]) for _ in range(LAYERS)]
@@ -348,7 +348,7 @@ def _picklable(tensors: list[torch.Tensor]) -> Any:
         return tensors
     backing = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(tensors[0].untyped_storage())
     return (backing, str(tensors[0].dtype).removeprefix("torch."),
-            [(tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors])  # fmt: skip
+            [(tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors])
 
 
 def _unpickled(obj: Any) -> list[torch.Tensor]:

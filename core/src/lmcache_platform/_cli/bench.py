@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device type of the KV caches (default: cpu)")
     parser.add_argument("--layout", choices=("vllm", "per-layer"), default="vllm",
                         help="KV set of the hand-off and migration sections: current vLLM's views of one "
-                             "allocation (default) or one allocation per layer (older engines)")  # fmt: skip
+                             "allocation (default) or one allocation per layer (older engines)")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, fewer repeats: a smoke run (10 to 30 s on 2 cores)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     settings = Settings(device=device, quick=args.quick, runs=args.runs, sizes=args.sizes,
-                        layout=getattr(args, "layout", "vllm"))  # fmt: skip
+                        layout=getattr(args, "layout", "vllm"))
     with _sigterm_exits():
         report = _measure(settings, args.sections or _RUNNABLE)
     if args.plot:

@@ -84,7 +84,7 @@ class FormatSpec:
             Axis.HEAD: "num_kv_heads" if self.planes == 2 else "1",
             Axis.DIM: "head_size" if self.planes == 2 else "latent", Axis.KV_DIM: "2*head_size",
             Axis.SLOT: "slots",
-        }  # fmt: skip
+        }
         one = "[" + ", ".join(names[a] for a in self.axes) + "]"
         return f"a pair ({one}, {one})" if self.tensors == 2 else one
 
@@ -109,7 +109,7 @@ ENGINE_LAYOUTS: dict[str, str] = {
     "BLHNC": "BLHNC", "BLNHC": "BLNHC", "BHLNC": "BHLNC",
     # The older two-name vocabulary (vLLM's get_kv_cache_layout, upstream LMCache).
     "NHD": "LBNHC", "HND": "LBHNC",
-}  # fmt: skip
+}
 
 SHAPES_HELP = "supported per-layer shapes: " + ", ".join(
     f"{fmt.name} {spec.shape_text}" for fmt, spec in FORMATS.items()
@@ -128,7 +128,7 @@ def kv_cache_shape(
     sizes = {
         Axis.KV: 2, Axis.BLOCK: num_blocks, Axis.TOKEN: block_size, Axis.HEAD: heads,
         Axis.DIM: head_size, Axis.KV_DIM: 2 * head_size, Axis.SLOT: num_blocks * block_size,
-    }  # fmt: skip
+    }
     return tuple(sizes[a] for a in spec.axes)
 
 
@@ -407,14 +407,14 @@ def discover_layout(
     p = _Probe(
         tensors, where, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
         engine_layout=engine_layout, engine_type=engine_type,
-    )  # fmt: skip
+    )
     fmt = kv_format if kv_format is not None else _pick(p)
     blocks, bsz, heads, head = _sizes(p, fmt)
     _check_engine_layout(p, fmt)
     return LayerLayout(
         fmt, blocks, bsz, heads, head, tensors[0].dtype, p.shape, p.stride,
         ENGINE_LAYOUTS[engine_layout] if engine_layout is not None else None,
-    )  # fmt: skip
+    )
 
 
 def discover_layouts(
@@ -515,7 +515,7 @@ def allocate_kv_caches(
     shape = kv_cache_shape(
         kv_format, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
         head_size=head_size,
-    )  # fmt: skip
+    )
     if Axis.SLOT in spec.axes:
 
         def pool() -> torch.Tensor:
