@@ -478,6 +478,9 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
             state = self._requests.get(req_id)
             if state is not None and blocks is not None:
                 state.block_ids = [list(g) for g in blocks]
+        # Tokens each request had computed before this step (its KV exists after it).
+        before = {r.req_id: int(r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs}
+        before.update(zip(cached.req_ids, (int(n) for n in cached.num_computed_tokens), strict=False))
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None or not state.block_ids:
@@ -486,7 +489,7 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
                 meta.loads[req_id] = self._moves(state, state.load)
                 state.done = max(state.done, state.load[-1] + 1)
                 state.load = []
-            computed = _computed_after(scheduler_output, req_id, scheduled)
+            computed = before.get(req_id, 0) + scheduled
             complete = min(state.storable, computed // self.tokens_per_chunk)
             if complete > state.done:
                 meta.saves[req_id] = self._moves(state, range(state.done, complete))
@@ -501,15 +504,3 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
-
-
-def _computed_after(scheduler_output: Any, req_id: str, scheduled: int) -> int:
-    """Tokens of ``req_id`` whose KV exists once this step has run."""
-    for r in scheduler_output.scheduled_new_reqs:
-        if r.req_id == req_id:
-            return int(r.num_computed_tokens) + scheduled
-    cached = scheduler_output.scheduled_cached_reqs
-    for i, rid in enumerate(cached.req_ids):
-        if rid == req_id:
-            return int(cached.num_computed_tokens[i]) + scheduled
-    return 0

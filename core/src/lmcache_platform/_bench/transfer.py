@@ -46,7 +46,7 @@ CASES: tuple[tuple[KVFormat, str | None], ...] = (
     (KVFormat.VLLM, "LBNHC"),
     (KVFormat.VLLM, "BLHNC"),
     (KVFormat.VLLM_MLA, "LBNHC"),
-    *((f, None) for f in KVFormat if f not in (KVFormat.VLLM, KVFormat.VLLM_MLA)),
+    *((f, None) for f in KVFormat if not FORMATS[f].engine_views),
 )
 
 

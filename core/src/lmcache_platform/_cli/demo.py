@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._kv.layout import ENGINE_LAYOUTS, FORMATS, Axis, allocate_kv_caches, kv_cache_shape
+from .._kv.layout import ENGINE_LAYOUTS, FORMATS, Axis, allocate_kv_caches
 from .._types import KVFormat, LayoutHints
 from . import positive_int as _positive
 
@@ -92,7 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class _Plan:
     """Where each chunk comes from and goes to, in block ids."""
 
-    shape: tuple[int, ...]
     block_dim: int
     src: list[list[int]]
     dst: list[list[int]]
@@ -121,9 +120,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     spare = list(range(half, 2 * half))
     shuffled = spare[1::2] + spare[0::2]
     dst = [shuffled[i * per_chunk : (i + 1) * per_chunk] for i in reversed(range(args.chunks))]
-    shape = kv_cache_shape(fmt, num_blocks=args.num_blocks, block_size=args.block_size,
-                           num_kv_heads=args.kv_heads, head_size=args.head_size)
-    return _Plan(shape, block_dim, src, dst)
+    return _Plan(block_dim, src, dst)
 
 
 # -- the pattern ---------------------------------------------------------------------------
@@ -229,7 +226,7 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
                   "chunk_tokens", "chunks", "format", "dtype")
     }
     fmt = KVFormat(args.format)
-    if Axis.KV_DIM in FORMATS[fmt].axes or fmt is KVFormat.VLLM_MLA:
+    if FORMATS[fmt].engine_views:
         args.engine_layout = args.engine_layout or ("LBNHC" if args.device == "cuda" else "LBHNC")
         report["config"]["engine_layout"] = args.engine_layout
     elif args.engine_layout is not None:

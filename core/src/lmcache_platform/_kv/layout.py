@@ -78,6 +78,11 @@ class FormatSpec:
     kernel_blocks: bool = False
 
     @property
+    def engine_views(self) -> bool:
+        """Current vLLM's logical ``[B, H, N, C]``: the axes its six physical orders permute."""
+        return self.axes[:3] == (Axis.BLOCK, Axis.HEAD, Axis.TOKEN)
+
+    @property
     def shape_text(self) -> str:
         names = {
             Axis.KV: "2", Axis.BLOCK: "num_blocks", Axis.TOKEN: "block_size",
@@ -310,7 +315,7 @@ def _pick(p: _Probe) -> KVFormat:
 
 def _check_engine_layout(p: _Probe, fmt: KVFormat) -> None:
     """The strides must put ``B, H, N, C`` in the order the engine's layout name says."""
-    if p.engine_layout is None or FORMATS[fmt].axes[:3] != (Axis.BLOCK, Axis.HEAD, Axis.TOKEN):
+    if p.engine_layout is None or not FORMATS[fmt].engine_views:
         return
     order = [c for c in ENGINE_LAYOUTS[p.engine_layout] if c != "L"]
     by_axis = dict(zip("BHNC", zip(p.shape, p.stride, strict=True), strict=True))
@@ -522,7 +527,7 @@ def allocate_kv_caches(
             return torch.empty(shape, dtype=dtype, device=device)
 
         return [(pool(), pool()) if spec.tensors == 2 else pool() for _ in range(num_layers)]
-    if Axis.KV_DIM not in spec.axes and kv_format is not KVFormat.VLLM_MLA:
+    if not spec.engine_views:
         return list(torch.empty((num_layers, *shape), dtype=dtype, device=device).unbind(0))
     order = ENGINE_LAYOUTS[engine_layout or "LBHNC"]
     sizes = dict(zip("LBHNC", (num_layers, *shape), strict=True))

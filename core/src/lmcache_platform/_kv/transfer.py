@@ -120,13 +120,6 @@ def _stack(views: Sequence[torch.Tensor], steps: Sequence[int], counts: Sequence
     return first.as_strided((*counts, *first.shape), (*steps, *first.stride()), first.storage_offset())
 
 
-def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """One ``[layers, *shape]`` view over equally spaced same-shape layer views, or None."""
-    if len(views) < 2:
-        return None
-    return _stack(views, [_step(views[0], views[1])], [len(views)])
-
-
 def stack_planes(planes: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """Views with leading ``[layers, planes]`` dims, as few as the memory allows.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._kv.layout import allocate_kv_caches, kv_cache_shape
+from .._kv.layout import FORMATS, allocate_kv_caches, kv_cache_shape
 from .._types import KVFormat
 
 LAYERS = 3
@@ -40,7 +40,7 @@ CASES: tuple[tuple[KVFormat, str | None], ...] = (
     (KVFormat.VLLM, "LBHNC"),
     (KVFormat.VLLM, "BLHNC"),
     (KVFormat.VLLM_MLA, "LBNHC"),
-    *((fmt, None) for fmt in FORMAT_DTYPES if fmt not in (KVFormat.VLLM, KVFormat.VLLM_MLA)),
+    *((fmt, None) for fmt in FORMAT_DTYPES if not FORMATS[fmt].engine_views),
 )
 
 

@@ -19,6 +19,7 @@ import torch
 
 import lmcache_platform as lp
 from lmcache_platform import CacheContextConfig, KVFormat, wire
+from lmcache_platform._kv.layout import FORMATS
 from lmcache_platform.conformance import _kv
 from lmcache_platform.conformance._peer import Peer
 from lmcache_platform.conformance._target import Target
@@ -100,8 +101,8 @@ def test_store_and_retrieve_are_bit_exact_and_touch_nothing_else(
         assert (info["num_layers"], info["num_blocks"]) == (_kv.LAYERS, _kv.BLOCKS)
         assert set(info["kv_formats"]) == {fmt.value}
         itemsize = torch.empty((), dtype=_kv.FORMAT_DTYPES[fmt]).element_size()
-        mla = fmt in (KVFormat.MLA, KVFormat.VLLM_MLA)
-        planes, hidden = (1, _kv.HEAD_SIZE) if mla else (2, _kv.HEADS * _kv.HEAD_SIZE)
+        planes = FORMATS[fmt].planes
+        hidden = _kv.HEAD_SIZE if planes == 1 else _kv.HEADS * _kv.HEAD_SIZE
         assert info["cache_size_per_token"] == _kv.LAYERS * planes * hidden * itemsize
         json.loads(info["status_json"])  # report_status() is JSON-ready
 
