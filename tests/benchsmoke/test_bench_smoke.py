@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from lmcache_platform import KVFormat
+from lmcache_platform._bench.peak import LABELS
 from lmcache_platform._bench.stats import Report, Result, SpeedTarget
 from lmcache_platform._bench.transfer import CASES, case_name
 from lmcache_platform._cli.bench import format_report, parse_sizes
@@ -45,7 +46,8 @@ def _segments_of(pid: int) -> list[str]:
 def _check_result(row: dict[str, Any], runs: int) -> None:
     assert row["runs"] == runs, row
     assert row["min"] <= row["median"] <= row["max"], row
-    assert row["min"] > 0 or row["case"].endswith("overhead"), row
+    # Times and rates are positive; an overhead or a memory increase may be 0.
+    assert row["min"] > 0 or row["case"].endswith("overhead") or row["unit"] == "MiB added", row
 
 
 def test_bench_quick_json(tmp_path: Path) -> None:
@@ -75,7 +77,8 @@ def _check_sections(data: dict[str, Any]) -> None:
     assert data["skipped"] == []
     assert data["errors"] == []
     sections = {r["section"] for r in data["results"]}
-    assert sections == {"import", "dispatch", "handoff", "handoff stages", "migration", "transfer"}
+    assert sections == {"import", "dispatch", "handoff", "handoff stages", "migration", "migration memory",
+                        "transfer"}
     for row in data["results"]:
         if row["section"] != "dispatch":  # timeit repeats are fixed per row, checked below
             _check_result(row, runs=1)
@@ -106,6 +109,12 @@ def _check_other_sections(data: dict[str, Any]) -> None:
     assert {r["case"] for r in by_section["migration"]} == {
         "ours: first wrap", "share_memory_ (file_system)", "share_memory_ (file_descriptor)",
     }
+    memory = by_section["migration memory"]  # one fresh process per method and size
+    assert {(r["case"], r["params"]["size_bytes"]) for r in memory} == {
+        (c, s) for c in LABELS.values() for s in (MiB, 2 * MiB)
+    }
+    for r in memory:
+        assert r["unit"] == "MiB added" and r["min"] >= 0 and r["params"]["peak_mib"] > 0
     transfer = by_section["transfer"]
     assert {r["params"]["format"] for r in transfer} == {f.value for f in KVFormat}
     # Current vLLM's layout in its layer-compact and block-outermost physical orders.
@@ -129,7 +138,7 @@ def _check_other_sections(data: dict[str, Any]) -> None:
 def _check_targets(data: dict[str, Any]) -> None:
     targets = {t["name"]: t for t in data["targets"]}
     expected = {"import.no_torch", "dispatch.cached_lookup", "handoff.vs_torch_file_system",
-                "handoff.flat", *(f"transfer.{case_name(*c)}" for c in CASES)}
+                "handoff.flat", "migration.peak_memory", *(f"transfer.{case_name(*c)}" for c in CASES)}
     assert set(targets) == expected
     for t in targets.values():
         assert t["passed"] in (True, False, None)

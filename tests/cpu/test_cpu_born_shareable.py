@@ -1,10 +1,10 @@
 """A KV cache born in exported memory (``HostMemoryIPCWrapper.empty``): no copy, every view aliases.
 
-Wrapping a tensor made elsewhere migrates it: for the time of the copy the cache exists
-twice, and only the tensor objects passed to ``wrap`` follow it. A cache allocated with
-``empty`` is already where the export is: wrapping costs no memory and every view the
-engine derives, wrapped or not, and the flat buffer itself alias what the consumer maps.
-Peak memory is measured with ``ru_maxrss`` in a fresh process.
+A cache allocated with ``empty`` is already where the export is: wrapping costs no
+memory and every view the engine derives, wrapped or not, and the flat buffer itself
+alias what the consumer maps. A large cache torch allocated gets the same by having the
+export mapped over its own pages, a slice at a time (``test_cpu_in_place.py``). Peak
+memory is measured in a fresh process (``VmHWM``, its peak resident set).
 """
 
 from __future__ import annotations
@@ -70,16 +70,17 @@ def test_a_cache_that_does_not_fit_is_refused_before_anything_is_made(
     assert _memfd.owned() == fds
 
 
-#: In a fresh process: peak RSS (ru_maxrss) added by wrapping 32 per-layer views of one
-#: cache, allocated by torch (migrated) or born in exported memory.
+#: In a fresh process: peak RSS (VmHWM) added by wrapping 32 per-layer views of one
+#: cache, allocated by torch (shared in place) or born in exported memory.
 PEAK = r"""
-import json, os, resource, sys
+import json, os, sys
 import torch
 import lmcache_platform as lp
 from lmcache_platform_cpu import CpuMemfdIPCWrapper
 
 nbytes = int(sys.argv[2])
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking (pytest) process.
+peak = lambda: next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 if sys.argv[1] == "born":
     flat = CpuMemfdIPCWrapper.empty(nbytes, dtype=torch.uint8)
 else:
@@ -103,9 +104,11 @@ def peak_added(how: str, nbytes: int) -> dict[str, int]:
 
 def test_wrapping_a_born_shareable_cache_adds_no_peak_memory(request: pytest.FixtureRequest) -> None:
     nbytes = 256 << 20
-    born, migrated = peak_added("born", nbytes), peak_added("migrated", nbytes)
-    assert born["exports"] == migrated["exports"] == 1
-    assert born["added"] <= max(nbytes // 20, 64 << 20), born  # the goal: at most 5 % or 64 MiB
+    born, in_place = peak_added("born", nbytes), peak_added("in place", nbytes)
+    assert born["exports"] == in_place["exports"] == 1
+    # The mechanism's bound (one slice at a time), not a speed: at most 5 % or 64 MiB.
+    assert born["added"] <= max(nbytes // 20, 64 << 20), born
+    assert in_place["added"] <= max(nbytes // 20, 64 << 20), in_place
     print(f"\n[peak memory] wrapping a {nbytes >> 20} MiB cache cut into 32 layers: born shareable "
-          f"+{born['added'] / 2**20:.0f} MiB, allocated by torch and migrated "
-          f"+{migrated['added'] / 2**20:.0f} MiB (ru_maxrss)")
+          f"+{born['added'] / 2**20:.0f} MiB, allocated by torch and shared in place "
+          f"+{in_place['added'] / 2**20:.0f} MiB (VmHWM)")

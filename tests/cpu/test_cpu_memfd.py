@@ -23,7 +23,8 @@ import torch
 import lmcache_platform
 from lmcache_platform import DescriptorError, WrapError
 from lmcache_platform.hostmem import Headroom, pid_namespace
-from lmcache_platform_cpu import CpuMemfdIPCWrapper, CpuShmIPCWrapper, MemfdCapacityError, _memfd, _shm
+from lmcache_platform_cpu import CpuMemfdIPCWrapper, CpuShmIPCWrapper, MemfdCapacityError, _memfd
+from support.shm import segments_of
 
 
 def memfd_maps(name: str) -> int:
@@ -57,10 +58,10 @@ def pattern(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def test_wrap_moves_the_tensor_into_a_sealed_memfd_and_nothing_into_dev_shm() -> None:
     t = pattern(4, 8, dtype=torch.bfloat16)
-    expected, old_address, shm_before = t.clone(), t.data_ptr(), set(os.listdir(_shm.SHM_DIR))
+    expected, old_address, shm_before = t.clone(), t.data_ptr(), set(segments_of({os.getpid()}))
     w = CpuMemfdIPCWrapper.wrap(t)
     assert t.data_ptr() != old_address and torch.equal(t, expected)
-    assert set(os.listdir(_shm.SHM_DIR)) == shm_before
+    assert set(segments_of({os.getpid()})) == shm_before
     assert (w.memfd_pid, w.memfd_pidns, w.memfd_nbytes) == (os.getpid(), pid_namespace(), 64)
     assert w.memfd_fd in _memfd.owned() and exported(w)
     st = os.fstat(w.memfd_fd)

@@ -10,6 +10,7 @@ import pytest
 
 from lmcache_platform import DescriptorError
 from lmcache_platform_cpu import ShmCapacityError, _shm
+from support.shm import segments_of
 
 
 def path(name: str) -> str:
@@ -126,7 +127,7 @@ def test_open_refuses_a_symlink_with_our_name() -> None:
 
 
 def test_capacity_shortfall_creates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    before = set(os.listdir(_shm.SHM_DIR))
+    before = set(segments_of({os.getpid()}))
     monkeypatch.setattr(_shm, "free_bytes", lambda: 3 << 20)
     with pytest.raises(ShmCapacityError) as info:
         _shm.create(64 << 20)
@@ -136,7 +137,7 @@ def test_capacity_shortfall_creates_nothing(monkeypatch: pytest.MonkeyPatch) -> 
     message = str(err)
     for part in ("3.0 MiB free", "64.0 MiB", "short by 61.0 MiB", "--shm-size", "gc"):
         assert part in message
-    assert set(os.listdir(_shm.SHM_DIR)) - before == set()
+    assert set(segments_of({os.getpid()})) - before == set()
 
 
 def test_a_full_filesystem_at_allocation_unlinks_the_new_segment(
@@ -147,11 +148,11 @@ def test_a_full_filesystem_at_allocation_unlinks_the_new_segment(
     def no_space(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    before, owned_before = set(os.listdir(_shm.SHM_DIR)), _shm.owned()
+    before, owned_before = set(segments_of({os.getpid()})), _shm.owned()
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     with pytest.raises(ShmCapacityError, match="nothing was created"):
         _shm.create(1 << 20)
-    assert set(os.listdir(_shm.SHM_DIR)) - before == set()
+    assert set(segments_of({os.getpid()})) - before == set()
     assert _shm.owned() == owned_before
 
 

@@ -15,6 +15,7 @@ import torch
 import lmcache_platform
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, WrapError
 from lmcache_platform_cpu import CpuShmIPCWrapper, ShmCapacityError, _shm
+from support.shm import segments_of
 
 
 def exists(name: str) -> bool:
@@ -63,11 +64,11 @@ def test_reopened_view_is_zero_copy_both_ways() -> None:
 
 
 def test_empty_tensor_needs_no_segment() -> None:
-    before = set(os.listdir(_shm.SHM_DIR))
+    before = set(segments_of({os.getpid()}))
     t = torch.empty(0, 3, dtype=torch.float16)
     w = CpuShmIPCWrapper.wrap(t)
     assert (w.shm_name, w.shm_nbytes) == ("", 0)
-    assert set(os.listdir(_shm.SHM_DIR)) == before
+    assert set(segments_of({os.getpid()})) == before
     back = reopen(w).to_tensor()
     assert (back.shape, back.stride(), back.dtype) == (t.shape, t.stride(), t.dtype)
 
@@ -251,10 +252,10 @@ def test_a_new_tensor_at_a_reused_address_gets_its_own_segment() -> None:
 def test_unsupported_tensors_are_refused_before_anything_is_created(
     make: Callable[[], Any], match: str
 ) -> None:
-    before = set(os.listdir(_shm.SHM_DIR))
+    before = set(segments_of({os.getpid()}))
     with pytest.raises(DescriptorError, match=match):
         CpuShmIPCWrapper.wrap(make())
-    assert set(os.listdir(_shm.SHM_DIR)) == before
+    assert set(segments_of({os.getpid()})) == before
 
 
 def good_fields() -> dict[str, object]:
@@ -306,10 +307,10 @@ def test_a_descriptor_whose_size_disagrees_with_the_segment_is_refused() -> None
 def test_capacity_shortfall_wraps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_shm, "free_bytes", lambda: 1000)
     t = pattern(1024)
-    address, before = t.data_ptr(), set(os.listdir(_shm.SHM_DIR))
+    address, before = t.data_ptr(), set(segments_of({os.getpid()}))
     with pytest.raises(ShmCapacityError, match=r"1000 B free .* 4\.0 KiB .*short by 3\.0 KiB"):
         CpuShmIPCWrapper.wrap(t)
-    assert t.data_ptr() == address and set(os.listdir(_shm.SHM_DIR)) == before
+    assert t.data_ptr() == address and set(segments_of({os.getpid()})) == before
 
 
 def test_preflight_checks_a_whole_batch_before_creating_anything(
@@ -320,11 +321,11 @@ def test_preflight_checks_a_whole_batch_before_creating_anything(
     layers += [shared[:256], shared[256:]]  # one storage, counted once: 512 bytes
     done = CpuShmIPCWrapper.wrap(layers[0])  # already in a segment: counts nothing
     monkeypatch.setattr(_shm, "free_bytes", lambda: 3 * 1024 + 512 - 1)
-    before = set(os.listdir(_shm.SHM_DIR))
+    before = set(segments_of({os.getpid()}))
     with pytest.raises(ShmCapacityError) as info:
         CpuShmIPCWrapper.preflight(layers)
     assert info.value.needed == 3 * 1024 + 512
-    assert set(os.listdir(_shm.SHM_DIR)) == before
+    assert set(segments_of({os.getpid()})) == before
     monkeypatch.setattr(_shm, "free_bytes", lambda: 3 * 1024 + 512)
     CpuShmIPCWrapper.preflight(layers)
     done.close()
@@ -333,13 +334,13 @@ def test_preflight_checks_a_whole_batch_before_creating_anything(
 def test_failed_batch_through_the_facade_leaves_no_segment_behind(ipc_kind: str) -> None:
     good = [pattern(8, 8) for _ in range(3)]
     expected = [t.clone() for t in good]
-    before = set(os.listdir(_shm.SHM_DIR))
+    before = set(segments_of({os.getpid()}))
     bad = torch.zeros(4, dtype=torch.complex64)
     with pytest.raises(WrapError) as info:
         lmcache_platform.wrap_kv_caches([*good, bad])
     assert info.value.layer == 3 and isinstance(info.value.__cause__, DescriptorError)
     # The engine keeps its tensors, contents intact, but no name stays exported.
-    assert set(os.listdir(_shm.SHM_DIR)) == before
+    assert set(segments_of({os.getpid()})) == before
     assert all(torch.equal(t, e) for t, e in zip(good, expected, strict=True))
     wrappers = lmcache_platform.wrap_kv_caches(good)  # a retry works
     assert all(torch.equal(reopen(w).to_tensor(), e) for w, e in zip(wrappers, expected, strict=True))

@@ -423,7 +423,30 @@ def records(draw: st.DrawFn, ws: list[DeviceIPCWrapper]) -> list[object]:
     return draw(st.sampled_from([[device, tag, fields], [device, tag], [device, tag, fields, None]]))
 
 
-def _envelope(body: object, magic: bytes = wire.MAGIC, version: int = wire.VERSION) -> bytes:
+@st.composite
+def export_records(draw: st.DrawFn, ws: list[DeviceIPCWrapper]) -> list[object]:
+    """A version-2 record near a valid one: its export fields and views partly replaced."""
+    valid = draw(st.sampled_from(ws))
+    export: dict[object, object] = dict(valid.export_fields().items())
+    for key in draw(st.lists(st.sampled_from(sorted(export)), max_size=2, unique=True)):
+        if draw(st.booleans()):
+            del export[key]
+        else:
+            export[key] = draw(HOSTILE)
+    good = list(valid.view_fields().values())
+    views: list[object] = []
+    for _ in range(draw(st.integers(0, 3))):
+        row: list[object] = list(good)
+        if draw(st.booleans()):
+            row[draw(st.integers(0, 3))] = draw(HOSTILE)
+        views.append(draw(st.one_of(st.sampled_from([row, row, row[:3], [*row, 0]]), HOSTILE)))
+    tag = draw(st.one_of(st.just(type(valid).wire_tag), HOSTILE))
+    return draw(st.sampled_from([[type(valid).device_type, tag, export, views],
+                                 [type(valid).device_type, tag, export, draw(HOSTILE)]]))
+
+
+def _envelope(body: object, magic: bytes = wire.MAGIC, version: int = 1) -> bytes:
+    """A message of ``body``: version 1 (one wrapper a record) unless told otherwise."""
     body_bytes: bytes = msgpack.packb(body, use_bin_type=True)
     return magic + bytes([version]) + body_bytes
 
@@ -434,18 +457,23 @@ _SETTINGS = settings(
 )
 
 
+@pytest.mark.parametrize(("version", "label"), [(1, "1 hypothesis records"), (2, "1b hypothesis export records")])
 def test_generated_wrapper_records(
-    wrappers: list[DeviceIPCWrapper], never_mapped: list[str], request: pytest.FixtureRequest
+    wrappers: list[DeviceIPCWrapper], never_mapped: list[str], request: pytest.FixtureRequest,
+    version: int, label: str,
 ) -> None:
+    """Records near valid ones (version 2: one export, several views): refused cleanly, or
+    accepted and surviving a re-encode unchanged."""
     tally = Tally()
     round_trips = 0
+    near_valid = records(wrappers) if version == 1 else export_records(wrappers)
 
     @_SETTINGS
-    @given(st.lists(records(wrappers), max_size=4))
+    @given(st.lists(near_valid, max_size=4 if version == 1 else 3))
     def check(body: list[object]) -> None:
         nonlocal round_trips
-        data = _envelope(body)
-        tally.run(decode_wrappers, data, "generated record")
+        data = _envelope(body, version=version)
+        tally.run(decode_wrappers, data, f"generated version-{version} record")
         if tally.accepted > round_trips:  # accepted: it must survive a re-encode unchanged
             got = wire.decode(data, allowed=ALLOWED)
             assert wire.decode(wire.encode(got), allowed=ALLOWED) == got
@@ -453,7 +481,7 @@ def test_generated_wrapper_records(
 
     check()
     assert tally.refused > 0 and tally.accepted > 0
-    emit(request, "1 hypothesis records", "derandomized: " + tally.summary(), messages=tally.total)
+    emit(request, label, "derandomized: " + tally.summary(), messages=tally.total)
 
 
 def _containers(inner: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
@@ -538,6 +566,14 @@ def _record(shape: list[int] | None = None, **over: Any) -> list[object]:
     return ["cpu", CpuShmIPCWrapper.wire_tag, fields]
 
 
+def _export(views: int) -> list[object]:
+    """A version-2 CPU record: one empty export and ``views`` views of it."""
+    _, tag, fields = _record()
+    assert isinstance(fields, dict)
+    export = {k: v for k, v in fields.items() if k not in ("dtype", "shape", "stride", "storage_offset")}
+    return ["cpu", tag, export, [["uint8", [0, 16], [1, 1], 0]] * views]
+
+
 def _name_of_length(n: int) -> str:
     """A well-formed segment name of ``n`` characters (the longest is the cap), or longer."""
     pidns = "1" * min(20, n - 17 - 1 - 10 - 1 - 32)
@@ -548,6 +584,8 @@ CAPS: list[tuple[str, Callable[[int], bytes], int | None, Callable[[bytes], obje
     # (what, build(n), limit, decode, refusal message)
     ("wrappers per message", lambda n: _envelope([_record()] * n), wire.MAX_WRAPPERS,
      decode_wrappers, "exceed"),
+    ("views per message", lambda n: _envelope([_export(n // 2), _export(n - n // 2)], version=2),
+     wire.MAX_WRAPPERS, decode_wrappers, "exceed"),
     ("fields per record", lambda n: _envelope([["cpu", CpuShmIPCWrapper.wire_tag,
                                                 {f"f{i}": 0 for i in range(n)}]]), wire.MAX_FIELDS,
      decode_wrappers, "exceed"),

@@ -211,7 +211,7 @@ def test_unknown_device_type_and_tag_are_refused(client: ServerClient, engine: E
 
     def blob(device: str, tag: str) -> bytes:
         records = [[device, tag, w.fields()] for w in engine.wrappers]
-        return wire.MAGIC + bytes([wire.VERSION]) + msgpack.packb(records, use_bin_type=True)
+        return wire.MAGIC + bytes([1]) + msgpack.packb(records, use_bin_type=True)  # one wrapper a record
 
     with refused("'npu' is not served", "WireFormatError"):
         client.call("register", wrappers=blob("npu", "npu.ipc/1"), config={})
@@ -225,7 +225,7 @@ def test_descriptor_outside_our_prefix_is_refused(client: ServerClient, engine: 
     fields["shm_name"] = "../../etc/passwd"
     import msgpack
 
-    blob = wire.MAGIC + bytes([wire.VERSION]) + msgpack.packb([["cpu", "cpu.shm/1", fields]])
+    blob = wire.MAGIC + bytes([1]) + msgpack.packb([["cpu", "cpu.shm/1", fields]])  # version 1 record
     with refused("not a segment of this project", "WireFormatError"):
         client.call("register", wrappers=blob, config={})
 

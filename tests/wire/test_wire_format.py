@@ -84,14 +84,28 @@ def backend(wrapper: type, wire_classes: list[type] | None = None) -> object:
     )
 
 
-def envelope(body: object, *, magic: bytes = wire.MAGIC, version: int = wire.VERSION) -> bytes:
+def envelope(body: object, *, magic: bytes = wire.MAGIC, version: int = 1) -> bytes:
+    """A message of ``body``; version 1 by default, whose records :func:`record` builds."""
     return magic + bytes([version]) + msgpack.packb(body, use_bin_type=True)
 
 
 def record(**field_over: Any) -> list[object]:
+    """A version-1 record: one wrapper, all its fields."""
     fields = make().fields()
     fields.update(field_over)
     return ["fakedev", FakeWrapper.wire_tag, fields]
+
+
+def export_record(views: list[object], **export_over: Any) -> list[object]:
+    """A version-2 record: one export's fields and its views."""
+    fields = make().export_fields()
+    fields.update(export_over)
+    return ["fakedev", FakeWrapper.wire_tag, fields, views]
+
+
+def view(**over: Any) -> list[object]:
+    fields = {**make().view_fields(), **over}
+    return [fields[name] for name in ("dtype", "shape", "stride", "storage_offset")]
 
 
 def reject(data: object, match: str, **kw: Any) -> WireFormatError:
@@ -153,6 +167,79 @@ def test_real_cpu_wrapper_round_trips_and_aliases() -> None:
         view.fill_(7)
         assert torch.equal(tensors[1], torch.full((3, 4), 7.0))
         del view
+    finally:
+        for w in [*got, *sent]:
+            w.close()
+
+
+# -- one record per export (version 2) --------------------------------------------------
+
+
+def test_views_of_one_export_travel_as_one_record() -> None:
+    """Consecutive views of one memory share a record; the export fields go once."""
+    same = [make(0, storage_offset=i * 8) for i in range(4)]
+    other = make(1)
+    sent = [*same, other, make(0, storage_offset=99)]  # the export returns: a new record
+    data = wire.encode(sent)
+    body = msgpack.unpackb(data[5:], raw=False)
+    assert data[4] == wire.VERSION == 2
+    assert [len(r[3]) for r in body] == [4, 1, 1]
+    assert body[0][2] == same[0].export_fields() and "storage_offset" not in body[0][2]
+    assert body[0][3][2] == ["bfloat16", [2, 4, 16, 8, 128], [65536, 16384, 1024, 128, 1], 16]
+    assert wire.decode(data, allowed=ALLOWED) == sent
+
+
+def test_version_1_messages_still_decode() -> None:
+    sent = [make(0), make(1)]
+    assert wire.decode(envelope([record(), record(name="seg1", handle=bytes([1]) * 16, ids=[1, 2],
+                                                size=8192, storage_offset=1)]), allowed=ALLOWED) == sent
+
+
+@pytest.mark.parametrize(
+    ("views", "match", "closed"),
+    [
+        ([], "at least one view", []),
+        ([view()[:3]], r"view 0: expected \[dtype, shape, stride, storage_offset\]", []),
+        ([view(), [*view(), 1]], "view 1", []),
+        ([view(), view(dtype="complex64")], "not allowed", ["seg0"]),  # the first was built: closed
+        ([view(shape=[1, 2])], "differ in rank", []),
+        ([view(storage_offset=-1)], "outside", []),
+        ("not views", "expected a list", []),
+    ],
+)
+def test_bad_views_are_refused(views: Any, match: str, closed: list[str]) -> None:
+    RELEASED.clear()
+    reject(envelope([export_record(views)], version=2), match, allowed=ALLOWED)
+    assert closed == RELEASED
+
+
+@pytest.mark.parametrize(("over", "match"), [({"size": -1}, "outside"), ({"extra": 1}, "unknown fields"),
+                                             ({"name": 5}, "expected str")])
+def test_bad_export_fields_are_refused_once_for_all_views(over: dict[str, Any], match: str) -> None:
+    reject(envelope([export_record([view(), view()], **over)], version=2), match, allowed=ALLOWED)
+
+
+def test_an_export_record_may_not_exceed_the_wrapper_limit() -> None:
+    body = [export_record([view()] * 3000), export_record([view()] * 1097)]
+    reject(envelope(body, version=2), "exceed", allowed=ALLOWED)
+
+
+def test_cpu_views_of_one_allocation_decode_to_one_mapping() -> None:
+    """Decoded together, the layer views of one allocation map it once and stay one storage."""
+    flat = torch.arange(8 * 256, dtype=torch.float32)
+    layers = [flat[i * 256 : (i + 1) * 256].view(16, 16) for i in range(8)]
+    sent = lmcache_platform.wrap_kv_caches(layers)
+    got = wire.decode(wire.encode(sent))
+    name = sent[0].fields()["memfd_name"]
+    try:
+        views = [w.to_tensor() for w in got]
+        with open("/proc/self/maps") as f:
+            maps = sum(name in line for line in f)
+        assert maps == 2  # the engine's and the one the decoded wrappers share
+        assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+        assert all(torch.equal(v, t) for v, t in zip(views, layers, strict=True))
+        got[0].close()  # closing one wrapper leaves the shared mapping to the others
+        assert torch.equal(got[7].to_tensor(), layers[7])
     finally:
         for w in [*got, *sent]:
             w.close()
@@ -224,7 +311,7 @@ def test_trailing_bytes_are_refused() -> None:
 def test_wrong_magic_and_version() -> None:
     good = wire.encode([make()])
     reject(b"LMCX" + good[4:], "header")
-    reject(good[:4] + bytes([wire.VERSION + 1]) + good[5:], "version 2 is not supported")
+    reject(good[:4] + bytes([wire.VERSION + 1]) + good[5:], f"version {wire.VERSION + 1} is not supported")
 
 
 @pytest.mark.parametrize("data", ["text", 42, None, [b"LMCW"]])

@@ -32,6 +32,7 @@ from ._facade import (
 from ._ipc_wrapper import (
     ALLOWED_DTYPES,
     MAX_EXTENT,
+    VIEW_FIELDS,
     DeviceIPCWrapper,
     WireField,
     dtype_from_name,
@@ -59,6 +60,7 @@ __all__ = [
     "ALLOWED_DTYPES",
     "API_VERSION",
     "MAX_EXTENT",
+    "VIEW_FIELDS",
     "AmbiguousBackendError",
     "ApiVersionError",
     "Availability",

@@ -52,8 +52,14 @@ def pack(magic: bytes, version: int, obj: object, *, max_bytes: int, what: str) 
     return data
 
 
-def unpack(magic: bytes, version: int, data: object, limits: Limits, *, what: str) -> object:
-    """Parse one enveloped message within ``limits``; raise ``WireFormatError`` otherwise."""
+def unpack(
+    magic: bytes, version: int, data: object, limits: Limits, *, what: str, older: tuple[int, ...] = ()
+) -> object:
+    """Parse one enveloped message within ``limits``; raise ``WireFormatError`` otherwise.
+
+    ``older`` lists earlier versions still accepted; the caller reads which one came
+    from byte 4 of ``data``.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireFormatError(f"{what}: expected bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -63,8 +69,9 @@ def unpack(magic: bytes, version: int, data: object, limits: Limits, *, what: st
         looks_pickled = data[:1] == bytes([_PICKLE_PROTO])
         hint = " (it looks like a pickle; pickles are never accepted)" if looks_pickled else ""
         raise WireFormatError(f"{what}: missing the {magic!r} header{hint}")
-    if data[4] != version:
-        raise WireFormatError(f"{what}: version {data[4]} is not supported (this side speaks {version})")
+    if data[4] != version and data[4] not in older:
+        speaks = ", ".join(map(str, (*older, version)))
+        raise WireFormatError(f"{what}: version {data[4]} is not supported (this side speaks {speaks})")
     body = data[HEADER_LEN:]
     unpacker = msgpack.Unpacker(
         raw=False,

@@ -55,6 +55,8 @@ class WireField:
 
         The checks are the wire format's own (:mod:`._checks`), raising the descriptor error.
         """
+        if self._fits(value):  # the common case, without building an error context
+            return list(value) if isinstance(value, tuple) else value  # type: ignore[return-value]
         where, bad = f"{cls_name}.{name}", DescriptorError
         if self.kind is list:
             items = list(value) if isinstance(value, tuple) else value
@@ -67,6 +69,20 @@ class WireField:
             return expect_str(value, where, max_len=self.max_len, error=bad)
         raise TypeError(f"{where}: a WireField kind is int, str, bytes or list, not {self.kind!r}")
 
+    def _fits(self, value: object) -> bool:
+        """Whether ``value`` passes :meth:`check` (which then says why not, if not)."""
+        lo, hi, kind = self.lo, self.hi, self.kind
+        if kind is int:
+            return type(value) is int and (lo is None or value >= lo) and (hi is None or value <= hi)
+        if kind is str or kind is bytes:
+            return type(value) is kind and (self.max_len is None or len(value) <= self.max_len)
+        if kind is list and type(value) in (list, tuple):
+            assert isinstance(value, (list, tuple))
+            return (self.max_len is None or len(value) <= self.max_len) and all(
+                type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi) for v in value
+            )
+        return False
+
 
 _DIM = WireField(list, lo=0, hi=MAX_EXTENT, max_len=MAX_NDIM)
 BASE_FIELDS: Mapping[str, WireField] = {
@@ -76,6 +92,11 @@ BASE_FIELDS: Mapping[str, WireField] = {
     "storage_offset": WireField(int, lo=0, hi=MAX_EXTENT),
     "device_uuid": WireField(str, max_len=128),
 }
+#: The base fields that describe one view of the memory; every other field (the device,
+#: a backend's ``wire_fields``) describes the memory itself, its *export*, which the
+#: per-layer views of one allocation share (see :meth:`DeviceIPCWrapper.from_views`).
+VIEW_FIELDS: tuple[str, ...] = ("dtype", "shape", "stride", "storage_offset")
+_VIEW_SET = frozenset(VIEW_FIELDS)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -88,6 +109,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """``"float16"`` -> ``torch.float16``, only for allowed names."""
+    known = _DTYPES.get(name)
+    if known is not None:
+        return known
     if name not in ALLOWED_DTYPES:
         raise DescriptorError(f"dtype {name!r} is not allowed (allowed: {', '.join(ALLOWED_DTYPES)})")
     import torch
@@ -95,14 +119,21 @@ def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise DescriptorError(f"dtype {name!r} is not available in this torch build")
+    _DTYPES[name] = dtype
     return dtype
+
+
+_DTYPES: dict[str, torch.dtype] = {}  # allowed names already resolved
 
 
 def required_elements(shape: tuple[int, ...], stride: tuple[int, ...], storage_offset: int) -> int:
     """Number of elements a strided view needs from its storage's start (0 if empty)."""
-    if any(s == 0 for s in shape):
+    if 0 in shape:
         return 0
-    return storage_offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+    end = storage_offset + 1
+    for n, st in zip(shape, stride, strict=True):
+        end += (n - 1) * st
+    return end
 
 
 class DeviceIPCWrapper(abc.ABC):
@@ -136,8 +167,10 @@ class DeviceIPCWrapper(abc.ABC):
                 f"{type(self).__name__}: shape {shape} and stride {stride} differ in rank"
             )
         dtype_name(dtype)
-        if required_elements(shape, stride, storage_offset) > MAX_EXTENT:
+        extent = required_elements(shape, stride, storage_offset)
+        if extent > MAX_EXTENT:
             raise DescriptorError(f"{type(self).__name__}: view extent overflows")
+        self._nbytes = extent * dtype.itemsize
         self.dtype = dtype
         self.shape = shape
         self.stride = stride
@@ -202,24 +235,28 @@ class DeviceIPCWrapper(abc.ABC):
     @property
     def nbytes(self) -> int:
         """Bytes spanned by the view, from the storage start (0 for an empty tensor)."""
-        import torch
+        return self._nbytes
 
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return required_elements(self.shape, self.stride, self.storage_offset) * itemsize
+    def export_fields(self) -> dict[str, Primitive]:
+        """The fields that name the memory: :meth:`fields` less :data:`VIEW_FIELDS`.
 
-    def fields(self) -> dict[str, Primitive]:
-        """The descriptor as primitives: base fields, then ``wire_fields``."""
-        out: dict[str, Primitive] = {
-            "dtype": dtype_name(self.dtype),
-            "shape": list(self.shape),
-            "stride": list(self.stride),
-            "storage_offset": self.storage_offset,
-            "device_uuid": self.device_uuid,
-        }
+        Wrappers of views of one export have equal ``export_fields``; the wire format
+        sends them once for all of those views.
+        """
+        out: dict[str, Primitive] = {"device_uuid": self.device_uuid}
         for name in self.wire_fields:
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, tuple) else value
         return out
+
+    def view_fields(self) -> dict[str, Primitive]:
+        """The fields of :data:`VIEW_FIELDS`: where in the memory this view lies."""
+        return {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "stride": list(self.stride),
+                "storage_offset": self.storage_offset}
+
+    def fields(self) -> dict[str, Primitive]:
+        """The descriptor as primitives: base fields, then ``wire_fields``."""
+        return {**self.view_fields(), **self.export_fields()}
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> Self:
@@ -233,13 +270,46 @@ class DeviceIPCWrapper(abc.ABC):
             missing = sorted(set(schema) - set(fields))
             extra = sorted(set(fields) - set(schema), key=repr)
             raise DescriptorError(f"{cls.__name__}: missing fields {missing}, unknown fields {extra}")
-        values: dict[str, Any] = {
-            name: spec.check(cls.__name__, name, fields[name]) for name, spec in schema.items()
-        }
-        values["dtype"] = dtype_from_name(values["dtype"])
-        values["shape"] = tuple(values["shape"])
-        values["stride"] = tuple(values["stride"])
-        return cls(**values)
+        view = {name: fields[name] for name in VIEW_FIELDS}
+        (wrapper,) = cls.from_views({k: v for k, v in fields.items() if k not in view}, [view])
+        return wrapper
+
+    @classmethod
+    def from_views(cls, export: Mapping[str, Any], views: Sequence[Mapping[str, Any]]) -> list[Self]:
+        """Rebuild the wrappers of several views of one export from untrusted primitives.
+
+        ``export`` holds every field but :data:`VIEW_FIELDS` and is validated once;
+        each of ``views`` holds exactly the view fields and is validated on its own.
+        The wire decoder calls this once per export it receives (current vLLM's 32
+        layers are 32 views of one export), so the common fields cost once. A
+        backend may override it to let the wrappers share per-export state (one
+        mapping, one opened handle), calling ``super().from_views`` to validate.
+        Raises :class:`DescriptorError` like :meth:`from_fields`; nothing is left
+        open then.
+        """
+        where = cls.__name__
+        export_schema = {k: v for k, v in {**BASE_FIELDS, **cls.wire_fields}.items() if k not in VIEW_FIELDS}
+        if set(export) != set(export_schema):
+            missing = sorted(set(export_schema) - set(export))
+            extra = sorted(set(export) - set(export_schema), key=repr)
+            raise DescriptorError(f"{where}: missing fields {missing}, unknown fields {extra}")
+        shared: dict[str, Any] = {n: spec.check(where, n, export[n]) for n, spec in export_schema.items()}
+        out: list[Self] = []
+        try:
+            for view in views:
+                if not isinstance(view, Mapping) or view.keys() != _VIEW_SET:
+                    got = sorted(view, key=repr) if isinstance(view, Mapping) else type(view).__name__
+                    raise DescriptorError(f"{where}: a view holds exactly {list(VIEW_FIELDS)}, got {got}")
+                values: dict[str, Any] = {n: BASE_FIELDS[n].check(where, n, view[n]) for n in VIEW_FIELDS}
+                values["dtype"] = dtype_from_name(values["dtype"])
+                values["shape"] = tuple(values["shape"])
+                values["stride"] = tuple(values["stride"])
+                out.append(cls(**values, **shared))
+        except BaseException:
+            for made in out:
+                made.close()
+            raise
+        return out
 
     def _key(self) -> tuple[Any, ...]:
         return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.fields().items())

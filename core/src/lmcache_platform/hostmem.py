@@ -9,11 +9,15 @@ consumer needs to find the memory as named, bounded wire fields
 and validates it on the receiving side, so a store never parses anything. The rest,
 which every such backend needs and which is easy to get subtly wrong, is here:
 
-* **Migration.** :meth:`HostMemoryIPCWrapper.wrap` copies a tensor's *whole storage*
-  into fresh memory and re-points the *same* tensor object at it, so the engine
-  keeps its tensor and its contents; stride and offset stay valid because the
-  mapping mirrors the storage byte for byte. Only tensor objects passed to ``wrap``
-  are re-pointed (see its docstring).
+* **Sharing in place.** :meth:`HostMemoryIPCWrapper.wrap` of a large allocation of
+  torch's (a KV cache) maps fresh shared memory over the allocation's own pages, a
+  slice at a time: nothing moves, peak memory grows by one slice (32 MiB), and every
+  tensor and view the engine holds keeps its address and sees the shared bytes. This
+  needs the store's two optional members ``create_in_place`` and ``reserve``.
+* **Migration** otherwise (a small allocation, whose pages hold other data too;
+  memory torch did not allocate; a store without those members): ``wrap`` copies the
+  tensor's *whole storage* into fresh memory and re-points the *same* tensor object
+  at it; only tensor objects passed to ``wrap`` are re-pointed (see its docstring).
 * **Zero-copy reopening.** :meth:`HostMemoryIPCWrapper.to_tensor` maps the memory
   and replays dtype, shape, stride and storage offset exactly.
 * **Lifetimes follow torch's reference counting.** A mapping is owned by the torch
@@ -21,7 +25,8 @@ which every such backend needs and which is easy to get subtly wrong, is here:
   the last one dies, a finalizer forgets the mapping and, in the process that made
   the memory, releases its handle. Wrappers hold handles, never memory.
 * **One export per storage.** Views of one allocation (vLLM's per-layer views of one
-  KV buffer) migrate once, share one handle and keep aliasing; wrapping a tensor that
+  KV buffer) are shared once, share one handle and keep aliasing, and wrappers decoded
+  from one wire record map that memory once between them; wrapping a tensor that
   already lives in a mapping of the store (made here, or reopened here) names it
   instead of copying.
 * **Fork safety.** A forked child starts with no memory of its own, so nothing it
@@ -48,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from . import _remap
 from ._errors import DescriptorError
 from ._ipc_wrapper import BASE_FIELDS, MAX_EXTENT, DeviceIPCWrapper, Primitive, WireField, dtype_name
 from ._kv.context import BaseCacheContext
@@ -93,6 +99,17 @@ class HostMemoryStore(Protocol):
       ``[]``), which the declared bounds must admit;
     * :meth:`check_handle`, :meth:`check_capacity`, :meth:`create`,
       :meth:`open_existing` and :meth:`release`.
+
+    Two optional members let the kit share a large allocation where it lies instead of
+    copying it (the memory is mapped over the allocation's pages a slice at a time; see
+    the backend-author guide); a store without them migrates by copy:
+
+    * ``create_in_place(nbytes) -> (handle, fd)``: like :meth:`create`, but with no
+      pages reserved and no mapping; returns a new file descriptor of the memory,
+      which the kit closes;
+    * ``reserve(fd, offset, nbytes)``: reserve those pages (``posix_fallocate``),
+      raising the capacity error when they do not fit; the kit reserves each slice
+      before it copies it.
 
     Handles are unguessable or verified (a consumer never maps memory just because a
     descriptor names it); memory is created exclusively and readable by its user only
@@ -427,18 +444,24 @@ def _size(n: int) -> str:
 
 @dataclass(eq=False)
 class _Segment:
-    """A mapping in this process: of memory made here (``owned``) or reopened.
+    """Memory in this process: made here (``owned``) or reopened, mapped by us or in place.
 
     For owned memory, ``wrappers`` counts the open wrappers exporting its handle; the
-    last one to close releases it.
+    last one to close releases it. Memory mapped over an engine's own allocation
+    (:mod:`._remap`) has no mapping object of ours (``mm`` is None): ``source`` is a
+    weak reference to the storage living in it, and the storage starts ``offset``
+    bytes into the memory.
     """
 
     handle: Handle
     nbytes: int
-    mm: weakref.ref[mmap.mmap]
+    mm: weakref.ref[mmap.mmap] | None
     owned: bool
     wrappers: int = 0
     linked: bool = True  # False once we released the handle; the memory may live on
+    offset: int = 0
+    source: Any = None
+    storage_nbytes: int = 0
 
 
 class _Tracker:
@@ -462,9 +485,16 @@ class _Tracker:
         self.moved: dict[int, tuple[Any, _Segment]] = {}
 
     def segment_at(self, storage: torch.UntypedStorage) -> _Segment | None:
-        """The live segment ``storage`` is a mapping of, if any (and still exported, if ours)."""
+        """The live segment ``storage`` lives in, if any (and still exported, if ours)."""
         segment = self.segments.get(storage.data_ptr())
-        if segment is None or not segment.linked or segment.nbytes != storage.nbytes():
+        if segment is None or not segment.linked:
+            return None
+        if segment.source is not None:  # in place: alive while the engine's storage is
+            if segment.source.expired():
+                self._in_place_died(storage.data_ptr(), segment)
+                return None
+            return segment if segment.storage_nbytes == storage.nbytes() else None
+        if segment.nbytes != storage.nbytes() or segment.mm is None:
             return None
         return segment if segment.mm() is not None else None
 
@@ -474,7 +504,7 @@ class _Tracker:
         if entry is None:
             return None
         source, segment = entry
-        mm = segment.mm()
+        mm = segment.mm() if segment.mm is not None else None
         if source.expired() or mm is None or not segment.linked or segment.nbytes != storage.nbytes():
             del self.moved[storage.data_ptr()]  # a dead storage whose address was reused, or a gone segment
             return None
@@ -491,6 +521,10 @@ class _Tracker:
             segment, mm = target
             _repoint(tensor, _storage_over(mm, segment.nbytes))
             return segment
+        self.sweep()
+        pages = _remap.exclusive_pages(storage) if _in_place_store(self.store) else None
+        if pages is not None:
+            return self._share_in_place(storage, *pages)
         return self._migrate(tensor, storage)
 
     def _migrate(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> _Segment:
@@ -512,6 +546,41 @@ class _Tracker:
         self.track(mm, shared.data_ptr(), segment)
         self.moved[storage.data_ptr()] = (StorageWeakRef(storage), segment)  # type: ignore[no-untyped-call]
         return segment
+
+    def _share_in_place(self, storage: torch.UntypedStorage, address: int, length: int) -> _Segment:
+        """Put new memory under ``storage``'s own pages (:mod:`._remap`); nothing moves."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        store: Any = self.store
+        handle, fd = store.create_in_place(length)
+        try:
+            try:
+                _remap.remap_in_place(address, length, fd, lambda at, n: store.reserve(fd, at, n))
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.store.release(handle)  # the remapped slices keep the bytes; nothing is exported
+            raise
+        segment = _Segment(dict(handle), length, None, owned=True, offset=storage.data_ptr() - address,
+                           source=StorageWeakRef(storage),  # type: ignore[no-untyped-call]
+                           storage_nbytes=storage.nbytes())
+        self.segments[storage.data_ptr()] = segment
+        return segment
+
+    def _in_place_died(self, address: int, segment: _Segment) -> None:
+        """The storage living in memory mapped in place is gone: forget it, release the handle."""
+        if self.segments.get(address) is segment:
+            del self.segments[address]
+        last = segment.owned and segment.linked
+        segment.linked = False
+        if last:
+            self.store.release(segment.handle)
+
+    def sweep(self) -> None:
+        """Release the memory of in-place storages that died since (torch tells no one)."""
+        for address, segment in list(self.segments.items()):
+            if segment.source is not None and segment.source.expired():
+                self._in_place_died(address, segment)
 
     def track(self, mm: mmap.mmap, address: int, segment: _Segment) -> None:
         """Record a new mapping until it dies (its last storage, hence its last tensor)."""
@@ -536,12 +605,29 @@ class _Tracker:
     def release_export(self, segment: _Segment) -> None:
         """One exporting wrapper closed; the last one releases the handle (memory lives on)."""
         with self.lock:
+            self.sweep()
             segment.wrappers -= 1
             last = segment.wrappers == 0 and segment.linked
             if last:
                 segment.linked = False
         if last:
             self.store.release(segment.handle)  # a no-op in a forked child: the handle is the parent's
+
+
+class _SharedMapping:
+    """The one mapping (and storage over it) of the wrappers decoded from one record,
+    once one of them opened it; it goes with the last of those wrappers."""
+
+    __slots__ = ("mm", "storage")
+
+    def __init__(self) -> None:
+        self.mm: mmap.mmap | None = None
+        self.storage: torch.UntypedStorage | None = None
+
+
+def _in_place_store(store: object) -> bool:
+    """Whether ``store`` has the optional members that sharing memory in place needs."""
+    return callable(getattr(store, "create_in_place", None)) and callable(getattr(store, "reserve", None))
 
 
 def _storage_over(mm: mmap.mmap, nbytes: int) -> torch.UntypedStorage:
@@ -560,6 +646,9 @@ def _repoint(tensor: torch.Tensor, storage: torch.UntypedStorage) -> None:
 
 
 _TRACKERS: list[_Tracker] = []
+#: Handles found valid: (class, (type, value) per wire field) -> what _checked_handle returns.
+_CHECKED: dict[tuple[Any, ...], tuple[tuple[tuple[str, Any], ...], int]] = {}
+_MAX_CHECKED = 4096
 
 
 def _after_fork_in_child() -> None:
@@ -667,32 +756,68 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
             dtype=dtype, shape=shape, stride=stride, storage_offset=storage_offset, device_uuid=device_uuid
         )
         cls = type(self)
-        where, nbytes_field, tracker = cls.__name__, cls.nbytes_field, cls._memory()
-        if set(handle) != set(cls.wire_fields):
-            raise TypeError(f"{where} takes {', '.join(cls.wire_fields)} besides the base fields; "
-                            f"missing {sorted(set(cls.wire_fields) - set(handle))}, "
-                            f"unknown {sorted(set(handle) - set(cls.wire_fields))}")
-        for name, spec in cls.wire_fields.items():
-            handle[name] = spec.check(where, name, handle[name])
-        nbytes: int = handle.pop(nbytes_field)
         if device_uuid != HOST_UUID:
-            raise DescriptorError(f"{where}: device_uuid must be {HOST_UUID!r}, got {device_uuid!r}")
-        empty = _empty_handle(tracker.store)
-        if nbytes:
-            if handle == empty:
-                raise DescriptorError(f"{where}: {nbytes_field} is {nbytes} but no memory is named")
-            tracker.store.check_handle(handle)
-        elif handle != empty:
-            raise DescriptorError(f"{where}: memory is named but {nbytes_field} is 0")
+            raise DescriptorError(f"{cls.__name__}: device_uuid must be {HOST_UUID!r}, got {device_uuid!r}")
+        checked, nbytes = cls._checked_handle(handle)
         if self.nbytes > nbytes:
             raise DescriptorError(
-                f"{where}: the view spans {self.nbytes} bytes but the memory holds only {nbytes}"
+                f"{cls.__name__}: the view spans {self.nbytes} bytes but the memory holds only {nbytes}"
             )
-        for name, value in handle.items():
+        for name, value in checked:
             setattr(self, name, value)
-        setattr(self, nbytes_field, nbytes)
         self._export: _Segment | None = None  # set on wrappers exporting memory made here
         self._mm: mmap.mmap | None = None  # this wrapper's mapping, once opened
+        self._shared: _SharedMapping | None = None  # the mapping of wrappers decoded together
+
+    @classmethod
+    def from_views(cls, export: Mapping[str, Any], views: Sequence[Mapping[str, Any]]) -> list[Self]:
+        """Validate as the base does; the wrappers then map their memory once, together."""
+        wrappers = super().from_views(export, views)
+        if len(wrappers) > 1:
+            shared = _SharedMapping()
+            for wrapper in wrappers:
+                wrapper._shared = shared
+        return wrappers
+
+    @classmethod
+    def _checked_handle(cls, handle: Mapping[str, Any]) -> tuple[tuple[tuple[str, Any], ...], int]:
+        """The handle's fields (``nbytes_field`` included) once valid, and the memory's size.
+
+        Validation is a pure function of the values, so its result is remembered: the
+        per-layer views of one export, and every re-wrap of an exported tensor, pay
+        for it once.
+        """
+        names = cls.wire_fields
+        raw = tuple(map(handle.get, names))
+        try:  # the types are part of the key: True == 1, but a bool is no valid int field
+            key: tuple[Any, ...] | None = (cls, raw, tuple(map(type, raw)))
+            known = _CHECKED.get(key)  # type: ignore[arg-type]
+        except TypeError:  # a list value: not hashable, checked every time
+            key, known = None, None
+        if known is not None and len(handle) == len(names):
+            return known
+        where, nbytes_field, store = cls.__name__, cls.nbytes_field, cls._memory().store
+        if set(handle) != set(names):
+            raise TypeError(f"{where} takes {', '.join(names)} besides the base fields; "
+                            f"missing {sorted(set(names) - set(handle))}, "
+                            f"unknown {sorted(set(handle) - set(names))}")
+        values = {name: spec.check(where, name, handle[name]) for name, spec in names.items()}
+        nbytes = values[nbytes_field]
+        assert isinstance(nbytes, int)  # an int field, checked above
+        named = {k: v for k, v in values.items() if k != nbytes_field}
+        empty = _empty_handle(store)
+        if nbytes:
+            if named == empty:
+                raise DescriptorError(f"{where}: {nbytes_field} is {nbytes} but no memory is named")
+            store.check_handle(named)
+        elif named != empty:
+            raise DescriptorError(f"{where}: memory is named but {nbytes_field} is 0")
+        result = (tuple(values.items()), nbytes)
+        if key is not None:
+            if len(_CHECKED) >= _MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[key] = result
+        return result
 
     @property
     def handle(self) -> dict[str, Primitive]:
@@ -713,14 +838,15 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
         Wrapping it, or any view of it (the per-layer views an engine cuts out of one
         buffer), copies nothing: peak memory stays that of the cache, where wrapping a
-        tensor made elsewhere needs a second copy for the time of the migration. Every
-        view of it, wrapped or not, aliases the exported memory. The contents start as
+        tensor made elsewhere costs one pass over it (one slice of extra memory when
+        shared in place, a second copy when migrated). Every view of it, wrapped or not,
+        aliases the exported memory. The contents start as
         the store makes them (zeros for memfds, segments and files). Raises the store's
         capacity error when it is too small.
         """
         import torch
 
-        shape, itemsize = tuple(size), torch.empty((), dtype=dtype).element_size()
+        shape, itemsize = tuple(size), dtype.itemsize
         dtype_name(dtype)
         nbytes = torch.Size(shape).numel() * itemsize
         if nbytes == 0:
@@ -735,20 +861,26 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
     @classmethod
     def wrap(cls, tensor: torch.Tensor) -> Self:
-        """Move ``tensor`` into the store (once per storage) and describe it.
+        """Put ``tensor``'s storage in the store's memory (once per storage) and describe it.
 
-        Re-points ``tensor`` itself, and only it: another tensor object viewing the
-        same old storage (a view the engine derived, the flat buffer its layers were
-        cut from) keeps pointing at the old memory until it is wrapped too, which then
-        copies nothing and shares the first one's handle. So wrap every view the
-        engine will use before it writes the KV cache again, or allocate the cache
-        with :meth:`empty`, which needs neither the copy nor the re-pointing.
+        A large allocation of torch's, whose pages hold nothing else (glibc serves it
+        with a mapping of its own: a KV cache), is shared in place when the store
+        supports it: the memory is mapped over the allocation's pages a slice at a
+        time, so nothing moves and every tensor and view of it, wrapped or not, sees
+        the shared bytes. Peak memory grows by one slice. Do it before the engine runs:
+        writes from another thread during the remap would be lost.
+
+        Otherwise the storage is copied into fresh memory and ``tensor`` itself, and
+        only it, is re-pointed there: another tensor object viewing the same old
+        storage (a view the engine derived, the flat buffer its layers were cut from)
+        keeps pointing at the old memory until it is wrapped too, which then copies
+        nothing and shares the first one's handle. :meth:`empty` needs neither.
 
         Idempotent: a tensor already in the store's memory (made here, or reopened
         here with :meth:`to_tensor`), or a view of it, is described without copying.
         Raises ``DescriptorError`` for a tensor that is not a strided CPU tensor of an
         allowed dtype, and the store's capacity error when it is too small (nothing is
-        created then).
+        exported then; pages already shared in place keep the tensor's bytes).
         """
         cls._check_exportable(tensor)
         if tensor.numel() == 0:
@@ -756,15 +888,21 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         tracker = cls._memory()
         with tracker.lock:
             segment = tracker.into_segment(tensor)
-            wrapper = cls._describe(tensor, segment.handle, segment.nbytes)
+            wrapper = cls._describe(tensor, segment.handle, segment.nbytes, segment.offset)
             if segment.owned:
                 segment.wrappers += 1
                 wrapper._export = segment
         return wrapper
 
     @classmethod
-    def _describe(cls, tensor: torch.Tensor, handle: Handle, nbytes: int) -> Self:
-        return cls.describe(tensor, device_uuid=HOST_UUID, **handle, **{cls.nbytes_field: nbytes})
+    def _describe(cls, tensor: torch.Tensor, handle: Handle, nbytes: int, offset: int = 0) -> Self:
+        """The descriptor of ``tensor`` in memory that starts ``offset`` bytes before its storage."""
+        if offset % tensor.element_size():
+            raise DescriptorError(f"{cls.__name__}.wrap: the storage starts {offset} bytes into its memory, "
+                                  f"not a multiple of {tensor.dtype}'s {tensor.element_size()} bytes")
+        return cls(dtype=tensor.dtype, shape=tuple(tensor.shape), stride=tuple(tensor.stride()),
+                   storage_offset=int(tensor.storage_offset()) + offset // tensor.element_size(),
+                   device_uuid=HOST_UUID, **handle, **{cls.nbytes_field: nbytes})
 
     @classmethod
     def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:
@@ -772,11 +910,14 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
         Raises the store's capacity error for the whole batch before anything is
         created. Storages shared by several tensors count once; storages already in
-        the store count not at all. Tensors :meth:`wrap` would refuse count nothing
-        here: ``wrap`` refuses them, and ``wrap_kv_caches`` names their layer.
+        the store count not at all; storages shared in place count one slice (each
+        slice's private pages are freed as its shared ones come). Tensors :meth:`wrap`
+        would refuse count nothing here: ``wrap`` refuses them, and ``wrap_kv_caches``
+        names their layer.
         """
         needed: dict[int, int] = {}
         tracker = cls._memory()
+        in_place = _in_place_store(tracker.store)
         with tracker.lock:
             for tensor in tensors:
                 try:
@@ -786,9 +927,15 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
                 if tensor.numel() == 0:
                     continue
                 storage = tensor.untyped_storage()
+                if storage.data_ptr() in needed:
+                    continue
                 if tracker.segment_at(storage) is None and tracker.moved_target(storage) is None:
-                    needed[storage.data_ptr()] = storage.nbytes()
-        tracker.store.check_capacity(sum(needed.values()))
+                    pages = _remap.exclusive_pages(storage) if in_place else None
+                    # in place: negative, one slice (slices of all storages come one at a time)
+                    needed[storage.data_ptr()] = -min(pages[1], _remap.SLICE) if pages else storage.nbytes()
+        if needed:  # every storage already exported (a re-registration): nothing to check
+            copies = sum(n for n in needed.values() if n > 0)
+            tracker.store.check_capacity(copies + max((-n for n in needed.values() if n < 0), default=0))
 
     @classmethod
     def _check_exportable(cls, tensor: torch.Tensor) -> None:
@@ -811,6 +958,9 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
     def to_tensor(self) -> torch.Tensor:
         """Map the memory (once per wrapper) and return a view replaying the layout.
 
+        Wrappers decoded from one wire record (:meth:`from_views`: the per-layer views
+        of one allocation) map it once between them, so their views stay views of one
+        storage here too, and the cache context moves all layers of a group in one op.
         The mapping stays until the last view of it dies, even after :meth:`close`.
         """
         import torch
@@ -820,18 +970,26 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         nbytes = self.memory_nbytes
         if not nbytes:
             return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
-        tracker = type(self)._memory()
-        mm, fresh = self._mm, self._mm is None
-        if mm is None:
-            mm = self._mm = tracker.store.open_existing(self.handle, nbytes)
-        storage = _storage_over(mm, nbytes)
-        if fresh:  # so that wrapping a view of it names this memory instead of copying
-            with tracker.lock:
-                tracker.track(
-                    mm, storage.data_ptr(), _Segment(self.handle, nbytes, weakref.ref(mm), owned=False)
-                )
+        shared = self._shared
+        if shared is not None and shared.mm is not None and shared.storage is not None:
+            mm, storage = shared.mm, shared.storage
+        else:
+            mm = self._mm if self._mm is not None else self._open(nbytes)
+            storage = _storage_over(mm, nbytes)
+            if shared is not None:
+                shared.mm, shared.storage = mm, storage
+        self._mm = mm
         view = torch.empty(0, dtype=self.dtype)
         return view.set_(storage, self.storage_offset, self.shape, self.stride)
+
+    def _open(self, nbytes: int) -> mmap.mmap:
+        """Map the memory through the store's checks and remember the mapping here."""
+        tracker, handle = type(self)._memory(), self.handle
+        mm = tracker.store.open_existing(handle, nbytes)
+        with tracker.lock:  # so that wrapping a view of it names this memory instead of copying
+            address = _storage_over(mm, nbytes).data_ptr()
+            tracker.track(mm, address, _Segment(handle, nbytes, weakref.ref(mm), owned=False))
+        return mm
 
     def verify(self) -> None:
         """Check that the memory this wrapper mapped has not shrunk; call it before each transfer.
@@ -858,7 +1016,7 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
     def release(self) -> None:
         """Drop this wrapper's mapping; a producer's last wrapper also releases the handle."""
-        self._mm = None
+        self._mm = self._shared = None
         export, self._export = self._export, None
         if export is not None:
             type(self)._memory().release_export(export)

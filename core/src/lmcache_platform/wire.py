@@ -8,15 +8,20 @@ on that path, but can carry only its built-in wrapper classes, and its engine-dr
 data transport still unpickles what the other process sends. Here a message is data
 only, and a backend's own wrapper classes travel too::
 
-    b"LMCW" | version (1 byte) | msgpack [ [device_type, wire_tag, {field: primitive}], ... ]
+    b"LMCW" | version (1 byte) | msgpack [record, ...]
+    record (version 2) = [device_type, wire_tag, {export field: primitive}, [view, ...]]
+    view               = [dtype, shape, stride, storage_offset]
 
-Each record names the wrapper's device type and the class's stable ``wire_tag``;
-its fields are the primitives from :meth:`DeviceIPCWrapper.fields`. The decoder
-checks the device-type string, looks the tag up in an allow-list (by default the
-wire classes of the backend this process resolved for that device type) and
-rebuilds the wrapper with :meth:`DeviceIPCWrapper.from_fields`, which validates
-every field. Nothing is mapped while decoding; :meth:`~DeviceIPCWrapper.to_tensor`
-does that later.
+A record is one *export* (the memory: device, handle, size; every field of
+:meth:`DeviceIPCWrapper.export_fields`) and the views of it that follow each other in
+the list, so current vLLM's 32 layer views of one allocation travel as one record
+with the handle once. Version 1 records (``[device_type, wire_tag, {field:
+primitive}]``, one wrapper each) are still accepted. The decoder checks the
+device-type string, looks the tag up in an allow-list (by default the wire classes of
+the backend this process resolved for that device type) and rebuilds the wrappers
+with :meth:`DeviceIPCWrapper.from_views`, which validates the export's fields once
+and every view's fields. Nothing is mapped while decoding;
+:meth:`~DeviceIPCWrapper.to_tensor` does that later.
 
 Every malformed, unknown, truncated or oversized input raises
 :class:`~lmcache_platform.WireFormatError` and nothing else; the original error,
@@ -30,12 +35,14 @@ from collections.abc import Mapping, Sequence
 
 from . import _checks, _codec
 from ._errors import LMCachePlatformError, WireFormatError
-from ._ipc_wrapper import DeviceIPCWrapper
+from ._ipc_wrapper import VIEW_FIELDS, DeviceIPCWrapper, Primitive
 
 #: First bytes of every encoded wrapper list.
 MAGIC = b"LMCW"
 #: Format version; bumped on any incompatible change of the record layout.
-VERSION = 1
+VERSION = 2
+#: Earlier versions the decoder still accepts (one wrapper per record).
+OLDER_VERSIONS = (1,)
 #: Most wrappers in one message (one per layer; plane tuples count separately).
 MAX_WRAPPERS = 4096
 #: Largest encoded message, header included.
@@ -61,26 +68,34 @@ _WHAT = "wrapper message"
 def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
     """Encode ``wrappers`` (in order) to bytes that :func:`decode` accepts.
 
-    Raises :class:`WireFormatError` if an item is not a wrapper, its class has no
-    valid ``device_type``/``wire_tag``, or the message would exceed the limits.
+    Consecutive wrappers of one class with equal :meth:`~DeviceIPCWrapper.export_fields`
+    share one record. Raises :class:`WireFormatError` if an item is not a wrapper, its
+    class has no valid ``device_type``/``wire_tag``, or the message would exceed the limits.
     """
     if len(wrappers) > MAX_WRAPPERS:
         raise WireFormatError(f"{len(wrappers)} wrappers exceed the limit of {MAX_WRAPPERS}")
     records: list[list[object]] = []
+    last: tuple[type[DeviceIPCWrapper], dict[str, Primitive]] | None = None
     for i, wrapper in enumerate(wrappers):
         if not isinstance(wrapper, DeviceIPCWrapper):
             raise WireFormatError(f"item {i}: expected a DeviceIPCWrapper, got {type(wrapper).__name__}")
         cls = type(wrapper)
-        if not DEVICE_TYPE_RE.fullmatch(cls.device_type) or not WIRE_TAG_RE.fullmatch(cls.wire_tag):
+        named = DEVICE_TYPE_RE.fullmatch(cls.device_type) and WIRE_TAG_RE.fullmatch(cls.wire_tag)
+        if (last is None or last[0] is not cls) and not named:
             raise WireFormatError(
                 f"item {i}: {cls.__qualname__} needs a valid device_type and wire_tag "
                 f"(got {cls.device_type!r}, {cls.wire_tag!r})"
             )
         try:
-            fields = wrapper.fields()
+            export, view = wrapper.export_fields(), wrapper.view_fields()
         except LMCachePlatformError as exc:
             raise WireFormatError(f"item {i} ({cls.wire_tag}): {exc}") from exc
-        records.append([cls.device_type, cls.wire_tag, fields])
+        if last is None or last[0] is not cls or last[1] != export:
+            last = (cls, export)
+            records.append([cls.device_type, cls.wire_tag, export, []])
+        views = records[-1][3]
+        assert isinstance(views, list)
+        views.append([view[name] for name in VIEW_FIELDS])
     return _codec.pack(MAGIC, VERSION, records, max_bytes=MAX_MESSAGE_BYTES, what=_WHAT)
 
 
@@ -94,14 +109,14 @@ def decode(
     and only that backend's wire classes are accepted. Raises
     :class:`WireFormatError` on any bad input.
     """
-    records = _checks.expect_list(
-        _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT), _WHAT, max_len=MAX_WRAPPERS
-    )
+    body = _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT, older=OLDER_VERSIONS)
+    version = bytes(data[4:5])[0]  # unpack checked the header
+    records = _checks.expect_list(body, _WHAT, max_len=MAX_WRAPPERS)
     classes_by_type: dict[str, Mapping[str, type[DeviceIPCWrapper]]] = {}
     out: list[DeviceIPCWrapper] = []
     try:
         for i, record in enumerate(records):
-            out.append(_decode_record(i, record, allowed, classes_by_type))
+            out += _decode_record(i, record, version, allowed, classes_by_type, room=MAX_WRAPPERS - len(out))
     except BaseException:
         for wrapper in out:  # nothing is mapped yet, but leave nothing half-built
             wrapper.close()
@@ -112,18 +127,36 @@ def decode(
 def _decode_record(
     index: int,
     record: object,
+    version: int,
     allowed: Mapping[str, type[DeviceIPCWrapper]] | None,
     cache: dict[str, Mapping[str, type[DeviceIPCWrapper]]],
-) -> DeviceIPCWrapper:
+    *,
+    room: int,
+) -> list[DeviceIPCWrapper]:
     where = f"record {index}"
-    items = _checks.expect_list(record, where, max_len=3)
-    if len(items) != 3:
-        raise WireFormatError(f"{where}: expected [device_type, wire_tag, fields]")
+    size = 3 if version == 1 else 4
+    items = _checks.expect_list(record, where, max_len=size)
+    if len(items) != size:
+        shape = "fields" if version == 1 else "export fields, views"
+        raise WireFormatError(f"{where}: expected [device_type, wire_tag, {shape}]")
     device_type = _checks.expect_str(items[0], f"{where} device type", max_len=32, pattern=DEVICE_TYPE_RE)
     tag = _checks.expect_str(items[1], f"{where} wire tag", max_len=64, pattern=WIRE_TAG_RE)
     fields = items[2]
     if not isinstance(fields, dict):
         raise WireFormatError(f"{where} ({tag}): fields must be a map, got {type(fields).__name__}")
+    views: list[dict[str, object]] | None = None
+    if version != 1:
+        rows = _checks.expect_list(items[3], f"{where} ({tag}) views", max_len=room)
+        if not rows:
+            raise WireFormatError(f"{where} ({tag}): an export record needs at least one view")
+        views = []
+        for j, row in enumerate(rows):
+            cells = _checks.expect_list(row, f"{where} ({tag}) view {j}", max_len=len(VIEW_FIELDS))
+            if len(cells) != len(VIEW_FIELDS):
+                raise WireFormatError(f"{where} ({tag}) view {j}: expected [{', '.join(VIEW_FIELDS)}]")
+            views.append(dict(zip(VIEW_FIELDS, cells, strict=True)))
+    elif room < 1:
+        raise WireFormatError(f"more than {MAX_WRAPPERS} wrappers in one message")
 
     if allowed is None:
         classes = cache.get(device_type)
@@ -143,7 +176,7 @@ def _decode_record(
             f"{where}: wire tag {tag!r} belongs to device type {cls.device_type!r}, not {device_type!r}"
         )
     try:
-        return cls.from_fields(fields)
+        return [cls.from_fields(fields)] if views is None else list(cls.from_views(fields, views))
     except Exception as exc:  # a constructor refusing hostile fields is the input's fault
         raise WireFormatError(f"{where} ({tag}): {exc}") from exc
 
@@ -176,4 +209,4 @@ def _classes_for(where: str, device_type: str) -> Mapping[str, type[DeviceIPCWra
         ) from exc
 
 
-__all__ = ["MAGIC", "MAX_MESSAGE_BYTES", "MAX_WRAPPERS", "VERSION", "decode", "encode"]
+__all__ = ["MAGIC", "MAX_MESSAGE_BYTES", "MAX_WRAPPERS", "OLDER_VERSIONS", "VERSION", "decode", "encode"]

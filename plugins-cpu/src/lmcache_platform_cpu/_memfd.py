@@ -94,23 +94,50 @@ class MemfdStore:
             raise MemfdCapacityError(nbytes, headroom)
 
     def create(self, nbytes: int) -> tuple[Handle, mmap.mmap]:
+        handle, fd = self._new(nbytes, reserve=True)
+        try:
+            return handle, mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            self.release(handle)
+            raise
+
+    def create_in_place(self, nbytes: int) -> tuple[Handle, int]:
+        """A memfd of ``nbytes`` with no pages reserved, and a duplicate of its fd (the caller's)."""
+        handle, fd = self._new(nbytes, reserve=False)
+        try:
+            return handle, os.dup(fd)
+        except BaseException:
+            self.release(handle)
+            raise
+
+    def reserve(self, fd: int, offset: int, nbytes: int) -> None:
+        """Reserve pages ``[offset, offset + nbytes)`` of a memfd made by :meth:`create_in_place`.
+
+        The limit is checked first: in a full memory cgroup the kernel answers a
+        reservation with the OOM killer rather than an error.
+        """
+        self.check_capacity(nbytes)
+        try:
+            os.posix_fallocate(fd, offset, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise MemfdCapacityError(nbytes, memory_headroom() or Headroom(0, "the kernel")) from exc
+            raise
+
+    def _new(self, nbytes: int, *, reserve: bool) -> tuple[Handle, int]:
+        """A sealed memfd of ``nbytes`` owned by this process, its pages reserved or not."""
         if nbytes <= 0:
             raise ValueError(f"a memfd needs a positive size, got {nbytes}")
-        self.check_capacity(nbytes)
+        if reserve:
+            self.check_capacity(nbytes)
         name = PREFIX + secrets.token_hex(16)
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.fchmod(fd, 0o600)  # a memfd starts as 0777; the same user is all we trust
             os.ftruncate(fd, nbytes)
-            try:  # pages now, so that a full cgroup fails here rather than as a SIGBUS later
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    headroom = memory_headroom() or Headroom(0, "the kernel")
-                    raise MemfdCapacityError(nbytes, headroom) from exc
-                raise
+            if reserve:  # pages now, so that a full cgroup fails here rather than as a SIGBUS later
+                self.reserve(fd, 0, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = os.fstat(fd)
         except BaseException:
             os.close(fd)
@@ -121,7 +148,7 @@ class MemfdStore:
             "memfd_pidns": pid_namespace(), "memfd_pid": os.getpid(), "memfd_fd": fd,
             "memfd_dev": st.st_dev, "memfd_ino": st.st_ino, "memfd_name": name,
         }
-        return handle, mm
+        return handle, fd
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
         pid, fd, name = handle["memfd_pid"], handle["memfd_fd"], handle["memfd_name"]

@@ -150,19 +150,39 @@ def create(nbytes: int) -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
-def _reserve(fd: int, nbytes: int) -> None:
+def create_in_place(nbytes: int) -> tuple[str, int]:
+    """Create and size a new segment with no pages reserved; return its name and an open fd."""
+    if nbytes <= 0:
+        raise ValueError(f"a segment needs a positive size, got {nbytes}")
+    name = new_name()
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with _lock:
+        _owned.add(name)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)
+        _verify(name, os.fstat(fd), nbytes)
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    return name, fd
+
+
+def _reserve(fd: int, nbytes: int, offset: int = 0) -> None:
+    """Reserve ``[offset, offset + nbytes)`` (the file is at least that long afterwards)."""
     fallocate = getattr(os, "posix_fallocate", None)
     if fallocate is None:  # not on macOS: the size is all we can set
-        os.ftruncate(fd, nbytes)
+        os.ftruncate(fd, max(os.fstat(fd).st_size, offset + nbytes))
         return
     try:
-        fallocate(fd, 0, nbytes)
+        fallocate(fd, offset, nbytes)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
             raise ShmCapacityError(nbytes, free_bytes() or 0) from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        os.ftruncate(fd, nbytes)  # a filesystem without fallocate
+        os.ftruncate(fd, max(os.fstat(fd).st_size, offset + nbytes))  # a filesystem without fallocate
 
 
 def open_existing(name: str, nbytes: int) -> mmap.mmap:
@@ -268,6 +288,14 @@ class ShmStore:
     def create(self, nbytes: int) -> tuple[Handle, mmap.mmap]:
         name, mm = create(nbytes)
         return {"shm_name": name}, mm
+
+    def create_in_place(self, nbytes: int) -> tuple[Handle, int]:
+        name, fd = create_in_place(nbytes)
+        return {"shm_name": name}, fd
+
+    def reserve(self, fd: int, offset: int, nbytes: int) -> None:
+        check_capacity(nbytes)
+        _reserve(fd, nbytes, offset)
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
         return open_existing(handle["shm_name"], nbytes)

@@ -8,10 +8,11 @@
   that share /dev/shm but not their pids (separate containers). A same-user process
   can still truncate one; the cache context checks the size before each transfer.
 
-The generic kit does the rest for both: ``wrap(tensor)`` moves the tensor's whole
-storage into fresh memory once (views of one allocation share it) and re-points the
-*same* tensor object at it; ``to_tensor()`` maps it zero-copy; lifetimes follow
-torch's reference counting. ``LMCACHE_PLATFORM_CPU_IPC`` picks the kind an engine
+The generic kit does the rest for both: ``wrap(tensor)`` makes the tensor's whole
+storage shared memory once (views of one allocation share it): in place for a large
+allocation (the memory is mapped over its own pages, nothing moves), else by a copy
+that the *same* tensor object is re-pointed at; ``to_tensor()`` maps it zero-copy;
+lifetimes follow torch's reference counting. ``LMCACHE_PLATFORM_CPU_IPC`` picks the kind an engine
 exports (:mod:`._config`); a consumer accepts both.
 """
 

@@ -44,7 +44,7 @@ QUICK_SIZES = (4 * MiB, 16 * MiB, 64 * MiB)
 PICKLE_MAX = 1 * GiB
 LAYERS, BLOCK_SIZE, HEADS, HEAD_SIZE = 32, 16, 8, 128
 #: Ours at 1 GiB must take at most this share of torch's file_system strategy.
-VS_TORCH_LIMIT = 0.5
+VS_TORCH_LIMIT = 0.25
 #: Largest over smallest size: "flat" means at most this.
 FLAT_LIMIT = 1.2
 OURS = "ours (wire + shm)"
@@ -445,6 +445,9 @@ def bench_migration(report: Report, settings: Settings) -> None:
         gc.collect()  # between sizes, in case anything was caught in a cycle
     main = ratio_rows(report.section("migration"), "ours: first wrap", "size_bytes")
     report.results = [r for r in report.results if r.section != "migration"] + main
+    from .peak import bench_peak
+
+    bench_peak(report, settings)
 
 
 def _migrate_once(size: int, device: str, strategy: str | None, layout: str = "vllm") -> float:

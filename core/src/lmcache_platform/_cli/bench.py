@@ -40,8 +40,11 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
                        ("size", "message_bytes"), ""),
     "migration": ("One-time migration into shared memory (ms)", ("size",),
                   "ratio = median / ours: first wrap"),
+    "migration memory": ("Peak memory added by sharing the set (MiB, VmHWM of a fresh process)",
+                         ("size", "peak_mib"), ""),
     "transfer": ("Store/retrieve of 256-token chunks, 32 layers (GB/s, higher is better)",
-                 ("format", "chunk_bytes"), "ratio = median / copy_ of the same bytes and shape"),
+                 ("format", "engine_layout", "chunk_bytes"),
+                 "ratio = median / copy_ of the same bytes and shape"),
 }
 ORDER = tuple(SECTIONS)
 _RUNNABLE = ("import", "dispatch", "handoff", "migration", "transfer")
@@ -265,7 +268,7 @@ def format_report(report: Report) -> str:
             continue
         title, keys, ratio_note = SECTIONS[section]
         lines += ["", f"== {title} ==" + (f"  [{ratio_note}]" if ratio_note else "")]
-        table = [[*(str(r.params.get(k, "")) for k in keys), r.case, _fmt(r.median), _fmt(r.min),
+        table = [[*(str(r.params.get(k) or "") for k in keys), r.case, _fmt(r.median), _fmt(r.min),
                   _fmt(r.max), r.unit, f"{r.ratio:.2f}" if r.ratio is not None else "",
                   "noisy" if r.noisy else ""]
                  for r in rows]

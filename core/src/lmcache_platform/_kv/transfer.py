@@ -6,17 +6,25 @@ per kernel group, the staged block ids, the chunk positions moved and the stagin
 view. A native kernel needs nothing else (plus the group's pointer tensor and
 :class:`~lmcache_platform._kv.groups.KernelGroup` geometry).
 
-:class:`GroupMover` is the portable implementation: ``index_select``/``index_copy_``
-over whole blocks and ``copy_`` for partial edge blocks, on canonical
-``[kv, blocks, block_size, heads, head_size]`` views, so one code path serves every
-format. Two measures keep it near memory bandwidth without a native kernel:
+:class:`GroupMover` is the portable implementation, on canonical
+``[kv, blocks, block_size, heads, head_size]`` views so one code path serves every
+format (CUDA included: only generic torch ops). Measures that keep it near memory
+bandwidth without a native kernel:
 
 * When a kernel group's layers are equally spaced views into one allocation, they
   are stacked into a single strided view, so each step is one op for all layers.
-  Otherwise it is one op per layer.
+  Otherwise it is one op per layer (or plane).
+* Store gathers whole blocks with ``index_select``: torch copies slice by slice
+  with one reused iterator, a ``copy_`` per block without Python overhead.
+* Retrieve scatters whole blocks with ``index_copy_``, which walks element by
+  element: fine where a block's plane is one contiguous run on both sides. For a
+  stacked view whose blocks are short runs (vLLM's K/V-interleaved pages) it is
+  one ``copy_`` per run of consecutive block ids instead (few large ops), per plane
+  when the paged token/head order is the transpose of staging's.
 * Data moves as opaque wide words (``int64`` for gathers, ``complex128`` for
   scatters, narrower where a layout demands): bit-exact for any dtype (fp8
   included) and far fewer elements for the index kernels to walk.
+* Partial edge blocks use ``copy_``.
 """
 
 from __future__ import annotations
@@ -175,6 +183,27 @@ def _segments(first: int, count: int, block_size: int) -> list[tuple[int, int, i
     return out
 
 
+def _common_run(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements per innermost run that is contiguous in both same-shape views."""
+    run = 1
+    for size, sa, sb in zip(reversed(a.shape), reversed(a.stride()), reversed(b.stride()), strict=True):
+        if size > 1 and (sa != run or sb != run):
+            break
+        run *= size
+    return run
+
+
+def _block_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position, first id, length)`` per run of consecutive ids (in chunk order)."""
+    out: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((pos, b, 1))
+    return out
+
+
 class _Views:
     """A kernel group's paged and staging views, reinterpreted with one word type.
 
@@ -214,6 +243,17 @@ class _Views:
         ]
         self.block_size = block_size
         self._runs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        # Block-wise copy_ (see GroupMover) pays off for one paged view whose blocks are
+        # not one contiguous run per plane on both sides (and when a whole block fits a slot).
+        page = self.pages[0].select(self.dim, 0)
+        self.copy_blocks = (
+            len(self.pages) == 1
+            and self.stage[0][0].size(self.dim) >= block_size
+            and _common_run(page, self.runs(0, 0, 1)[0].select(self.dim, 0)) < page[0, 0].numel()
+        )
+        # Token/head order transposed against staging's: an op over both planes would
+        # iterate them as its second loop (two rows a step); one op per plane instead.
+        self.split_planes = page.size(1) > 1 and page.stride(2) < page.stride(3) and page.size(3) > 1
 
     def runs(self, slot: int, pos: int, n: int) -> list[torch.Tensor]:
         """Staging views ``[l, p, n, block_size, H, D]`` of ``n`` whole blocks at ``pos``."""
@@ -236,7 +276,8 @@ class GroupMover:
     (:func:`~.layout.plane_views`); ``slot_buffers`` the group's staging views
     ``[kv, layers, tokens, hidden]``, one per slot. Gather and scatter each use
     their own word types: torch's ``index_select`` is fastest on 8-byte words and
-    ``index_copy_`` on 16-byte ones.
+    ``index_copy_`` on 16-byte ones. Which whole-block scatter runs is fixed here,
+    from the strides (see the module docstring).
     """
 
     def __init__(
@@ -265,22 +306,39 @@ class GroupMover:
         self._move(slot, part, to_staging=False)
 
     def _move(self, slot: int, part: GroupTransfer, *, to_staging: bool) -> None:
-        """Whole blocks with one index op per paged view, partial edge blocks with ``copy_``."""
+        """Whole blocks with index ops or block-wise ``copy_``, partial edge blocks with ``copy_``."""
         import torch
 
         v = self._gather if to_staging else self._scatter
         d, pos = v.dim, 0
         for blk, n, off, length in _segments(part.first_token, part.num_tokens, self.block_size):
             if off == 0 and length == n * self.block_size:
-                ids = part.block_ids[blk : blk + n]
-                for pages, run in zip(v.pages, v.runs(slot, pos, n), strict=True):
-                    if to_staging:
-                        torch.index_select(pages, d, ids, out=run)
-                    else:
-                        pages.index_copy_(d, ids, run)
+                if not to_staging and v.copy_blocks:
+                    self._copy_blocks(v, slot, pos, part.block_id_list[blk : blk + n])
+                else:
+                    ids = part.block_ids[blk : blk + n]
+                    for pages, run in zip(v.pages, v.runs(slot, pos, n), strict=True):
+                        if to_staging:
+                            torch.index_select(pages, d, ids, out=run)
+                        else:
+                            pages.index_copy_(d, ids, run)
             else:
                 for pages, stage in zip(v.pages, v.stage[slot], strict=True):
                     paged = pages.select(d, part.block_id_list[blk]).narrow(d, off, length)
                     staged = stage.narrow(d, pos, length)
                     (staged if to_staging else paged).copy_(paged if to_staging else staged)
             pos += length
+
+    @staticmethod
+    def _copy_blocks(v: _Views, slot: int, pos: int, ids: Sequence[int]) -> None:
+        """Scatter whole blocks from staging position ``pos`` with one ``copy_`` per id run."""
+        d = v.dim
+        (pages,) = v.pages
+        (run,) = v.runs(slot, pos, len(ids))
+        for i, first, n in _block_runs(ids):
+            dst, src = pages.narrow(d, first, n), run.narrow(d, i, n)
+            if v.split_planes:
+                for p in range(int(dst.size(1))):
+                    dst.select(1, p).copy_(src.select(1, p))
+            else:
+                dst.copy_(src)

@@ -1,0 +1,141 @@
+"""Making an engine's existing CPU allocation shareable where it lies: pages replaced in place.
+
+Copying a KV cache into fresh shared memory needs a second copy of it for the
+time of the copy, and leaves every tensor the engine derived from the old memory
+(its flat buffer, views it cut itself) pointing at private pages the server never
+sees. Instead, for an allocation that owns its pages outright, the shared memory
+(a store's file descriptor) is mapped over the allocation's own addresses, a slice
+at a time: copy the slice into the file, map the file's slice there with
+``MAP_FIXED``, which frees the private pages it replaces. Virtual addresses do not
+change, so every tensor and view keeps working and sees the shared bytes; peak
+memory grows by one slice.
+
+Which allocations own their pages: torch's CPU allocator takes large blocks from
+glibc ``malloc``, which serves them with a private ``mmap`` of their own (above its
+mmap threshold, 128 KiB to 32 MiB). Such a block's first page holds glibc's 16-byte
+chunk header (the user pointer is 64 bytes in), so the whole page range belongs to
+the block, and the header moves with it: ``free`` later reads it from the shared
+page and unmaps the range. :func:`exclusive_pages` accepts a storage only when all
+of this is shown: a resizable storage (torch's allocator, not ``frombuffer``,
+``from_blob`` or numpy), a pointer inside its first page, a header marked
+mmapped and consistent with page-aligned bounds that cover the storage with little
+slack, and pages that ``/proc/self/maps`` lists as anonymous private memory.
+Anything else (small blocks in the malloc heap, whose pages other data share;
+another libc; pinned memory) returns None, and the caller copies instead.
+
+Linux only. Writes to the allocation by another thread during the remap would be
+lost, so engines wrap before they run (vLLM registers its KV caches at start-up).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+PAGE = mmap.PAGESIZE
+#: Bytes copied and remapped per step: the most by which wrapping raises peak memory.
+SLICE = 32 << 20
+#: Smaller storages are copied: one slice costs more than they do.
+MIN_NBYTES = 1 << 20
+_IS_MMAPPED, _FLAGS = 0x2, 0x7
+
+
+def exclusive_pages(storage: torch.UntypedStorage) -> tuple[int, int] | None:
+    """``(address, length)`` of the whole pages that hold ``storage`` and nothing else, or None."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if nbytes < MIN_NBYTES or not storage.resizable() or ptr % PAGE < 16 or ptr % 16:
+        return None  # a page-aligned pointer has no header in its page: not a malloc block
+    size_field = ctypes.c_size_t.from_address(ptr - 8).value  # same page as ptr: readable
+    prev_size = ctypes.c_size_t.from_address(ptr - 16).value
+    if size_field & _FLAGS != _IS_MMAPPED:
+        return None
+    base, length = ptr - 16 - prev_size, prev_size + (size_field & ~_FLAGS)
+    if base % PAGE or length % PAGE or not base < ptr or ptr + nbytes > base + length:
+        return None
+    if length - nbytes > prev_size + 2 * PAGE or not _anonymous_private(base, length):
+        return None
+    return base, length
+
+
+def _anonymous_private(start: int, length: int) -> bool:
+    """Whether ``/proc/self/maps`` shows ``[start, start + length)`` as anonymous private rw memory."""
+    end, covered = start + length, start
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if hi <= covered or lo > covered:
+                    continue
+                if fields[1] != "rw-p" or fields[4] != "0" or len(fields) > 5:
+                    return False  # file-backed, shared, or a named region ([heap], [stack])
+                covered = hi
+                if covered >= end:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+class RemapError(OSError):
+    """A slice could not be reserved or mapped; the slices before it are already shared.
+
+    The allocation stays valid and keeps its contents either way (shared and private
+    pages hold the same bytes), so the caller only gives up the export.
+    """
+
+
+def remap_in_place(address: int, length: int, fd: int, reserve: Callable[[int, int], None]) -> None:
+    """Move the pages ``[address, address + length)`` into the file ``fd``, keeping the address.
+
+    ``reserve(offset, length)`` reserves a slice of the file first (``posix_fallocate``),
+    raising the store's capacity error when it is full; the file must be ``length``
+    bytes long. A slice at a time: reserve, copy through a second mapping of the file,
+    map the file over the slice (``MAP_FIXED``), drop the second mapping's pages.
+    """
+    libc = _libc()
+    window = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        anchor = ctypes.c_char.from_buffer(window)
+        window_address = ctypes.addressof(anchor)
+        try:
+            for offset in range(0, length, SLICE):
+                n = min(SLICE, length - offset)
+                reserve(offset, n)
+                ctypes.memmove(window_address + offset, address + offset, n)
+                got = libc.mmap(address + offset, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                                mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
+                if got != address + offset:
+                    err = ctypes.get_errno()
+                    raise RemapError(err, f"mmap(MAP_FIXED) of {n} bytes at offset {offset}: "
+                                          f"{os.strerror(err)}")
+                window.madvise(mmap.MADV_DONTNEED, offset, n)  # counted once: where the engine maps it
+        finally:
+            del anchor
+    finally:
+        window.close()
+
+
+_MAP_FIXED = 0x10  # Linux, every architecture
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        _LIBC = libc
+    return _LIBC
