@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 
+import numpy
 import pytest
 import torch
 
@@ -89,7 +90,7 @@ def test_wrapping_again_names_the_same_memory_without_copying() -> None:
 
 def test_small_and_foreign_storages_are_copied_instead() -> None:
     small = torch.arange(1024, dtype=torch.float32)  # heap memory: its pages hold other data too
-    array = torch.from_numpy(__import__("numpy").arange(2 * MiB, dtype="uint8"))  # numpy's memory
+    array = torch.from_numpy(numpy.arange(2 * MiB, dtype="uint8"))  # numpy's memory
     for t in (small, array):
         assert _remap.exclusive_pages(t.untyped_storage()) is None
         before, expected = t.data_ptr(), t.clone()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import os
 import secrets
 import subprocess
@@ -34,7 +35,9 @@ def memfd_maps(name: str) -> int:
 
 
 def footprint() -> tuple[int, int]:
-    """(open fds, mappings of any memfd of ours) in this process."""
+    """(open fds, mappings of any memfd of ours) in this process, once earlier tests' garbage
+    is collected (a cycle freed mid-test would otherwise change the counts)."""
+    gc.collect()
     with open("/proc/self/maps") as f:
         maps = sum(1 for line in f if "/memfd:" + _memfd.PREFIX in line)
     return len(os.listdir("/proc/self/fd")), maps
