@@ -569,12 +569,16 @@ class _Tracker:
 
     def _in_place_died(self, address: int, segment: _Segment) -> None:
         """The storage living in memory mapped in place is gone: forget it, release the handle."""
+        if self._unlink(address, segment):
+            self.store.release(segment.handle)
+
+    def _unlink(self, address: int, segment: _Segment) -> bool:
+        """Forget ``segment`` (at ``address``); whether its handle is ours to release now."""
         if self.segments.get(address) is segment:
             del self.segments[address]
         last = segment.owned and segment.linked
         segment.linked = False
-        if last:
-            self.store.release(segment.handle)
+        return last
 
     def sweep(self) -> None:
         """Release the memory of in-place storages that died since (torch tells no one)."""
@@ -593,12 +597,9 @@ class _Tracker:
         if os.getpid() != pid:
             return  # a forked child's copy of the parent's mapping
         with self.lock:
-            if self.segments.get(address) is segment:
-                del self.segments[address]
             for key in [k for k, (_, s) in self.moved.items() if s is segment]:
                 del self.moved[key]
-            last = segment.owned and segment.linked
-            segment.linked = False
+            last = self._unlink(address, segment)
         if last:
             self.store.release(segment.handle)
 
@@ -974,22 +975,24 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         if shared is not None and shared.mm is not None and shared.storage is not None:
             mm, storage = shared.mm, shared.storage
         else:
-            mm = self._mm if self._mm is not None else self._open(nbytes)
-            storage = _storage_over(mm, nbytes)
+            if self._mm is not None:
+                mm, storage = self._mm, _storage_over(self._mm, nbytes)
+            else:
+                mm, storage = self._open(nbytes)
             if shared is not None:
                 shared.mm, shared.storage = mm, storage
         self._mm = mm
         view = torch.empty(0, dtype=self.dtype)
         return view.set_(storage, self.storage_offset, self.shape, self.stride)
 
-    def _open(self, nbytes: int) -> mmap.mmap:
-        """Map the memory through the store's checks and remember the mapping here."""
+    def _open(self, nbytes: int) -> tuple[mmap.mmap, torch.UntypedStorage]:
+        """Map the memory through the store's checks, remember the mapping, return it and a storage."""
         tracker, handle = type(self)._memory(), self.handle
         mm = tracker.store.open_existing(handle, nbytes)
+        storage = _storage_over(mm, nbytes)
         with tracker.lock:  # so that wrapping a view of it names this memory instead of copying
-            address = _storage_over(mm, nbytes).data_ptr()
-            tracker.track(mm, address, _Segment(handle, nbytes, weakref.ref(mm), owned=False))
-        return mm
+            tracker.track(mm, storage.data_ptr(), _Segment(handle, nbytes, weakref.ref(mm), owned=False))
+        return mm, storage
 
     def verify(self) -> None:
         """Check that the memory this wrapper mapped has not shrunk; call it before each transfer.

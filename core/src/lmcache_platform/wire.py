@@ -75,26 +75,27 @@ def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
     if len(wrappers) > MAX_WRAPPERS:
         raise WireFormatError(f"{len(wrappers)} wrappers exceed the limit of {MAX_WRAPPERS}")
     records: list[list[object]] = []
+    named: set[type[DeviceIPCWrapper]] = set()  # classes whose device type and tag passed
     last: tuple[type[DeviceIPCWrapper], dict[str, Primitive]] | None = None
+    views: list[list[Primitive]] = []
     for i, wrapper in enumerate(wrappers):
         if not isinstance(wrapper, DeviceIPCWrapper):
             raise WireFormatError(f"item {i}: expected a DeviceIPCWrapper, got {type(wrapper).__name__}")
         cls = type(wrapper)
-        named = DEVICE_TYPE_RE.fullmatch(cls.device_type) and WIRE_TAG_RE.fullmatch(cls.wire_tag)
-        if (last is None or last[0] is not cls) and not named:
-            raise WireFormatError(
-                f"item {i}: {cls.__qualname__} needs a valid device_type and wire_tag "
-                f"(got {cls.device_type!r}, {cls.wire_tag!r})"
-            )
+        if cls not in named:
+            if not (DEVICE_TYPE_RE.fullmatch(cls.device_type) and WIRE_TAG_RE.fullmatch(cls.wire_tag)):
+                raise WireFormatError(
+                    f"item {i}: {cls.__qualname__} needs a valid device_type and wire_tag "
+                    f"(got {cls.device_type!r}, {cls.wire_tag!r})"
+                )
+            named.add(cls)
         try:
             export, view = wrapper.export_fields(), wrapper.view_fields()
         except LMCachePlatformError as exc:
             raise WireFormatError(f"item {i} ({cls.wire_tag}): {exc}") from exc
         if last is None or last[0] is not cls or last[1] != export:
-            last = (cls, export)
-            records.append([cls.device_type, cls.wire_tag, export, []])
-        views = records[-1][3]
-        assert isinstance(views, list)
+            last, views = (cls, export), []
+            records.append([cls.device_type, cls.wire_tag, export, views])
         views.append([view[name] for name in VIEW_FIELDS])
     return _codec.pack(MAGIC, VERSION, records, max_bytes=MAX_MESSAGE_BYTES, what=_WHAT)
 

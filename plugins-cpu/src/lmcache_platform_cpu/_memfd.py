@@ -128,8 +128,6 @@ class MemfdStore:
         """A sealed memfd of ``nbytes`` owned by this process, its pages reserved or not."""
         if nbytes <= 0:
             raise ValueError(f"a memfd needs a positive size, got {nbytes}")
-        if reserve:
-            self.check_capacity(nbytes)
         name = PREFIX + secrets.token_hex(16)
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
