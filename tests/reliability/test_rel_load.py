@@ -83,19 +83,32 @@ def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) ->
             conn.close()
 
 
-def settle(server: ServerProcess, pid: int, threads: int) -> tuple[dict[str, Any], Resources]:
-    """Wait (bounded) until every client's connection thread has exited; then measure.
+def settle(server: ServerProcess, pid: int) -> tuple[dict[str, Any], Resources, int]:
+    """Wait (bounded) until the server counts only the measuring connection; then measure.
 
-    The measurement holds one status connection open, so it counts that
-    connection's socket and thread every time: the figures compare like with like.
+    The server closes a connection's socket before it stops counting it, so
+    ``connections == 1`` means every other client's fd is gone; its thread ends
+    a moment later, so the thread count is read once it has held still.
+    The measuring connection's socket and thread are counted every time: the
+    figures compare like with like. Returns the status, the resources and the
+    thread count.
     """
     with ServerClient(server.socket_path, timeout=30) as c:
-        status = c.status()["server"]
-        for _ in range(200):
-            if threads_of(pid) <= threads:
+        for _ in range(600):
+            status = c.status()["server"]
+            if status["connections"] == 1:
                 break
             time.sleep(0.05)
-        return status, Resources.of(pid)
+        else:
+            raise AssertionError(f"connections still open after 30 s: {status}")
+        threads = threads_of(pid)
+        for _ in range(100):
+            time.sleep(0.02)
+            now = threads_of(pid)
+            if now == threads:
+                break
+            threads = now
+        return status, Resources.of(pid), threads
 
 
 def warm_up(server: ServerProcess) -> None:
@@ -124,12 +137,11 @@ def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
     pid = server.pid
     assert pid is not None
     warm_up(server)  # first-use allocations of the server are not leaks
-    threads = threads_of(pid) + 1  # the server's own, plus the measuring connection's
-    base_status, before = settle(server, pid, threads)
+    base_status, before, threads = settle(server, pid)
 
     reports, wall = run_clients(server, CLIENTS, REQUESTS, rel_child_pids)
 
-    status, after = settle(server, pid, threads)
+    status, after, threads_after = settle(server, pid)
     errors = [e for r in reports for e in r["errors"]]
     assert errors == [] and sum(r["error_count"] for r in reports) == 0, errors
     assert sum(r["mismatches"] for r in reports) == 0
@@ -139,7 +151,7 @@ def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
     d = before.delta(after)
     assert (d["fds"], d["shm_maps"]) == (0, 0), describe(before, after)
     assert d["rss"] < RSS_SLACK, describe(before, after)
-    assert threads_of(pid) <= threads
+    assert threads_after <= threads, (threads, threads_after)
     assert segments_of({r for r in rel_child_pids}) == []  # every client's segments went with it
 
     total = CLIENTS * REQUESTS

@@ -373,6 +373,18 @@ def test_disconnect_closes_that_clients_contexts(
     client.store(mine, [("still", [[0, 1]])])  # the remaining client is unaffected
 
 
+def test_a_connection_the_server_no_longer_counts_holds_no_fd(server: ServerProcess, client: ServerClient) -> None:
+    """Leak checks wait for ``connections`` to drop, then count fds: the two must agree."""
+    fd_dir = f"/proc/{server.pid}/fd"
+    assert wait_for(client, "connections", 1) == 1
+    fds = len(os.listdir(fd_dir))
+    for _ in range(20):
+        with ServerClient(server.socket_path, timeout=30) as other:
+            assert int(other.status()["server"]["connections"]) == 2
+        assert wait_for(client, "connections", 1) == 1
+        assert len(os.listdir(fd_dir)) == fds
+
+
 def test_shutdown_stops_the_process_and_removes_the_socket(engine: Engine) -> None:
     proc = ServerProcess().start()
     try:

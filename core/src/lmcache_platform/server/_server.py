@@ -256,9 +256,9 @@ class ReferenceServer:
             for ctx_id in sorted(conn.contexts):
                 self._close_entry(ctx_id, reason)
             conn.contexts.clear()
+            conn.sock.close()  # before the discard: a connection counted as gone holds no fd
             with self._lock:
                 self._connections.discard(conn)
-            conn.sock.close()
 
     @staticmethod
     def _send(conn: _Connection, payload: bytes) -> bool:
