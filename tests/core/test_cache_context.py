@@ -398,13 +398,46 @@ def test_context_manager_closes_on_error():
     assert all(w.closed for w in wrappers)
 
 
-def test_failed_reopen_closes_only_the_wrappers_already_reopened():
-    wrappers = [HeldWrapper.wrap(x) for x in make_layers(KVFormat.MLA, 4, nb=NB, bs=BS)]
-    wrappers[2].fail_open = True
+class OtherHeldWrapper(HeldWrapper):
+    """A second wrapper class: the context reopens each class with its own to_tensors call."""
+
+    wire_tag = "test.held-other/1"
+
+
+def test_failed_reopen_closes_the_wrappers_it_tried_to_reopen_and_no_others():
+    """One to_tensors call per class, in layer order: a failure closes that call's wrappers
+    and those of the calls before it; a class not reached yet stays the caller's."""
+    layers = make_layers(KVFormat.MLA, 5, nb=NB, bs=BS)
+    wrappers = [HeldWrapper.wrap(x) for x in layers[:3]] + [OtherHeldWrapper.wrap(x) for x in layers[3:]]
+    wrappers[1].fail_open = True
     with pytest.raises(OSError, match="cannot reopen wrapper"):
         HostContext(wrappers, CacheContextConfig(lmcache_tokens_per_chunk=CHUNK))
-    assert [w.closed for w in wrappers] == [True, True, True, False]
-    assert wrappers[3].opens == 0
+    assert [w.closed for w in wrappers] == [True, True, True, False, False]
+    assert [w.opens for w in wrappers] == [1, 1, 0, 0, 0]
+
+
+def test_each_wrapper_class_reopens_its_wrappers_with_one_call_in_layer_order(monkeypatch):
+    layers = make_layers(KVFormat.MLA, 4, nb=NB, bs=BS)
+    wrappers = [(HeldWrapper if i % 2 else OtherHeldWrapper).wrap(x) for i, x in enumerate(layers)]
+    calls = []
+
+    def to_tensors(cls, batch):
+        calls.append((cls, [w.serial for w in batch]))
+        return [w.to_tensor() for w in batch]
+
+    monkeypatch.setattr(HeldWrapper, "to_tensors", classmethod(to_tensors))
+    with HostContext(wrappers, CacheContextConfig(lmcache_tokens_per_chunk=CHUNK)) as ctx:
+        assert [t.data_ptr() for t in ctx.kv_tensors] == [t.data_ptr() for t in layers]
+    serials = [w.serial for w in wrappers]
+    assert calls == [(OtherHeldWrapper, serials[0::2]), (HeldWrapper, serials[1::2])]
+
+
+def test_to_tensors_returning_the_wrong_count_is_a_layout_error(monkeypatch):
+    wrappers = [HeldWrapper.wrap(x) for x in make_layers(KVFormat.MLA, 3, nb=NB, bs=BS)]
+    monkeypatch.setattr(HeldWrapper, "to_tensors", classmethod(lambda cls, batch: [batch[0].to_tensor()]))
+    with pytest.raises(LayoutError, match=r"HeldWrapper\.to_tensors returned 1 tensors for 3 wrappers"):
+        HostContext(wrappers, CacheContextConfig(lmcache_tokens_per_chunk=CHUNK))
+    assert all(w.closed for w in wrappers)
 
 
 def test_close_closes_every_wrapper_even_if_one_fails():

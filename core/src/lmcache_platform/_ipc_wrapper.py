@@ -206,6 +206,18 @@ class DeviceIPCWrapper(abc.ABC):
     def to_tensor(self) -> torch.Tensor:
         """Reopen the memory in this process as a tensor aliasing the producer's."""
 
+    @classmethod
+    def to_tensors(cls, wrappers: Sequence[DeviceIPCWrapper]) -> list[torch.Tensor]:
+        """Reopen several wrappers of this class at once: :meth:`to_tensor` of each, in order.
+
+        A cache context reopens all of its wrappers of one class with one call, in
+        layer order. Override it to place separate exports where the layers stack
+        (equal steps in one storage), so that one op moves every layer of a kernel
+        group; each returned tensor must alias what its wrapper's ``to_tensor()``
+        would.
+        """
+        return [w.to_tensor() for w in wrappers]
+
     @classmethod  # noqa: B027 - optional hook, no-op by default
     def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:
         """Check a whole batch before any of it is wrapped (capacity, device, layout).

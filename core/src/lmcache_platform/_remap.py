@@ -34,7 +34,7 @@ import mmap
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -126,7 +126,48 @@ def remap_in_place(address: int, length: int, fd: int, reserve: Callable[[int, i
         window.close()
 
 
+def map_side_by_side(fds: Sequence[int], sizes: Sequence[int]) -> tuple[int, int, list[int]]:
+    """Map the files ``fds`` (``sizes`` bytes each) read-write side by side in one new address range.
+
+    Each file starts at a page boundary, right after the previous one's last page, so
+    equal sizes sit at equal steps. The range is reserved first (no access, no
+    memory) and each file mapped over its place with ``MAP_FIXED``, so nothing else
+    can land in between. Returns ``(address, length, offsets)``; release the range
+    with :func:`unmap`. On failure nothing stays mapped; the caller keeps the fds.
+    """
+    offsets, length = [], 0
+    for n in sizes:
+        offsets.append(length)
+        length += -(-n // PAGE) * PAGE
+    libc = _libc()
+    address = libc.mmap(None, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                        -1, 0)  # not writable: no memory is committed for it
+    if address in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise RemapError(err, f"reserving {length} bytes of address space: {os.strerror(err)}")
+    try:
+        for fd, n, offset in zip(fds, sizes, offsets, strict=True):
+            got = libc.mmap(address + offset, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+            if got != address + offset:
+                err = ctypes.get_errno()
+                raise RemapError(err, f"mmap(MAP_FIXED) of {n} bytes at offset {offset}: {os.strerror(err)}")
+    except BaseException:
+        unmap(address, length)
+        raise
+    return address, length, offsets
+
+
+def unmap(address: int, length: int) -> None:
+    """Unmap ``[address, address + length)``, as :func:`map_side_by_side` made it."""
+    if _libc().munmap(address, length):
+        err = ctypes.get_errno()
+        raise RemapError(err, f"munmap of {length} bytes at {address:#x}: {os.strerror(err)}")
+
+
 _MAP_FIXED = 0x10  # Linux, every architecture
+_PROT_NONE = 0
+_MAP_FAILED = ctypes.c_void_p(-1).value
 _LIBC: ctypes.CDLL | None = None
 
 
@@ -137,5 +178,7 @@ def _libc() -> ctypes.CDLL:
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                               ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _LIBC = libc
     return _LIBC

@@ -20,6 +20,10 @@ which every such backend needs and which is easy to get subtly wrong, is here:
   at it; only tensor objects passed to ``wrap`` are re-pointed (see its docstring).
 * **Zero-copy reopening.** :meth:`HostMemoryIPCWrapper.to_tensor` maps the memory
   and replays dtype, shape, stride and storage offset exactly.
+  :meth:`HostMemoryIPCWrapper.to_tensors`, which a cache context calls, maps
+  separate exports (older engines' one allocation per layer) side by side in one
+  address range, so their layers stack in one storage; this needs the store's
+  optional ``open_fd``.
 * **Lifetimes follow torch's reference counting.** A mapping is owned by the torch
   storage built over it, so it lives exactly as long as some tensor uses it. When
   the last one dies, a finalizer forgets the mapping and, in the process that made
@@ -47,6 +51,7 @@ import os
 import re
 import secrets
 import stat
+import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -110,6 +115,13 @@ class HostMemoryStore(Protocol):
     * ``reserve(fd, offset, nbytes)``: reserve those pages (``posix_fallocate``),
       raising the capacity error when they do not fit; the kit reserves each slice
       before it copies it.
+
+    One more optional member lets a cache context map several exports side by side
+    (:meth:`HostMemoryIPCWrapper.to_tensors`); without it each is mapped on its own:
+
+    * ``open_fd(handle, nbytes) -> fd``: :meth:`open_existing` without the mapping:
+      the same checks, then a new file descriptor of the memory, which the kit keeps
+      while the memory is mapped and then closes.
 
     Handles are unguessable or verified (a consumer never maps memory just because a
     descriptor names it); memory is created exclusively and readable by its user only
@@ -615,6 +627,51 @@ class _Tracker:
             self.store.release(segment.handle)  # a no-op in a forked child: the handle is the parent's
 
 
+class _Region:
+    """Where one export lies in a range mapped by :meth:`HostMemoryIPCWrapper.to_tensors`.
+
+    ``storage`` spans the whole range (it unmaps the range and closes the fds when it
+    dies); the export starts ``offset`` bytes in, and ``fd`` is open while it lives.
+    """
+
+    __slots__ = ("fd", "offset", "storage")
+
+    def __init__(self, storage: torch.UntypedStorage, offset: int, fd: int) -> None:
+        self.storage, self.offset, self.fd = storage, offset, fd
+
+    def size(self) -> int:
+        """The memory's current size (what ``mmap.size()`` says of a mapping)."""
+        return os.fstat(self.fd).st_size
+
+
+def _storage_side_by_side(fds: Sequence[int], sizes: Sequence[int]) -> tuple[torch.UntypedStorage, list[int]]:
+    """One storage over the files ``fds`` mapped side by side, and where each starts.
+
+    The storage owns the range and the fds from here on: when it dies, the range is
+    unmapped and the fds closed. On failure the caller still owns the fds.
+    """
+    import ctypes
+
+    import torch
+
+    address, length, offsets = _remap.map_side_by_side(fds, sizes)
+    try:
+        buffer = (ctypes.c_char * length).from_address(address)
+        storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # keeps buffer alive
+    except BaseException:
+        _remap.unmap(address, length)
+        raise
+    finalizer = weakref.finalize(buffer, _unmap_side_by_side, address, length, tuple(fds))
+    finalizer.atexit = False  # at exit the process's mappings and fds go anyway
+    return storage, offsets
+
+
+def _unmap_side_by_side(address: int, length: int, fds: tuple[int, ...]) -> None:
+    _remap.unmap(address, length)
+    for fd in fds:
+        os.close(fd)
+
+
 class _SharedMapping:
     """The one mapping (and storage over it) of the wrappers decoded from one record,
     once one of them opened it; it goes with the last of those wrappers."""
@@ -769,6 +826,7 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         self._export: _Segment | None = None  # set on wrappers exporting memory made here
         self._mm: mmap.mmap | None = None  # this wrapper's mapping, once opened
         self._shared: _SharedMapping | None = None  # the mapping of wrappers decoded together
+        self._region: _Region | None = None  # where to_tensors mapped this memory, if it did
 
     @classmethod
     def from_views(cls, export: Mapping[str, Any], views: Sequence[Mapping[str, Any]]) -> list[Self]:
@@ -779,6 +837,50 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
             for wrapper in wrappers:
                 wrapper._shared = shared
         return wrappers
+
+    @classmethod
+    def to_tensors(cls, wrappers: Sequence[DeviceIPCWrapper]) -> list[torch.Tensor]:
+        """Reopen ``wrappers``, mapping their separate exports side by side in one range.
+
+        Older engines allocate each layer's KV cache apart, so each layer is an export
+        of its own. Mapped at equal steps in one address range they form one storage,
+        where the cache context stacks them and moves every layer of a group with one
+        op, as it does for current vLLM's views of one allocation. Each tensor aliases
+        the same memory ``to_tensor()`` would, and the wrappers of one wire record
+        still share their export's place. Falls back to :meth:`to_tensor` per wrapper
+        for fewer than two exports, for wrappers already opened, and for a store
+        without ``open_fd``. Re-wrapping a tensor opened here copies it: wrap a
+        ``to_tensor()`` view to re-export without copying.
+        """
+        open_fd = getattr(cls._memory().store, "open_fd", None)
+        exports: dict[int, list[HostMemoryIPCWrapper]] = {}
+        for w in wrappers:
+            if isinstance(w, HostMemoryIPCWrapper) and not w.closed and w.memory_nbytes and not w._opened():
+                key = id(w._shared) if w._shared is not None else id(w)
+                exports.setdefault(key, []).append(w)
+        if not callable(open_fd) or len(exports) < 2 or not sys.platform.startswith("linux"):
+            return super().to_tensors(wrappers)
+        groups = list(exports.values())
+        sizes = [group[0].memory_nbytes for group in groups]
+        fds: list[int] = []
+        try:
+            for group, nbytes in zip(groups, sizes, strict=True):
+                fds.append(open_fd(group[0].handle, nbytes))
+            storage, offsets = _storage_side_by_side(fds, sizes)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        for group, offset, fd in zip(groups, offsets, fds, strict=True):
+            region = _Region(storage, offset, fd)
+            for w in group:
+                w._region = region
+        return [w.to_tensor() for w in wrappers]
+
+    def _opened(self) -> bool:
+        shared = self._shared
+        mapped_together = shared is not None and shared.mm is not None
+        return self._mm is not None or self._region is not None or mapped_together
 
     @classmethod
     def _checked_handle(cls, handle: Mapping[str, Any]) -> tuple[tuple[tuple[str, Any], ...], int]:
@@ -971,6 +1073,10 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         nbytes = self.memory_nbytes
         if not nbytes:
             return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+        region = self._region
+        if region is not None:
+            start = region.offset // self.dtype.itemsize + self.storage_offset  # offset: whole pages
+            return torch.empty(0, dtype=self.dtype).set_(region.storage, start, self.shape, self.stride)
         shared = self._shared
         if shared is not None and shared.mm is not None and shared.storage is not None:
             mm, storage = shared.mm, shared.storage
@@ -1003,7 +1109,7 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         the window to the time between the check and the access; it cannot close it.
         A no-op before :meth:`to_tensor` and after :meth:`close`.
         """
-        mm = self._mm
+        mm: mmap.mmap | _Region | None = self._mm if self._mm is not None else self._region
         if mm is None:
             return
         try:
@@ -1019,7 +1125,7 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
     def release(self) -> None:
         """Drop this wrapper's mapping; a producer's last wrapper also releases the handle."""
-        self._mm = self._shared = None
+        self._mm = self._shared = self._region = None
         export, self._export = self._export, None
         if export is not None:
             type(self)._memory().release_export(export)

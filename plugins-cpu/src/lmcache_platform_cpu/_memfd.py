@@ -149,6 +149,14 @@ class MemfdStore:
         return handle, fd
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
+        own = self.open_fd(handle, nbytes)
+        try:
+            return mmap.mmap(own, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(own)
+
+    def open_fd(self, handle: Handle, nbytes: int) -> int:
+        """A new descriptor of the producer's memfd, once it is shown to be what the handle says."""
         pid, fd, name = handle["memfd_pid"], handle["memfd_fd"], handle["memfd_name"]
         where = f"memfd export {name!r} (fd {fd} of pid {pid})"
 
@@ -179,9 +187,10 @@ class MemfdStore:
             if seals & REQUIRED_SEALS != REQUIRED_SEALS:
                 raise refuse("seals", f"its seals are {seals:#x}, not F_SEAL_SHRINK | F_SEAL_GROW: "
                              "its producer could truncate it under our mapping")
-            return mmap.mmap(own, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(own)
+            raise
+        return own
 
     def release(self, handle: Handle) -> bool:
         fd, ino = handle["memfd_fd"], handle["memfd_ino"]

@@ -188,13 +188,25 @@ def _reserve(fd: int, nbytes: int, offset: int = 0) -> None:
 def open_existing(name: str, nbytes: int) -> mmap.mmap:
     """Map the existing segment ``name`` read-write after checking what it really is.
 
-    Refused with ``DescriptorError`` (before mapping): a malformed name, a missing
-    segment, a symlink, anything but a regular file, a segment of another user or
-    one readable by group or others, and a size other than ``nbytes``.
+    Refused with ``DescriptorError`` (before mapping): see :func:`open_fd`.
+    """
+    fd = open_fd(name, nbytes)
+    try:
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def open_fd(name: str, nbytes: int) -> int:
+    """A new read-write descriptor of the existing segment ``name``, after checking what it is.
+
+    Refused with ``DescriptorError``: a malformed name, a missing segment, a symlink,
+    anything but a regular file, a segment of another user or one readable by group
+    or others, and a size other than ``nbytes``.
     """
     parse_name(name)
     try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_NOFOLLOW, 0)
+        fd: int = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_NOFOLLOW, 0)
     except FileNotFoundError as exc:
         raise DescriptorError(
             f"shared-memory segment {name!r} does not exist (its producer exited or released it)"
@@ -203,9 +215,10 @@ def open_existing(name: str, nbytes: int) -> mmap.mmap:
         raise DescriptorError(f"cannot open shared-memory segment {name!r}: {exc}") from exc
     try:
         _verify(name, os.fstat(fd), nbytes)
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def _verify(name: str, st: os.stat_result, nbytes: int) -> None:
@@ -299,6 +312,9 @@ class ShmStore:
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
         return open_existing(handle["shm_name"], nbytes)
+
+    def open_fd(self, handle: Handle, nbytes: int) -> int:
+        return open_fd(handle["shm_name"], nbytes)
 
     def release(self, handle: Handle) -> bool:
         return unlink(handle["shm_name"])

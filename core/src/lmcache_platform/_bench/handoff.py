@@ -8,7 +8,8 @@ opens every layer as a tensor and acknowledges. The time runs from "the engine h
 its tensors" to "the acknowledgement is back", for
 
 * ours: ``wrap_kv_caches`` (storage already migrated, as after the engine's first
-  wrap), ``wire.encode``, a pipe, ``wire.decode`` and ``to_tensor()``;
+  wrap), ``wire.encode``, a pipe, ``wire.decode`` and ``to_tensors()`` (as a cache
+  context reopens a set);
 * torch.multiprocessing sharing through a spawn-context ``Queue``, with the
   ``file_system`` and ``file_descriptor`` strategies (storage already shared, the
   same starting point as ours); on CUDA, torch's CUDA IPC;

@@ -36,7 +36,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
                  "ratio = median / dict lookup"),
     "handoff": ("Hand-off of a 32-layer KV-cache set to a spawned process (ms)", ("size",),
                 "ratio = median / ours"),
-    "handoff stages": ("Our hand-off by stage (ms; decode and to_tensor() in the receiver)",
+    "handoff stages": ("Our hand-off by stage (ms; decode and to_tensors() in the receiver)",
                        ("size", "message_bytes"), ""),
     "migration": ("One-time migration into shared memory (ms)", ("size",),
                   "ratio = median / ours: first wrap"),

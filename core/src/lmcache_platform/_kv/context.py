@@ -1,18 +1,19 @@
 """``BaseCacheContext``: server-side view of one engine's registered KV caches.
 
 The base does everything that does not depend on the device: it reopens the
-wrappers (``to_tensor()``), discovers each layer's layout (:mod:`._layout`), groups
-layers (:mod:`._groups`), builds per-kernel-group pointer tensors and the staging
-buffer (:mod:`._staging`), validates transfer requests and moves chunks with
-generic torch ops (:mod:`._transfer`). A backend subclass only says how its device
-differs.
+wrappers (``to_tensors()``, one call per wrapper class), discovers each layer's
+layout (:mod:`._layout`), groups layers (:mod:`._groups`), builds per-kernel-group
+pointer tensors and the staging buffer (:mod:`._staging`), validates transfer
+requests and moves chunks with generic torch ops (:mod:`._transfer`). A backend
+subclass only says how its device differs.
 
 Contract with backends (stable within an API major):
 
 * Constructor ``cls(kv_caches, config)``: the IPC wrappers (one per layer) and a
   frozen :class:`CacheContextConfig`. Keyword fields can be added to the config
   without breaking any backend. The context owns the wrappers: :meth:`close` closes
-  them, and a failing constructor closes those it already reopened.
+  them, and a failing constructor closes those it tried to reopen (it reopens each
+  wrapper class's with one ``to_tensors`` call, in layer order).
 * Customization points, all optional:
 
   - :meth:`allocate_staging` -- staging memory on the device (default
@@ -120,7 +121,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         # Serializes transfers: they share the block-id buffer (and, on devices with
         # streams, rely on issue order on one stream).
         self._transfer_lock = threading.Lock()
-        opened = 0
+        attempted: list[DeviceIPCWrapper] = []  # closed again if construction fails
         try:
             if not self.kv_caches:
                 raise LayoutError("a cache context needs a non-empty list of KV-cache wrappers")
@@ -130,20 +131,36 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
                     f"{len(names)} layer names for {len(self.layer_wrappers)} layers; "
                     f"CacheContextConfig.layer_names must name every layer or none"
                 )
-            layers: list[LayerTensors] = []
             for entry in self.layer_wrappers:
                 if len(entry) not in (1, 2):
                     raise LayoutError(f"a layer is one wrapper or a (K, V) pair, got {len(entry)} wrappers")
-                opened_now = []
-                for wrapper in entry:
-                    opened += 1
-                    opened_now.append(wrapper.to_tensor())
-                layers.append(opened_now[0] if len(entry) == 1 else (opened_now[0], opened_now[1]))
+            # One call per wrapper class, in layer order, so a backend can place separate
+            # exports where the layers stack (DeviceIPCWrapper.to_tensors).
+            by_class: dict[type[DeviceIPCWrapper], list[int]] = {}
+            for i, wrapper in enumerate(self.kv_caches):
+                by_class.setdefault(type(wrapper), []).append(i)
+            tensors: dict[int, torch.Tensor] = {}
+            for cls, indices in by_class.items():
+                batch = [self.kv_caches[i] for i in indices]
+                attempted += batch
+                got = cls.to_tensors(batch)
+                if len(got) != len(indices):
+                    raise LayoutError(f"{cls.__name__}.to_tensors returned {len(got)} tensors for "
+                                      f"{len(indices)} wrappers")
+                tensors.update(zip(indices, got, strict=True))
+            layers: list[LayerTensors] = []
+            flat = 0
+            for entry in self.layer_wrappers:
+                if len(entry) == 1:
+                    layers.append(tensors[flat])
+                else:
+                    layers.append((tensors[flat], tensors[flat + 1]))
+                flat += len(entry)
             self._build(layers)
         except BaseException:
             self._closed = True
             try:
-                _close_all(self.kv_caches[:opened])
+                _close_all(attempted)
             except Exception:
                 # Raise what broke construction; the cleanup failure goes to the log.
                 _log.warning(
