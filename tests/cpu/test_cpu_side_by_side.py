@@ -13,6 +13,7 @@ import gc
 import itertools
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import pytest
@@ -64,11 +65,21 @@ def received(wrappers: list[Any]) -> list[Any]:
     return wire.decode(wire.encode(wrappers))
 
 
-def test_separate_exports_reopen_as_one_storage_at_equal_steps(kind: str) -> None:
-    layers = engine_layers()
-    wrappers = lp.wrap_kv_caches(layers)
+@contextmanager
+def exported(tensors: list[torch.Tensor]) -> Iterator[tuple[list[Any], list[Any]]]:
+    """The engine's wrappers of ``tensors`` and the server's, all closed afterwards."""
+    wrappers = lp.wrap_kv_caches(tensors)
     server = received(wrappers)
     try:
+        yield wrappers, server
+    finally:
+        for w in [*server, *wrappers]:
+            w.close()
+
+
+def test_separate_exports_reopen_as_one_storage_at_equal_steps(kind: str) -> None:
+    layers = engine_layers()
+    with exported(layers) as (_, server):
         assert len({tuple(w.export_fields().items()) for w in server}) == LAYERS  # four exports
         before = len(mapped_files())
         tensors = type(server[0]).to_tensors(server)
@@ -82,30 +93,24 @@ def test_separate_exports_reopen_as_one_storage_at_equal_steps(kind: str) -> Non
         tensors[3][0, 7] = -2.0  # the server writes; the engine sees it
         assert torch.equal(tensors[2], layers[2]) and torch.equal(tensors[3], layers[3])
         assert all(torch.equal(w.to_tensor(), t) for w, t in zip(server, tensors, strict=True))
-    finally:
-        for w in [*server, *wrappers]:
-            w.close()
 
 
 def test_the_range_lives_while_a_tensor_does_and_then_goes_with_its_fds(kind: str) -> None:
     layers = engine_layers()
-    wrappers = lp.wrap_kv_caches(layers)
-    gc.collect()
-    maps, fds = len(mapped_files()), open_fds()
-    server = received(wrappers)
-    tensors = type(server[0]).to_tensors(server)
-    for w in server:
-        w.close()
-    last = tensors.pop()
-    del tensors
-    gc.collect()
-    assert len(mapped_files()) == maps + LAYERS  # one tensor keeps the whole range
-    assert torch.equal(last, layers[-1])
-    del last
-    gc.collect()
-    assert (len(mapped_files()), open_fds()) == (maps, fds)
-    for w in wrappers:
-        w.close()
+    with exported(layers) as (_, server):
+        gc.collect()
+        maps, fds = len(mapped_files()), open_fds()
+        tensors = type(server[0]).to_tensors(server)
+        for w in server:
+            w.close()
+        last = tensors.pop()
+        del tensors
+        gc.collect()
+        assert len(mapped_files()) == maps + LAYERS  # one tensor keeps the whole range
+        assert torch.equal(last, layers[-1])
+        del last
+        gc.collect()
+        assert (len(mapped_files()), open_fds()) == (maps, fds)
 
 
 def test_views_of_one_record_share_their_place(kind: str) -> None:
@@ -113,24 +118,17 @@ def test_views_of_one_record_share_their_place(kind: str) -> None:
     whole = torch.arange(4 * 4096, dtype=torch.float32).view(4, 4096)
     other = torch.full((4096,), 3.0)
     engine = [*whole.unbind(0), other]  # the memory lives while the engine's tensors do
-    wrappers = lp.wrap_kv_caches(engine)
-    server = received(wrappers)
-    try:
+    with exported(engine) as (_, server):
         tensors = type(server[0]).to_tensors(server)
         assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
         assert [t.storage_offset() - tensors[0].storage_offset() for t in tensors[:4]] == [0, 4096, 8192, 12288]
         assert all(torch.equal(t, e) for t, e in zip(tensors, engine, strict=True))
-    finally:
-        for w in [*server, *wrappers]:
-            w.close()
 
 
 def test_an_export_that_fails_its_checks_leaves_nothing_mapped_or_open(kind: str) -> None:
     layers = engine_layers()
-    wrappers = lp.wrap_kv_caches(layers)
-    server = received(wrappers)
-    gone = wrappers[2]
-    try:
+    with exported(layers) as (wrappers, server):
+        gone = wrappers[2]
         gone.close()  # its producer releases the third export: unlinked, or its fd closed
         del layers[2]
         gc.collect()
@@ -141,9 +139,6 @@ def test_an_export_that_fails_its_checks_leaves_nothing_mapped_or_open(kind: str
         gc.collect()
         assert (mapped_files(), open_fds()) == (maps, fds)  # the two exports opened before it are shut
         assert not any(w._opened() for w in server)
-    finally:
-        for w in [*server, *wrappers]:
-            w.close()
 
 
 def test_memory_shrunk_under_the_range_is_refused_before_a_transfer() -> None:
