@@ -230,3 +230,45 @@ def test_a_server_context_stacks_per_layer_exports_and_moves_exact_bytes(kind: s
     finally:
         for w in flat:
             w.close()
+
+
+def test_wrapping_a_tensor_of_the_range_again_names_its_export(kind: str) -> None:
+    """A server that re-exports what it reopened shares the engine's memory, not a copy."""
+    layers = engine_layers()
+    with exported(layers) as (wrappers, server):
+        tensors = type(server[0]).to_tensors(server)
+        again = type(wrappers[0]).wrap(tensors[2][1])  # a view of one layer
+        try:
+            assert again.export_fields() == wrappers[2].export_fields()
+            assert again.storage_offset == wrappers[2].storage_offset + layers[2][1].storage_offset()
+            reopened = type(again).from_fields(again.fields())
+            try:
+                layers[2][1, 0] = 42.0
+                assert torch.equal(reopened.to_tensor(), layers[2][1])
+            finally:
+                reopened.close()
+        finally:
+            again.close()
+
+
+def test_views_of_two_allocations_in_turn_map_each_allocation_once(kind: str) -> None:
+    """K and V pools cut into per-layer views, registered K0, V0, K1, V1, ...: two exports."""
+    keys, values = (torch.arange(LAYERS * 8192, dtype=torch.float32).view(LAYERS, 8192) + i for i in (0, 1e6))
+    engine = [t for layer in zip(keys.unbind(0), values.unbind(0), strict=True) for t in layer]
+    with exported(engine) as (_, server):
+        before = len(mapped_files())
+        tensors = type(server[0]).to_tensors(server)
+        assert len(mapped_files()) == before + 2
+        assert all(torch.equal(t, e) for t, e in zip(tensors, engine, strict=True))
+        k_steps = {b.storage_offset() - a.storage_offset() for a, b in itertools.pairwise(tensors[0::2])}
+        assert k_steps == {8192}
+
+
+def test_a_closed_wrapper_is_refused_before_anything_is_mapped(kind: str) -> None:
+    layers = engine_layers()
+    with exported(layers) as (_, server):
+        server[1].close()
+        maps, fds = mapped_files(), open_fds()
+        with pytest.raises(DescriptorError, match="is closed"):
+            type(server[0]).to_tensors(server)
+        assert (mapped_files(), open_fds()) == (maps, fds)

@@ -83,15 +83,15 @@ def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) ->
             conn.close()
 
 
-def settle(server: ServerProcess, pid: int) -> tuple[dict[str, Any], Resources, int]:
+def settle(server: ServerProcess, pid: int, threads: int | None = None) -> tuple[dict[str, Any], Resources, int]:
     """Wait (bounded) until the server counts only the measuring connection; then measure.
 
     The server closes a connection's socket before it stops counting it, so
-    ``connections == 1`` means every other client's fd is gone; its thread ends
-    a moment later, so the thread count is read once it has held still.
-    The measuring connection's socket and thread are counted every time: the
-    figures compare like with like. Returns the status, the resources and the
-    thread count.
+    ``connections == 1`` means every other client's fd is gone. Its thread ends a
+    moment later: with ``threads`` (the baseline) given, wait until the count is
+    back to it; without, until the count has held still. The measuring connection's
+    socket and thread are counted every time, so the figures compare like with like.
+    Returns the status, the resources and the thread count.
     """
     with ServerClient(server.socket_path, timeout=30) as c:
         for _ in range(600):
@@ -101,14 +101,13 @@ def settle(server: ServerProcess, pid: int) -> tuple[dict[str, Any], Resources, 
             time.sleep(0.05)
         else:
             raise AssertionError(f"connections still open after 30 s: {status}")
-        threads = threads_of(pid)
-        for _ in range(100):
+        now = threads_of(pid)
+        for _ in range(500):
             time.sleep(0.02)
-            now = threads_of(pid)
-            if now == threads:
+            before, now = now, threads_of(pid)
+            if (now <= threads) if threads is not None else (now == before):
                 break
-            threads = now
-        return status, Resources.of(pid), threads
+        return status, Resources.of(pid), now
 
 
 def warm_up(server: ServerProcess) -> None:
@@ -141,7 +140,7 @@ def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
 
     reports, wall = run_clients(server, CLIENTS, REQUESTS, rel_child_pids)
 
-    status, after, threads_after = settle(server, pid)
+    status, after, threads_after = settle(server, pid, threads)
     errors = [e for r in reports for e in r["errors"]]
     assert errors == [] and sum(r["error_count"] for r in reports) == 0, errors
     assert sum(r["mismatches"] for r in reports) == 0

@@ -60,7 +60,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from . import _remap
 from ._errors import DescriptorError
-from ._ipc_wrapper import BASE_FIELDS, MAX_EXTENT, DeviceIPCWrapper, Primitive, WireField, dtype_name
+from ._ipc_wrapper import (
+    BASE_FIELDS,
+    MAX_EXTENT,
+    DeviceIPCWrapper,
+    Primitive,
+    WireField,
+    dtype_name,
+    required_elements,
+)
 from ._kv.context import BaseCacheContext
 
 if TYPE_CHECKING:
@@ -495,6 +503,8 @@ class _Tracker:
         self.segments: dict[int, _Segment] = {}
         #: address of a storage whose bytes were moved -> (weak ref to it, where they went)
         self.moved: dict[int, tuple[Any, _Segment]] = {}
+        #: address of a side-by-side range -> its length and, per export, (offset, segment)
+        self.ranges: dict[int, tuple[int, list[tuple[int, _Segment]]]] = {}
 
     def segment_at(self, storage: torch.UntypedStorage) -> _Segment | None:
         """The live segment ``storage`` lives in, if any (and still exported, if ours)."""
@@ -525,7 +535,7 @@ class _Tracker:
     def into_segment(self, tensor: torch.Tensor) -> _Segment:
         """The segment ``tensor`` lives in, after moving its storage there if needed."""
         storage = tensor.untyped_storage()
-        segment = self.segment_at(storage)
+        segment = self.segment_at(storage) or self.in_range(tensor)
         if segment is not None:
             return segment
         target = self.moved_target(storage)
@@ -578,6 +588,69 @@ class _Tracker:
                            storage_nbytes=storage.nbytes())
         self.segments[storage.data_ptr()] = segment
         return segment
+
+    def open_side_by_side(self, exports: Sequence[tuple[Handle, int]]) -> list[_Region]:
+        """Map ``(handle, nbytes)`` exports side by side in one range (``_remap.map_side_by_side``).
+
+        One storage spans the range; when it dies, the range is unmapped and the fds
+        closed. The range is recorded, so that wrapping a tensor in it names its export
+        instead of copying. If an export fails its checks, nothing stays open or mapped.
+        """
+        import ctypes
+
+        import torch
+
+        open_fd = self.store.open_fd  # type: ignore[attr-defined]  # optional; the caller checked
+        fds: list[int] = []
+        try:
+            for handle, nbytes in exports:
+                fds.append(open_fd(handle, nbytes))
+            address, length, offsets = _remap.map_side_by_side(fds, [n for _, n in exports])
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        try:  # from here the finalizer owns the range and the fds, even if frombuffer fails
+            # ctypes keeps one array type per length; contexts are few, and so are lengths
+            buffer = (ctypes.c_char * length).from_address(address)
+            finalizer = weakref.finalize(buffer, self._range_died, address, length, tuple(fds))
+        except BaseException:
+            try:
+                _remap.unmap(address, length)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            raise
+        finalizer.atexit = False  # at exit the process's mappings and fds go anyway
+        storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # keeps buffer alive
+        segments = [_Segment(dict(handle), nbytes, None, owned=False, offset=-offset)
+                    for (handle, nbytes), offset in zip(exports, offsets, strict=True)]
+        with self.lock:
+            self.ranges[address] = (length, list(zip(offsets, segments, strict=True)))
+        return [_Region(storage, offset, fd) for offset, fd in zip(offsets, fds, strict=True)]
+
+    def in_range(self, tensor: torch.Tensor) -> _Segment | None:
+        """The export a tensor of a side-by-side range lies in, if it lies within one."""
+        storage = tensor.untyped_storage()
+        entry = self.ranges.get(storage.data_ptr())
+        if entry is None or entry[0] != storage.nbytes():
+            return None
+        item, first = tensor.element_size(), int(tensor.storage_offset())
+        start = first * item
+        end = required_elements(tuple(tensor.shape), tuple(tensor.stride()), first) * item
+        for offset, segment in entry[1]:
+            if offset <= start and end <= offset + segment.nbytes:
+                return segment
+        return None
+
+    def _range_died(self, address: int, length: int, fds: tuple[int, ...]) -> None:
+        with self.lock:
+            self.ranges.pop(address, None)
+        try:
+            _remap.unmap(address, length)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _in_place_died(self, address: int, segment: _Segment) -> None:
         """The storage living in memory mapped in place is gone: forget it, release the handle."""
@@ -644,34 +717,6 @@ class _Region:
         return os.fstat(self.fd).st_size
 
 
-def _storage_side_by_side(fds: Sequence[int], sizes: Sequence[int]) -> tuple[torch.UntypedStorage, list[int]]:
-    """One storage over the files ``fds`` mapped side by side, and where each starts.
-
-    The storage owns the range and the fds from here on: when it dies, the range is
-    unmapped and the fds closed. On failure the caller still owns the fds.
-    """
-    import ctypes
-
-    import torch
-
-    address, length, offsets = _remap.map_side_by_side(fds, sizes)
-    try:
-        buffer = (ctypes.c_char * length).from_address(address)
-        storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # keeps buffer alive
-    except BaseException:
-        _remap.unmap(address, length)
-        raise
-    finalizer = weakref.finalize(buffer, _unmap_side_by_side, address, length, tuple(fds))
-    finalizer.atexit = False  # at exit the process's mappings and fds go anyway
-    return storage, offsets
-
-
-def _unmap_side_by_side(address: int, length: int, fds: tuple[int, ...]) -> None:
-    _remap.unmap(address, length)
-    for fd in fds:
-        os.close(fd)
-
-
 class _SharedMapping:
     """The one mapping (and storage over it) of the wrappers decoded from one record,
     once one of them opened it; it goes with the last of those wrappers."""
@@ -681,6 +726,11 @@ class _SharedMapping:
     def __init__(self) -> None:
         self.mm: mmap.mmap | None = None
         self.storage: torch.UntypedStorage | None = None
+
+
+def _side_by_side_store(store: object) -> bool:
+    """Whether ``store`` has the optional member that mapping exports side by side needs."""
+    return callable(getattr(store, "open_fd", None))
 
 
 def _in_place_store(store: object) -> bool:
@@ -849,30 +899,23 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         the same memory ``to_tensor()`` would, and the wrappers of one wire record
         still share their export's place. Falls back to :meth:`to_tensor` per wrapper
         for fewer than two exports, for wrappers already opened, and for a store
-        without ``open_fd``. Re-wrapping a tensor opened here copies it: wrap a
-        ``to_tensor()`` view to re-export without copying.
+        without ``open_fd``. Wrapping a tensor opened here again names its export, as
+        for ``to_tensor()``.
         """
-        open_fd = getattr(cls._memory().store, "open_fd", None)
-        exports: dict[int, list[HostMemoryIPCWrapper]] = {}
-        for w in wrappers:
-            if isinstance(w, HostMemoryIPCWrapper) and not w.closed and w.memory_nbytes and not w._opened():
-                key = id(w._shared) if w._shared is not None else id(w)
+        closed = [w for w in wrappers if w.closed]
+        if closed:
+            raise DescriptorError(f"{closed[0]!r} is closed")
+        tracker = cls._memory()
+        exports: dict[tuple[Any, ...], list[HostMemoryIPCWrapper]] = {}
+        for w in wrappers:  # by handle: the wrappers of one export share its place
+            if isinstance(w, HostMemoryIPCWrapper) and w.memory_nbytes and not w._opened():
+                key = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in w.handle.items())
                 exports.setdefault(key, []).append(w)
-        if not callable(open_fd) or len(exports) < 2 or not sys.platform.startswith("linux"):
+        if not _side_by_side_store(tracker.store) or len(exports) < 2 or not sys.platform.startswith("linux"):
             return super().to_tensors(wrappers)
         groups = list(exports.values())
-        sizes = [group[0].memory_nbytes for group in groups]
-        fds: list[int] = []
-        try:
-            for group, nbytes in zip(groups, sizes, strict=True):
-                fds.append(open_fd(group[0].handle, nbytes))
-            storage, offsets = _storage_side_by_side(fds, sizes)
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        for group, offset, fd in zip(groups, offsets, fds, strict=True):
-            region = _Region(storage, offset, fd)
+        regions = tracker.open_side_by_side([(group[0].handle, group[0].memory_nbytes) for group in groups])
+        for group, region in zip(groups, regions, strict=True):
             for w in group:
                 w._region = region
         return [w.to_tensor() for w in wrappers]

@@ -213,11 +213,10 @@ class ReferenceServer:
     def _teardown(self) -> None:
         assert self._listener is not None
         self._listener.close()
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:  # wake the client threads blocked in recv()
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:  # a client thread closes its socket under the lock: no fd is reused meanwhile
+            for conn in self._connections:  # wake the client threads blocked in recv()
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(timeout=10)
         with self._lock:
@@ -256,8 +255,8 @@ class ReferenceServer:
             for ctx_id in sorted(conn.contexts):
                 self._close_entry(ctx_id, reason)
             conn.contexts.clear()
-            conn.sock.close()  # before the discard: a connection counted as gone holds no fd
-            with self._lock:
+            with self._lock:  # closed before it is discounted: a connection counted as gone holds no fd
+                conn.sock.close()
                 self._connections.discard(conn)
 
     @staticmethod
