@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
@@ -15,7 +16,12 @@ from lmcache_platform_cpu import CPUCacheContext, CpuMemfdIPCWrapper, CpuShmIPCW
 
 
 def mappings() -> int:
-    """Mappings of our memory of either kind in this process."""
+    """Mappings of our memory of either kind in this process, once pending garbage is freed.
+
+    An earlier test's reference cycle (a tensor kept by a traceback, say) would
+    otherwise be collected at any allocation, mid-test, and change the count.
+    """
+    gc.collect()
     with open("/proc/self/maps") as f:
         return sum(1 for line in f if "/dev/shm/" + _shm.PREFIX in line or "/memfd:" + _shm.PREFIX in line)
 

@@ -43,11 +43,14 @@ def engine_layers() -> list[torch.Tensor]:
 
 
 def mapped_files(pid: int | str = "self") -> list[str]:
+    """Our memory's mappings here, once pending garbage (an earlier test's cycles) is freed."""
+    gc.collect()
     with open(f"/proc/{pid}/maps") as f:
         return [line.split(maxsplit=5)[5].strip() for line in f if "lmcache_platform_" in line]
 
 
 def open_fds() -> int:
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 

@@ -235,6 +235,7 @@ def test_missing_segment_is_refused(client: ServerClient, engine: Engine) -> Non
     w = engine.wrappers[0]
     name = w.shm_name[:-32] + "0" * 32  # type: ignore[attr-defined]
     ghost = type(w)(**{**w.fields(), "dtype": w.dtype, "shm_name": name})
+    assert wait_for(client, "connections", 1) == 1  # earlier tests' contexts closed with their connections
     before = client.status()["server"]["contexts"]
     with refused("does not exist", "DescriptorError"):
         client.register([ghost], lmcache_tokens_per_chunk=CHUNK, layout_hints=HINTS)
@@ -363,6 +364,7 @@ def test_unregister_closes_the_context(client: ServerClient, engine: Engine) -> 
 def test_disconnect_closes_that_clients_contexts(
     server: ServerProcess, client: ServerClient, engine: Engine
 ) -> None:
+    assert wait_for(client, "connections", 1) == 1  # earlier tests' contexts closed with their connections
     baseline = int(client.status()["server"]["contexts"])
     mine = register(client, engine)
     with ServerClient(server.socket_path, timeout=30) as other:
