@@ -136,6 +136,11 @@ def required_elements(shape: tuple[int, ...], stride: tuple[int, ...], storage_o
     return end
 
 
+def _hashable(fields: Mapping[str, Primitive]) -> tuple[Any, ...]:
+    """``fields`` as a hashable value: its items, lists as tuples."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields.items())
+
+
 class DeviceIPCWrapper(abc.ABC):
     """Base of every IPC wrapper: a hashable value describing a shareable tensor.
 
@@ -324,7 +329,11 @@ class DeviceIPCWrapper(abc.ABC):
         return out
 
     def _key(self) -> tuple[Any, ...]:
-        return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.fields().items())
+        return _hashable(self.fields())
+
+    def _export_key(self) -> tuple[Any, ...]:
+        """Equal for the wrappers of one export (one memory), whatever their views."""
+        return _hashable(self.export_fields())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DeviceIPCWrapper):

@@ -907,10 +907,9 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
             raise DescriptorError(f"{closed[0]!r} is closed")
         tracker = cls._memory()
         exports: dict[tuple[Any, ...], list[HostMemoryIPCWrapper]] = {}
-        for w in wrappers:  # by handle: the wrappers of one export share its place
+        for w in wrappers:  # by export: the wrappers of one memory share its place
             if isinstance(w, HostMemoryIPCWrapper) and w.memory_nbytes and not w._opened():
-                key = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in w.handle.items())
-                exports.setdefault(key, []).append(w)
+                exports.setdefault(w._export_key(), []).append(w)
         if not _side_by_side_store(tracker.store) or len(exports) < 2 or not sys.platform.startswith("linux"):
             return super().to_tensors(wrappers)
         groups = list(exports.values())
@@ -1152,11 +1151,11 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
         the window to the time between the check and the access; it cannot close it.
         A no-op before :meth:`to_tensor` and after :meth:`close`.
         """
-        mm: mmap.mmap | _Region | None = self._mm if self._mm is not None else self._region
-        if mm is None:
+        opened: mmap.mmap | _Region | None = self._mm if self._mm is not None else self._region
+        if opened is None:
             return
         try:
-            size = mm.size()
+            size = opened.size()
         except (OSError, ValueError):  # closed meanwhile, or memory without a file
             return
         if size < self.memory_nbytes:
