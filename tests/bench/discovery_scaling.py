@@ -151,9 +151,14 @@ def dependency_dir(root: Path) -> Path:
         "    if f: out[n] = f\n"
         "print(json.dumps(out))\n"
     )
-    found = json.loads(subprocess.run(
-        [sys.executable, "-c", probe], check=True, capture_output=True, text=True,
-    ).stdout)
+    found = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", probe],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
     deps = root / "deps"
     deps.mkdir()
     for file in found.values():
@@ -204,7 +209,10 @@ def resolve_once(approach: str, env: Env, deps: Path) -> dict[str, Any]:
     """Resolve ``cpu`` once in a fresh, isolated process; return its report."""
     proc = subprocess.run(
         [sys.executable, "-S", "-E", "-c", _CHILD, approach, str(env.site), str(deps)],
-        capture_output=True, text=True, cwd=env.site.parent, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=env.site.parent,
+        timeout=300,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{approach} (N={env.n}, K={env.k}) failed:\n{proc.stderr}")
@@ -225,11 +233,19 @@ def measure(ns: list[int], ks: list[int], runs: int, delay_s: float) -> dict[str
                 for approach in APPROACHES:
                     reports = [resolve_once(approach, env, deps) for _ in range(runs)]
                     ms = [r["seconds"] * 1e3 for r in reports]
-                    results.append({
-                        "approach": approach, "n": n, "k": k, "runs": runs,
-                        "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
-                        "values_ms": ms, "modules_imported": reports[0]["imported"],
-                    })
+                    results.append(
+                        {
+                            "approach": approach,
+                            "n": n,
+                            "k": k,
+                            "runs": runs,
+                            "median_ms": statistics.median(ms),
+                            "min_ms": min(ms),
+                            "max_ms": max(ms),
+                            "values_ms": ms,
+                            "modules_imported": reports[0]["imported"],
+                        }
+                    )
     return {
         "schema": SCHEMA_VERSION,
         "params": {
@@ -260,12 +276,18 @@ def targets(results: list[dict[str, Any]], ns: list[int], ks: list[int]) -> list
             ratio = _median(results, approach, n, hi) / _median(results, approach, n, lo)
             goal = f"{LABELS[approach]}, N={n}: first resolution K={hi} / K={lo}"
             if approach == "lazy":
-                out.append(SpeedTarget.at_most(f"discovery.lazy.n{n}", goal + f" <= {FLAT_LIMIT}",
-                                          ratio, FLAT_LIMIT))
+                out.append(
+                    SpeedTarget.at_most(f"discovery.lazy.n{n}", goal + f" <= {FLAT_LIMIT}", ratio, FLAT_LIMIT)
+                )
             else:
-                out.append(SpeedTarget.at_least(f"discovery.{approach}.n{n}",
-                                           goal + f" > {FLAT_LIMIT} (eager grows with K)",
-                                           ratio, FLAT_LIMIT))
+                out.append(
+                    SpeedTarget.at_least(
+                        f"discovery.{approach}.n{n}",
+                        goal + f" > {FLAT_LIMIT} (eager grows with K)",
+                        ratio,
+                        FLAT_LIMIT,
+                    )
+                )
     return out
 
 
@@ -301,13 +323,20 @@ def plot(data: dict[str, Any], path: Path) -> None:
     with figure(path, title, legend_size=7) as ax:
         for i, n in enumerate(data["params"]["n"]):
             for a, color in zip(APPROACHES, ("tab:green", "tab:red", "tab:purple"), strict=True):
-                rows = sorted((r for r in data["results"] if r["approach"] == a and r["n"] == n),
-                              key=lambda r: r["k"])
+                rows = sorted(
+                    (r for r in data["results"] if r["approach"] == a and r["n"] == n), key=lambda r: r["k"]
+                )
                 ax.errorbar(
-                    [r["k"] for r in rows], [r["median_ms"] for r in rows],
-                    yerr=[[r["median_ms"] - r["min_ms"] for r in rows],
-                          [r["max_ms"] - r["median_ms"] for r in rows]],
-                    color=color, linestyle=styles[i % len(styles)], marker="o", capsize=3,
+                    [r["k"] for r in rows],
+                    [r["median_ms"] for r in rows],
+                    yerr=[
+                        [r["median_ms"] - r["min_ms"] for r in rows],
+                        [r["max_ms"] - r["median_ms"] for r in rows],
+                    ],
+                    color=color,
+                    linestyle=styles[i % len(styles)],
+                    marker="o",
+                    capsize=3,
                     label=f"{LABELS[a]}, N={n}",
                 )
         ax.set_xlabel("backends installed (K)")

@@ -30,11 +30,23 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MODEL = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1024,
-         "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 8,
-         "num_hidden_layers": 8, "head_dim": 64, "use_sliding_window": False, "vocab_size": 4096,
-         "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-         "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+MODEL = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 8,
+    "head_dim": 64,
+    "use_sliding_window": False,
+    "vocab_size": 4096,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
 CHUNK = 256
 
 
@@ -58,20 +70,38 @@ def engine(spec: dict) -> None:
         transfer = None
         if spec["socket"]:
             transfer = KVTransferConfig(
-                kv_connector="ProbeConnector", kv_connector_module_path="probe_connector", kv_role="kv_both",
-                kv_connector_extra_config={"socket": spec["socket"], "tokens_per_chunk": CHUNK,
-                                           "model_id": "bench ttft"},
+                kv_connector="ProbeConnector",
+                kv_connector_module_path="probe_connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "socket": spec["socket"],
+                    "tokens_per_chunk": CHUNK,
+                    "model_id": "bench ttft",
+                },
             )
-        llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  kv_cache_memory_bytes=512 << 20, max_model_len=8192, max_num_batched_tokens=8192,
-                  enforce_eager=True, enable_prefix_caching=True, seed=0, kv_transfer_config=transfer)
+        llm = LLM(
+            model=model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            kv_cache_memory_bytes=512 << 20,
+            max_model_len=8192,
+            max_num_batched_tokens=8192,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            seed=0,
+            kv_transfer_config=transfer,
+        )
         llm.apply_model(sensitive_weights)
         one = SamplingParams(max_tokens=1, temperature=0.0)
         llm.generate([TokensPrompt(prompt_token_ids=prompt(99, spec["tokens"]))], one, use_tqdm=False)
         import probe_connector
 
         for ids in spec["prompts"]:
-            before = {k: sum(c.stats[k] for c in probe_connector.INSTANCES) for k in ("loaded_bytes", "load_seconds")}
+            before = {
+                k: sum(c.stats[k] for c in probe_connector.INSTANCES)
+                for k in ("loaded_bytes", "load_seconds")
+            }
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)[0]
             ttft = time.perf_counter() - t0
@@ -83,13 +113,27 @@ def engine(spec: dict) -> None:
                 t1 = time.perf_counter()
                 dst.copy_(src)
                 copy_gbps = src.numel() / (time.perf_counter() - t1) / 1e9
-            print(json.dumps({"ttft_s": ttft, "cached": int(out.num_cached_tokens or 0), **moved,
-                              "copy_gbps": copy_gbps}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "ttft_s": ttft,
+                        "cached": int(out.num_cached_tokens or 0),
+                        **moved,
+                        "copy_gbps": copy_gbps,
+                    }
+                ),
+                flush=True,
+            )
 
 
 def run_engine(spec: dict) -> list[dict]:
-    proc = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)], capture_output=True,
-                          text=True, timeout=1800, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--engine", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"engine failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"ttft_s"')]
@@ -109,8 +153,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o700)
         sock = os.path.join(tmp, "server.sock")
-        server = subprocess.Popen([sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", sock],
-                                  stderr=subprocess.DEVNULL, cwd=ROOT)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", sock],
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
         try:
             while not os.path.exists(sock):
                 time.sleep(0.1)
@@ -122,7 +169,9 @@ def main() -> None:
             server.terminate()
             server.wait(30)
     loaded = statistics.median(r["loaded_bytes"] for r in hit)
-    load_gbps = statistics.median(r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in hit if r["load_seconds"])
+    load_gbps = statistics.median(
+        r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in hit if r["load_seconds"]
+    )
     result = {
         "model": "qwen2-style, 8 layers, hidden 1024, 8 KV heads x 64, bf16",
         "prompt_tokens": args.prompt_tokens,
@@ -139,14 +188,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"vLLM time to first token, {result['model']}, {args.prompt_tokens}-token prompts "
-          f"(median of {args.prompts}):")
+    print(
+        f"vLLM time to first token, {result['model']}, {args.prompt_tokens}-token prompts "
+        f"(median of {args.prompts}):"
+    )
     print(f"  recompute (no connector)    {result['ttft_recompute_s'] * 1e3:8.1f} ms")
-    print(f"  connector hit               {result['ttft_hit_s'] * 1e3:8.1f} ms   "
-          f"({result['hit_cached_tokens']:.0f} tokens loaded, {loaded / 2**20:.1f} MiB)")
+    print(
+        f"  connector hit               {result['ttft_hit_s'] * 1e3:8.1f} ms   "
+        f"({result['hit_cached_tokens']:.0f} tokens loaded, {loaded / 2**20:.1f} MiB)"
+    )
     print(f"  ratio                       {result['ttft_ratio']:8.2f}   (goal <= 0.30)")
-    print(f"  load bandwidth              {load_gbps:8.2f} GB/s   copy_ of the same bytes "
-          f"{result['copy_gbps']:.2f} GB/s ({result['load_vs_copy']:.2f} x)")
+    print(
+        f"  load bandwidth              {load_gbps:8.2f} GB/s   copy_ of the same bytes "
+        f"{result['copy_gbps']:.2f} GB/s ({result['load_vs_copy']:.2f} x)"
+    )
 
 
 if __name__ == "__main__":

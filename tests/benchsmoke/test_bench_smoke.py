@@ -53,8 +53,20 @@ def _check_result(row: dict[str, Any], runs: int) -> None:
 def test_bench_quick_json(tmp_path: Path) -> None:
     """One real run (one test, so that parallel workers do not each start it)."""
     plot = tmp_path / "handoff.png"
-    cmd = [sys.executable, "-m", "lmcache_platform._cli", "bench", "--quick", "--json",
-           "--sizes", "1M,2M", "--runs", "1", "--plot", str(plot)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmcache_platform._cli",
+        "bench",
+        "--quick",
+        "--json",
+        "--sizes",
+        "1M,2M",
+        "--runs",
+        "1",
+        "--plot",
+        str(plot),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
@@ -77,8 +89,15 @@ def _check_sections(data: dict[str, Any]) -> None:
     assert data["skipped"] == []
     assert data["errors"] == []
     sections = {r["section"] for r in data["results"]}
-    assert sections == {"import", "dispatch", "handoff", "handoff stages", "migration", "migration memory",
-                        "transfer"}
+    assert sections == {
+        "import",
+        "dispatch",
+        "handoff",
+        "handoff stages",
+        "migration",
+        "migration memory",
+        "transfer",
+    }
     for row in data["results"]:
         if row["section"] != "dispatch":  # timeit repeats are fixed per row, checked below
             _check_result(row, runs=1)
@@ -98,8 +117,13 @@ def _check_handoff(data: dict[str, Any]) -> None:
             # The descriptor message does not grow with the data: a few KiB for 32 layers.
             assert 0 < r["params"]["message_bytes"] < 64 << 10
     stages = {r["case"] for r in data["results"] if r["section"] == "handoff stages"}
-    assert stages == {"ours: wrap", "ours: encode", "ours: decode", "ours: to_tensor",
-                      "ours: pipe and acknowledgement"}
+    assert stages == {
+        "ours: wrap",
+        "ours: encode",
+        "ours: decode",
+        "ours: to_tensor",
+        "ours: pipe and acknowledgement",
+    }
 
 
 def _check_other_sections(data: dict[str, Any]) -> None:
@@ -107,7 +131,9 @@ def _check_other_sections(data: dict[str, Any]) -> None:
     for r in data["results"]:
         by_section.setdefault(r["section"], []).append(r)
     assert {r["case"] for r in by_section["migration"]} == {
-        "ours: first wrap", "share_memory_ (file_system)", "share_memory_ (file_descriptor)",
+        "ours: first wrap",
+        "share_memory_ (file_system)",
+        "share_memory_ (file_descriptor)",
     }
     memory = by_section["migration memory"]  # one fresh process per method and size
     assert {(r["case"], r["params"]["size_bytes"]) for r in memory} == {
@@ -119,15 +145,22 @@ def _check_other_sections(data: dict[str, Any]) -> None:
     assert {r["params"]["format"] for r in transfer} == {f.value for f in KVFormat}
     # Current vLLM's layout in its layer-compact and block-outermost physical orders.
     assert {r["params"]["engine_layout"] for r in transfer if r["params"]["format"] == "vllm"} == {
-        "LBHNC", "LBNHC", "BLHNC"}
+        "LBHNC",
+        "LBNHC",
+        "BLHNC",
+    }
     for r in transfer:
         assert r["unit"] == "GB/s"
         assert r["params"]["layers"] == 32 and r["params"]["tokens"] == 256
         if r["case"] in ("store_chunk", "retrieve_chunk"):
             assert r["ratio_of"].startswith("copy_")
     dispatch = {r["case"]: r for r in by_section["dispatch"]}
-    for case in ("dict lookup", "get_kv_wrapper_factory (cached)", "pluggy hook call (1 impl)",
-                 "create_cache_context dispatch overhead"):
+    for case in (
+        "dict lookup",
+        "get_kv_wrapper_factory (cached)",
+        "pluggy hook call (1 impl)",
+        "create_cache_context dispatch overhead",
+    ):
         assert case in dispatch
     assert dispatch["get_kv_wrapper_factory (cached)"]["ratio_of"] == "dict lookup"
     imports = {r["case"] for r in by_section["import"]}
@@ -137,8 +170,14 @@ def _check_other_sections(data: dict[str, Any]) -> None:
 
 def _check_targets(data: dict[str, Any]) -> None:
     targets = {t["name"]: t for t in data["targets"]}
-    expected = {"import.no_torch", "dispatch.cached_lookup", "handoff.vs_torch_file_system",
-                "handoff.flat", "migration.peak_memory", *(f"transfer.{case_name(*c)}" for c in CASES)}
+    expected = {
+        "import.no_torch",
+        "dispatch.cached_lookup",
+        "handoff.vs_torch_file_system",
+        "handoff.flat",
+        "migration.peak_memory",
+        *(f"transfer.{case_name(*c)}" for c in CASES),
+    }
     assert set(targets) == expected
     for t in targets.values():
         assert t["passed"] in (True, False, None)
@@ -150,13 +189,26 @@ def _check_targets(data: dict[str, Any]) -> None:
 
 
 def test_table_output_shows_figures_targets_and_skips() -> None:
-    report = Report(meta={"device": "cpu", "quick": True, "lmcache_platform": "0", "python": "3",
-                          "torch": "2", "cpus": 2, "torch_threads": 2, "loadavg_start": None,
-                          "backend": {"name": "cpu", "distribution": "d", "version": "1"}})
+    report = Report(
+        meta={
+            "device": "cpu",
+            "quick": True,
+            "lmcache_platform": "0",
+            "python": "3",
+            "torch": "2",
+            "cpus": 2,
+            "torch_threads": 2,
+            "loadavg_start": None,
+            "backend": {"name": "cpu", "distribution": "d", "version": "1"},
+        }
+    )
     base = Result("handoff", "ours (wire + shm)", "ms", (1.0, 2.0, 3.0), {"size": "1 MiB"})
     other = Result("handoff", "pickle", "ms", (8.0, 10.0), {"size": "1 MiB"}).relative_to(base)
     report.results += [base.relative_to(base), other]
-    report.targets += [SpeedTarget.at_most("t1", "goal one", 2.0, 1.0), SpeedTarget.at_least("t2", "goal two", None, 1)]
+    report.targets += [
+        SpeedTarget.at_most("t1", "goal one", 2.0, 1.0),
+        SpeedTarget.at_least("t2", "goal two", None, 1),
+    ]
     text = format_report(report)
     assert "ours (wire + shm)" in text and "pickle" in text
     assert "4.50" in text  # pickle median 9.0 over ours 2.0
@@ -183,9 +235,26 @@ def test_parse_sizes_refuses_bad_input(text: str) -> None:
 def test_discovery_harness_shape(tmp_path: Path) -> None:
     plot = tmp_path / "discovery.png"
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), "--n", "6", "12", "--k", "1", "3", "--runs", "1",
-         "--delay-ms", "1", "--json", "--plot", str(plot)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(HARNESS),
+            "--n",
+            "6",
+            "12",
+            "--k",
+            "1",
+            "3",
+            "--runs",
+            "1",
+            "--delay-ms",
+            "1",
+            "--json",
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -204,8 +273,17 @@ def test_discovery_harness_shape(tmp_path: Path) -> None:
 def _args(**overrides: Any) -> Any:
     import argparse
 
-    defaults = dict(device="cpu", quick=True, json=True, save=None, plot=None, sections=None,
-                    sizes=None, runs=1, threads=None)
+    defaults = dict(
+        device="cpu",
+        quick=True,
+        json=True,
+        save=None,
+        plot=None,
+        sections=None,
+        sizes=None,
+        runs=1,
+        threads=None,
+    )
     return argparse.Namespace(**{**defaults, **overrides})
 
 
@@ -247,8 +325,18 @@ def test_sigterm_releases_shared_memory() -> None:
     import signal
     import time
 
-    cmd = [sys.executable, "-m", "lmcache_platform._cli", "bench", "--section", "handoff",
-           "--sizes", "4M", "--runs", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmcache_platform._cli",
+        "bench",
+        "--section",
+        "handoff",
+        "--sizes",
+        "4M",
+        "--runs",
+        "1000",
+    ]
     env = {**os.environ, "LMCACHE_PLATFORM_CPU_IPC": "shm"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:

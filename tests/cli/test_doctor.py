@@ -24,7 +24,11 @@ def doctor(*args: str, prelude: str = "", **env: str) -> tuple[int, str]:
         ]
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
         env={**os.environ, **env},
     )
     return proc.returncode, proc.stdout
@@ -110,8 +114,10 @@ def test_a_healthy_host_gets_no_hints() -> None:
 
 
 def test_backend_findings_become_hints_unless_info() -> None:
-    found = [{"backend": "cpu", "device_type": "cpu", "level": level, "message": f"{level} line"}
-             for level in ("info", "warning", "error")]
+    found = [
+        {"backend": "cpu", "device_type": "cpu", "level": level, "message": f"{level} line"}
+        for level in ("info", "warning", "error")
+    ]
     assert hints(synthetic(findings=found)) == ["warning: cpu: warning line", "error: cpu: error line"]
 
 
@@ -120,8 +126,7 @@ def test_backend_findings() -> None:
     assert hints(synthetic(), {"backends": [], "device_types": {}})[0].startswith(
         "error: no backend is installed"
     )
-    ambiguous = {**BACKENDS, "device_types": {"cpu": {"selected": None, "error": "x",
-                                                      "ambiguous": True}}}
+    ambiguous = {**BACKENDS, "device_types": {"cpu": {"selected": None, "error": "x", "ambiguous": True}}}
     assert any("LMCACHE_PLATFORM_BACKEND" in h for h in hints(synthetic(), ambiguous))
     stale = hints(synthetic(stale_resources={"cpu": ["/dev/shm/a", "/dev/shm/b"]}))
     assert stale == [
@@ -130,6 +135,13 @@ def test_backend_findings() -> None:
 
 
 def test_gpu_without_cuda_backend_suggests_installing_it() -> None:
-    gpu = synthetic(torch={"installed": True, "error": None, "cuda_build": "12.4",
-                           "cuda_available": True, "cuda_visible_devices": None})
+    gpu = synthetic(
+        torch={
+            "installed": True,
+            "error": None,
+            "cuda_build": "12.4",
+            "cuda_available": True,
+            "cuda_visible_devices": None,
+        }
+    )
     assert any("pip install lmcache-platform-cuda" in h for h in hints(gpu))

@@ -15,15 +15,20 @@ from support.fakes import context_class, wrapper_class
 
 
 def backend(device: str, **kw):
-    return fake_backend(device, context_class=context_class(device),
-                        wrapper_class=wrapper_class(device), **kw)
+    return fake_backend(
+        device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw
+    )
 
 
 @pytest.fixture
 def installed(lmcache_registry):
     lmcache_registry.install("cpu", backend("cpu"), distribution="lmcache-platform-cpu", version="0.1.0")
-    lmcache_registry.install("cuda", backend("cuda", probe=Availability.no("no CUDA device visible")),
-                             distribution="lmcache-platform-cuda", version="0.1.0")
+    lmcache_registry.install(
+        "cuda",
+        backend("cuda", probe=Availability.no("no CUDA device visible")),
+        distribution="lmcache-platform-cuda",
+        version="0.1.0",
+    )
     lmcache_registry.install("xpu", fake_backend("xpu", api_version=0), distribution="acme-xpu")
     lmcache_registry.setenv("LMCACHE_PLATFORM_DISABLE", "npu")
     lmcache_registry.install("npu", backend("npu"), distribution="acme-npu")
@@ -41,14 +46,27 @@ def test_json_report_shape_and_statuses(installed, capsys):
     assert report["schema"] == 1 and report["api_version"] == 1
     by = {b["name"]: b for b in report["backends"]}
     assert [b["name"] for b in report["backends"]] == ["cpu", "cuda", "npu", "xpu"]
-    assert set(by["cpu"]) == {"name", "device_type", "distribution", "version", "entry_point",
-                              "status", "reason", "selected"}
+    assert set(by["cpu"]) == {
+        "name",
+        "device_type",
+        "distribution",
+        "version",
+        "entry_point",
+        "status",
+        "reason",
+        "selected",
+    }
     assert (by["cpu"]["status"], by["cpu"]["selected"]) == ("ok", True)
     assert (by["cuda"]["status"], by["cuda"]["reason"]) == ("unavailable", "no CUDA device visible")
     assert by["npu"]["status"] == "disabled"
     assert by["xpu"]["status"] == "failed" and "targets backend API 0" in by["xpu"]["reason"]
-    assert report["device_types"]["cpu"] == {"selected": "cpu", "error": None, "ambiguous": False,
-                                             "selected_by": "primary", "why": "the primary backend"}
+    assert report["device_types"]["cpu"] == {
+        "selected": "cpu",
+        "error": None,
+        "ambiguous": False,
+        "selected_by": "primary",
+        "why": "the primary backend",
+    }
     assert "no CUDA device visible" in report["device_types"]["cuda"]["error"]
 
 
@@ -80,9 +98,11 @@ def test_no_load_imports_nothing(installed, capsys):
 
 
 def test_help_lists_commands_without_importing_torch():
-    code = ("import sys; from lmcache_platform._cli import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from lmcache_platform._cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith("False")
     for command in ("list", "demo", "doctor", "gc", "check", "bench"):

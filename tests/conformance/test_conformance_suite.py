@@ -24,8 +24,14 @@ from lmcache_platform.testing import make_distribution
 
 pytestmark = pytest.mark.slow
 
-CHECK_MODULES = ("test_context.py", "test_errors.py", "test_hooks.py", "test_hostmem.py", "test_ipc.py",
-                 "test_variant.py")
+CHECK_MODULES = (
+    "test_context.py",
+    "test_errors.py",
+    "test_hooks.py",
+    "test_hostmem.py",
+    "test_ipc.py",
+    "test_variant.py",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -37,7 +43,11 @@ def check(*args: str, env: dict[str, str], cwd: Path) -> tuple[int, dict[str, An
     """``lmcache-platform check ... --json``: exit status, summary, pytest's output."""
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_platform._cli", "check", *args, "--json"],
-        capture_output=True, text=True, env=env, cwd=cwd, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        check=False,
     )
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
     return proc.returncode, summary, proc.stderr
@@ -47,9 +57,24 @@ def test_cpu_passes_the_whole_suite_through_pytest_pyargs(tmp_path: Path) -> Non
     """The documented pytest entry point, with the JUnit report a vendor's CI reads."""
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.conformance",
-         "--lmcache-backend", "cpu", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"],
-        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "lmcache_platform.conformance",
+            "--lmcache-backend",
+            "cpu",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={junit}",
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     suite = ElementTree.parse(junit).getroot().find("testsuite")
@@ -79,7 +104,11 @@ def test_cpu_file_passes_the_whole_suite_through_check(tmp_path: Path) -> None:
 def test_check_refuses_an_unknown_backend_and_flags_an_unusable_one(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_platform._cli", "check", "cpu.nonexistent"],
-        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, check=False,
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 2 and "no installed backend is named 'cpu.nonexistent'" in proc.stderr
 
@@ -88,8 +117,13 @@ def test_check_refuses_an_unknown_backend_and_flags_an_unusable_one(tmp_path: Pa
     assert code == 1 and summary["verdict"] == "not verified"
     assert "LMCACHE_PLATFORM_CPU_FILE_DIR is not set" in summary["backend"]["unavailable"]
     assert summary["counts"]["failed"] == 0 and summary["counts"]["skipped"] >= 1
-    accepted = summarize("cpu.file", 0, {"backend": summary["backend"], "results": summary["results"]},
-                         1.0, allow_unavailable=True)  # what --allow-unavailable changes
+    accepted = summarize(
+        "cpu.file",
+        0,
+        {"backend": summary["backend"], "results": summary["results"]},
+        1.0,
+        allow_unavailable=True,
+    )  # what --allow-unavailable changes
     assert accepted["ok"] and accepted["verdict"] == "not verified"
 
 
@@ -155,8 +189,13 @@ BROKEN = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = tmp_path_factory.mktemp("broken-site")
-    make_distribution(site, "broken-backend", "0.0.1", entry_points={"cpu.broken": "broken_backend"},
-                      files={"broken_backend.py": BROKEN})
+    make_distribution(
+        site,
+        "broken-backend",
+        "0.0.1",
+        entry_points={"cpu.broken": "broken_backend"},
+        files={"broken_backend.py": BROKEN},
+    )
     return site
 
 
@@ -173,10 +212,23 @@ def failing_checks(broken_site: Path, tmp_path: Path, faults: str) -> set[str]:
 def test_each_fault_fails_exactly_the_checks_written_for_it(broken_site: Path, tmp_path: Path) -> None:
     faults = "unbounded_field,unmarked_hook,greedy,lossy_store,clamps_block_ids,copying_reopen"
     failed = failing_checks(broken_site, tmp_path, faults)
-    formats = ("vllm-LBHNC", "vllm-BLHNC", "vllm_mla-LBNHC",  # current vLLM views of one allocation
-               "flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla")
-    cases = ("bfloat16-interior-strided", "float16-contiguous", "float32-transposed", "int8-offset",
-             "uint8-layer-of-a-stack")
+    formats = (
+        "vllm-LBHNC",
+        "vllm-BLHNC",
+        "vllm_mla-LBNHC",  # current vLLM views of one allocation
+        "flash_attn",
+        "flash_attn_hnd",
+        "flashinfer",
+        "flashinfer_hnd",
+        "mla",
+    )
+    cases = (
+        "bfloat16-interior-strided",
+        "float16-contiguous",
+        "float32-transposed",
+        "int8-offset",
+        "uint8-layer-of-a-stack",
+    )
     assert failed == {
         "test_every_wire_field_is_a_bounded_primitive",  # unbounded_field
         "test_every_hook_function_is_a_marked_implementation_of_a_known_spec",  # unmarked_hook
@@ -196,5 +248,7 @@ def test_a_variant_reusing_a_primary_tag_for_other_fields_fails_the_coexistence_
     code, summary, output = check("cpu.broken", "-k", "primary_stays_selected", env=env, cwd=tmp_path)
     assert code == 1, output
     (failure,) = summary["failures"]
-    assert failure["test"].endswith("::test_next_to_each_other_the_primary_stays_selected_and_shared_tags_agree")
+    assert failure["test"].endswith(
+        "::test_next_to_each_other_the_primary_stays_selected_and_shared_tags_agree"
+    )
     assert "both use wire tag 'cpu.memfd/1' with different fields" in failure["detail"]

@@ -11,8 +11,15 @@ API_MD = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
 
 #: What a backend overrides; the base classes call these, callers never do.
 OVERRIDE_SURFACE = {
-    "BaseCacheContext": ("allocate_staging", "create_stream", "stream_context", "store", "retrieve",
-                         "synchronize", "release"),
+    "BaseCacheContext": (
+        "allocate_staging",
+        "create_stream",
+        "stream_context",
+        "store",
+        "retrieve",
+        "synchronize",
+        "release",
+    ),
     "DeviceIPCWrapper": ("preflight", "release"),
 }
 

@@ -161,10 +161,17 @@ def hybrid(separate, full, seed=0):
     fa = make_layers(KVFormat.FLASH_ATTN, 2, nb=NB, bs=BS, seed=seed)
     sw = make_layers(KVFormat.FLASHINFER_HND, 2, nb=NB, bs=BS, seed=seed + 1, shared=True)
     layers = [fa[0], sw[0], fa[1], sw[1]]
-    infos = [EngineGroupInfo(layer_indices=[0, 2], block_size=BS),
-             EngineGroupInfo(layer_indices=[1, 3], block_size=BS, sliding_window=WINDOW)]
-    ctx = context(layers, engine_group_infos=infos, layout_hints=LayoutHints(num_kv_heads=2),
-                  separate_object_groups=separate, full_sw_kv=full)
+    infos = [
+        EngineGroupInfo(layer_indices=[0, 2], block_size=BS),
+        EngineGroupInfo(layer_indices=[1, 3], block_size=BS, sliding_window=WINDOW),
+    ]
+    ctx = context(
+        layers,
+        engine_group_infos=infos,
+        layout_hints=LayoutHints(num_kv_heads=2),
+        separate_object_groups=separate,
+        full_sw_kv=full,
+    )
     return ctx, layers
 
 
@@ -263,8 +270,10 @@ def test_stage_block_ids_returns_one_view_per_engine_group():
 def test_concurrent_transfers_on_different_slots_stay_correct():
     layers = make_layers(KVFormat.FLASH_ATTN, 2, nb=32, bs=BS)
     with context(layers, layout_hints=LayoutHints(block_size=BS)) as ctx:
-        want = {s: [chunk_rows(x, KVFormat.FLASH_ATTN, [4 * s + j for j in range(4)], 0, CHUNK)
-                    for x in layers] for s in range(4)}
+        want = {
+            s: [chunk_rows(x, KVFormat.FLASH_ATTN, [4 * s + j for j in range(4)], 0, CHUNK) for x in layers]
+            for s in range(4)
+        }
         errors = []
 
         def worker(s):

@@ -107,8 +107,15 @@ def test_collect_is_sorted_and_flags_clashes_and_bad_names():
         e = md.EntryPoint(name=name, value=f"{dist.replace('-', '_')}:plugin", group="g")
         return e._for(Dist(dist))  # type: ignore[attr-defined]
 
-    specs = collect([ep("xpu", "b-dist"), ep("cpu", "a-dist"), ep("xpu", "c-dist"),
-                     ep("Bad Name", "d-dist"), ep("cpu", "a-dist")])
+    specs = collect(
+        [
+            ep("xpu", "b-dist"),
+            ep("cpu", "a-dist"),
+            ep("xpu", "c-dist"),
+            ep("Bad Name", "d-dist"),
+            ep("cpu", "a-dist"),
+        ]
+    )
     assert [s.name for s in specs] == ["Bad Name", "cpu", "xpu"]
     by = {s.name: s for s in specs}
     assert by["cpu"].problem is None
@@ -116,10 +123,20 @@ def test_collect_is_sorted_and_flags_clashes_and_bad_names():
     assert "invalid backend name" in by["Bad Name"].problem
 
 
-@pytest.mark.parametrize("variant", [
-    "import_error", "bad_api", "no_api", "hook_raises", "wrong_type", "wrong_device",
-    "unknown_arg", "unknown_hook", "probe_raises",
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "import_error",
+        "bad_api",
+        "no_api",
+        "hook_raises",
+        "wrong_type",
+        "wrong_device",
+        "unknown_arg",
+        "unknown_hook",
+        "probe_raises",
+    ],
+)
 def test_a_broken_backend_is_isolated(lmcache_registry, tmp_path, import_log, caplog, variant):
     site = tmp_path / "site"
     install(site, "good-vendor", {"cpu.good": f"good_{variant}"})  # equals: both are loaded
@@ -165,8 +182,9 @@ def test_api_version_error_names_both_versions_and_distribution(lmcache_registry
     assert "old-vendor" in message
 
 
-def test_racing_first_lookups_scan_once_and_warn_once(lmcache_registry, tmp_path, import_log,
-                                                      monkeypatch, caplog):
+def test_racing_first_lookups_scan_once_and_warn_once(
+    lmcache_registry, tmp_path, import_log, monkeypatch, caplog
+):
     import importlib_metadata
 
     scans = []
@@ -214,8 +232,9 @@ def test_disabled_backends_are_never_imported(lmcache_registry, tmp_path, import
 def test_autoload_off_reads_no_entry_points(lmcache_registry, tmp_path, import_log, monkeypatch):
     import importlib_metadata
 
-    monkeypatch.setattr(importlib_metadata, "distributions",
-                        lambda **kw: pytest.fail("entry points read with autoload off"))
+    monkeypatch.setattr(
+        importlib_metadata, "distributions", lambda **kw: pytest.fail("entry points read with autoload off")
+    )
     site = tmp_path / "site"
     install(site, "vendor-a", {"cpu": "auto_cpu_h"})
     lmcache_registry.setenv("LMCACHE_PLATFORM_AUTOLOAD", "0")
@@ -242,8 +261,9 @@ def test_discovery_in_a_fresh_process(tmp_path):
     """)
     env = env_with_tests_on_path({IMPORT_LOG_ENV: str(log), "FAKE_UNAVAILABLE_PROC_NPU_I": "no NPU"})
     env["PYTHONPATH"] = str(site) + ":" + env["PYTHONPATH"]
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         check=True).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     assert out[0] == "FakeWrapper_xpu"
     assert out[1] == "npu: no NPU"
     assert imported(log) == ["proc_xpu_i", "proc_npu_i"]

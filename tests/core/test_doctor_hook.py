@@ -18,7 +18,9 @@ from support.fakes import context_class, wrapper_class
 
 
 def backend(device: str = "cpu", doctor_hook=None, **kw):
-    plugin = fake_backend(device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw)
+    plugin = fake_backend(
+        device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw
+    )
     if doctor_hook is not None:
         plugin.lmcache_platform_doctor = hookimpl(doctor_hook)
     return plugin
@@ -40,8 +42,11 @@ def test_only_the_selected_backend_is_asked_and_its_lines_are_shown(lmcache_regi
     def hook_of(name: str):
         def lmcache_platform_doctor(device_type: str):
             asked.append((name, device_type))
-            return [DoctorFinding.info(f"{name} keeps KV caches in RAM"),
-                    DoctorFinding.warning(f"{name} has 3 GiB left")]
+            return [
+                DoctorFinding.info(f"{name} keeps KV caches in RAM"),
+                DoctorFinding.warning(f"{name} has 3 GiB left"),
+            ]
+
         return lmcache_platform_doctor
 
     lmcache_registry.install("cpu", backend(doctor_hook=hook_of("cpu")))
@@ -63,11 +68,14 @@ def test_an_error_finding_fails_doctor(lmcache_registry):
     assert report["ok"] is False and "error: cpu: no room at all" in hint_messages(report)
 
 
-@pytest.mark.parametrize(("answer", "needle"), [
-    (RuntimeError("driver query crashed"), "RuntimeError: driver query crashed"),
-    (["a plain string"], "returned 'a plain string', not a DoctorFinding"),
-    (42, "TypeError"),
-])
+@pytest.mark.parametrize(
+    ("answer", "needle"),
+    [
+        (RuntimeError("driver query crashed"), "RuntimeError: driver query crashed"),
+        (["a plain string"], "returned 'a plain string', not a DoctorFinding"),
+        (42, "TypeError"),
+    ],
+)
 def test_a_broken_hook_is_a_warning_not_a_crash(lmcache_registry, answer, needle):
     def lmcache_platform_doctor(device_type: str):
         if isinstance(answer, Exception):
@@ -78,7 +86,10 @@ def test_a_broken_hook_is_a_warning_not_a_crash(lmcache_registry, answer, needle
     report = doctor.collect()
     (finding,) = report["findings"]
     assert finding["level"] == "warning" and finding["backend"] == "cpu"
-    assert finding["message"].startswith("its lmcache_platform_doctor hook failed: ") and needle in finding["message"]
+    assert (
+        finding["message"].startswith("its lmcache_platform_doctor hook failed: ")
+        and needle in finding["message"]
+    )
     assert report["ok"] is True
 
 
@@ -86,8 +97,10 @@ def test_ambiguity_is_reported_as_ambiguity(lmcache_registry):
     lmcache_registry.install("cpu.fast", backend())
     lmcache_registry.install("cpu.file", backend())
     messages = hint_messages(doctor.collect())
-    assert ("error: cpu is ambiguous: cpu.fast, cpu.file can all serve it and none is the primary backend "
-            "'cpu'; choose one with LMCACHE_PLATFORM_BACKEND=cpu.fast (the same for engine and server)") in messages
+    assert (
+        "error: cpu is ambiguous: cpu.fast, cpu.file can all serve it and none is the primary backend "
+        "'cpu'; choose one with LMCACHE_PLATFORM_BACKEND=cpu.fast (the same for engine and server)"
+    ) in messages
     assert not [m for m in messages if "no usable backend" in m]
 
 
@@ -129,8 +142,13 @@ def test_doctor_in_a_fresh_process_shows_the_cpu_backends_lines():
     code = "import sys; from lmcache_platform._cli import main; sys.exit(main(['doctor', '--json']))"
     for kind, needle in (("shm", "/dev/shm segments"), ("memfd", "sealed memfds")):
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                              env={**env, "LMCACHE_PLATFORM_CPU_IPC": kind})
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**env, "LMCACHE_PLATFORM_CPU_IPC": kind},
+        )
         report = json.loads(proc.stdout)
         assert report["schema"] == 2 and "shm" not in report
         assert [f["backend"] for f in report["findings"] if needle in f["message"]] == ["cpu"], kind
@@ -142,7 +160,10 @@ def test_doctor_shows_cpu_file_lines_only_when_it_is_selected(tmp_path):
     base = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
     for chosen in ("cpu.file", ""):
         env = {**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv), "LMCACHE_PLATFORM_BACKEND": chosen}
-        report = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                           env=env, check=False).stdout)
+        report = json.loads(
+            subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+            ).stdout
+        )
         mine = [f["message"] for f in report["findings"] if f["backend"] == "cpu.file"]
         assert [m.startswith(f"KV files in {kv}: ") for m in mine] == ([True] if chosen else []), chosen

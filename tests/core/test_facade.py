@@ -20,8 +20,9 @@ def fakes(lmcache_registry):
     made = {}
     for device in ("cpu", "cuda"):
         made[device] = (context_class(device), wrapper_class(device))
-        lmcache_registry.install(device, fake_backend(
-            device, context_class=made[device][0], wrapper_class=made[device][1]))
+        lmcache_registry.install(
+            device, fake_backend(device, context_class=made[device][0], wrapper_class=made[device][1])
+        )
     return made
 
 
@@ -33,8 +34,13 @@ def test_create_cache_context_dispatches_and_forwards_a_frozen_config(fakes):
     assert type(ctx) is fakes["cpu"][0]
     assert ctx.kv_caches == wrappers
     assert ctx.config == CacheContextConfig(
-        lmcache_tokens_per_chunk=128, layout_hints=hints, engine_group_infos=tuple(infos),
-        engine_type=EngineType.SGLANG, separate_object_groups=False, full_sw_kv=True)
+        lmcache_tokens_per_chunk=128,
+        layout_hints=hints,
+        engine_group_infos=tuple(infos),
+        engine_type=EngineType.SGLANG,
+        separate_object_groups=False,
+        full_sw_kv=True,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.config.full_sw_kv = False  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -123,24 +129,30 @@ def test_create_cache_context_takes_exactly_the_engine_fields_of_the_config():
 
     params = list(inspect.signature(lp.create_cache_context).parameters.values())[1:]
     assert [p.name for p in params] == list(ENGINE_KEYWORDS)
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(CacheContextConfig)}
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(CacheContextConfig)
+    }
     for p in params:  # the facade's defaults are the config's (tuples may be spelled as ())
         assert p.default == defaults[p.name], p.name
     assert "max_batch_size" not in ENGINE_KEYWORDS  # the server's, not the engine's
 
 
 def test_import_is_light_and_lazy():
-    code = ("import sys, lmcache_platform; "
-            "bad = [m for m in ('torch', 'lmcache_platform_cpu', 'lmcache_platform_cuda', 'numpy')"
-            " if m in sys.modules]; print(bad)")
+    code = (
+        "import sys, lmcache_platform; "
+        "bad = [m for m in ('torch', 'lmcache_platform_cpu', 'lmcache_platform_cuda', 'numpy')"
+        " if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_resolving_cpu_never_imports_cuda():
-    code = ("import sys, torch, lmcache_platform as lp; lp.get_kv_wrapper_factory('cpu'); "
-            "print('lmcache_platform_cuda' in sys.modules, 'lmcache_platform_cpu' in sys.modules)")
+    code = (
+        "import sys, torch, lmcache_platform as lp; lp.get_kv_wrapper_factory('cpu'); "
+        "print('lmcache_platform_cuda' in sys.modules, 'lmcache_platform_cpu' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
 

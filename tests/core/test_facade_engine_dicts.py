@@ -23,8 +23,15 @@ def held(lmcache_registry):
 
 
 def vllm_layers(n: int = 3) -> list[torch.Tensor]:
-    return lp.allocate_kv_caches(KVFormat.VLLM, num_layers=n, num_blocks=6, block_size=4, num_kv_heads=2,
-                                 head_size=8, dtype=torch.float16)
+    return lp.allocate_kv_caches(
+        KVFormat.VLLM,
+        num_layers=n,
+        num_blocks=6,
+        block_size=4,
+        num_kv_heads=2,
+        head_size=8,
+        dtype=torch.float16,
+    )
 
 
 def test_a_dict_in_gives_a_dict_out_in_the_same_order(held):
@@ -47,8 +54,9 @@ def test_errors_of_a_dict_registration_name_the_engine_layer(held):
         lp.create_cache_context(wrapped, 8)
     assert all(w.closed for w in wrapped.values())  # a failed context closes what it took
     with pytest.raises(ValueError, match="not both"):
-        lp.create_cache_context(lp.wrap_kv_caches(dict(zip(NAMES, vllm_layers(), strict=True))),
-                                layer_names=NAMES)
+        lp.create_cache_context(
+            lp.wrap_kv_caches(dict(zip(NAMES, vllm_layers(), strict=True))), layer_names=NAMES
+        )
 
 
 def test_wrap_error_carries_the_layer_name_and_nothing_is_left_open(lmcache_registry):
@@ -73,8 +81,15 @@ def test_wrap_error_carries_the_layer_name_and_nothing_is_left_open(lmcache_regi
 
 
 def test_pairs_become_pairs_of_wrappers_and_round_trip(held):
-    pools = lp.allocate_kv_caches(KVFormat.SGLANG, num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2,
-                                  head_size=8, dtype=torch.float16)
+    pools = lp.allocate_kv_caches(
+        KVFormat.SGLANG,
+        num_layers=2,
+        num_blocks=6,
+        block_size=4,
+        num_kv_heads=2,
+        head_size=8,
+        dtype=torch.float16,
+    )
     for k, v in pools:
         k.copy_(torch.arange(k.numel(), dtype=torch.float16).view(k.shape))
         v.copy_(-torch.arange(v.numel(), dtype=torch.float16).view(v.shape))

@@ -22,8 +22,9 @@ def lay(fmt=KVFormat.FLASH_ATTN, dtype=torch.float16, nb=8, bs=4, h=2, d=8) -> L
 
 def manager(layouts, infos=(), *, chunk=16, separate=True, full=False):
     groups = resolve_engine_groups(tuple(infos), len(layouts))
-    return KVLayerGroupsManager(layouts, groups, tokens_per_chunk=chunk,
-                                separate_object_groups=separate, full_sw_kv=full)
+    return KVLayerGroupsManager(
+        layouts, groups, tokens_per_chunk=chunk, separate_object_groups=separate, full_sw_kv=full
+    )
 
 
 def info(layers, bs=4, sw=None):
@@ -90,8 +91,9 @@ def test_same_shape_in_two_engine_groups_stays_in_two_kernel_groups():
 @pytest.mark.parametrize("full", [True, False])
 def test_sliding_window_object_groups_and_trimming(separate, full):
     # Layers 1 and 3 use a 6-token window; 0 and 2 attend to everything.
-    m = manager([lay()] * 5, [info([1, 3], sw=6), info([0, 2]), info([4], sw=40)],
-                separate=separate, full=full)
+    m = manager(
+        [lay()] * 5, [info([1, 3], sw=6), info([0, 2]), info([4], sw=40)], separate=separate, full=full
+    )
     by_layers = {kg.layer_indices: kg for kg in m.kernel_groups}
     sw, full_attn, wide = by_layers[(1, 3)], by_layers[(0, 2)], by_layers[(4,)]
     assert full_attn.tokens_per_slot == 16

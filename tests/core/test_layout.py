@@ -23,7 +23,12 @@ ONE_HEAD = (KVFormat.MLA, KVFormat.VLLM_MLA, KVFormat.SGLANG_MLA)
 
 def check(lay, fmt, nb=NB, bs=BS, h=H, d=D):
     assert (lay.kv_format, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_size) == (
-        fmt, nb, bs, 1 if fmt in ONE_HEAD else h, d)
+        fmt,
+        nb,
+        bs,
+        1 if fmt in ONE_HEAD else h,
+        d,
+    )
     assert lay.dtype == torch.bfloat16
     assert lay.kv_size == (1 if fmt in ONE_HEAD else 2)
 
@@ -103,8 +108,9 @@ def test_hint_contradicting_the_shape_is_refused():
     with pytest.raises(LayoutError, match=r"block size is 4, but .* say 8"):
         discover_layout(t(KVFormat.FLASH_ATTN), layer=0, kv_format=KVFormat.FLASH_ATTN, block_size=8)
     with pytest.raises(LayoutError, match="2 KV heads, but the hints say 3"):
-        discover_layout(t(KVFormat.MLA).new_zeros(2, NB, BS, H, D), layer=0, kv_format=KVFormat.FLASH_ATTN,
-                        num_kv_heads=3)
+        discover_layout(
+            t(KVFormat.MLA).new_zeros(2, NB, BS, H, D), layer=0, kv_format=KVFormat.FLASH_ATTN, num_kv_heads=3
+        )
     with pytest.raises(LayoutError, match="block size is 4, but"):
         discover_layout(t(KVFormat.MLA), layer=0, block_size=16)
 

@@ -14,7 +14,9 @@ from support.fakes import context_class, wrapper_class
 
 
 def backend(device: str, **kw):
-    return fake_backend(device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw)
+    return fake_backend(
+        device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw
+    )
 
 
 @pytest.fixture
@@ -35,7 +37,11 @@ def test_selected_backend_says_which_backend_serves_and_why(installed):
     info = lp.selected_backend("cpu")
     assert isinstance(info, BackendInfo)
     assert (info.name, info.distribution, info.version, info.status) == (
-        "cpu", "lmcache-platform-cpu", "0.1.0", Status.OK)
+        "cpu",
+        "lmcache-platform-cpu",
+        "0.1.0",
+        Status.OK,
+    )
     assert info.selected and info.selected_by == "primary"
     assert lp.get_kv_wrapper_factory("cpu").__self__.__module__ == info_module(installed, "cpu")
 
@@ -45,9 +51,14 @@ def info_module(installed, name: str) -> str:
     return plugin.lmcache_platform_ipc_wrapper_class("cpu").__module__
 
 
-@pytest.mark.parametrize(("device", "error"), [
-    ("cuda", lp.BackendUnavailableError), ("xpu", lp.AmbiguousBackendError), ("npu", lp.BackendNotFoundError),
-])
+@pytest.mark.parametrize(
+    ("device", "error"),
+    [
+        ("cuda", lp.BackendUnavailableError),
+        ("xpu", lp.AmbiguousBackendError),
+        ("npu", lp.BackendNotFoundError),
+    ],
+)
 def test_selected_backend_raises_what_a_lookup_raises(installed, device, error):
     with pytest.raises(error):
         lp.selected_backend(device)
@@ -62,7 +73,8 @@ def test_list_backends_is_the_data_of_the_list_command(installed, capsys):
     assert main(["list", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [(b["name"], b["status"], b["selected"]) for b in report["backends"]] == [
-        (i.name, i.status.value, i.selected) for i in infos]
+        (i.name, i.status.value, i.selected) for i in infos
+    ]
     cpu = report["device_types"]["cpu"]
     assert (cpu["selected"], cpu["selected_by"], cpu["why"]) == ("cpu", "primary", infos[0].why_selected)
     assert report["device_types"]["xpu"]["ambiguous"]
@@ -78,7 +90,10 @@ def test_list_backends_without_loading_imports_nothing(installed):
 def test_list_shows_the_rule_that_chose(installed, capsys):
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "cpu: cpu (the primary backend; to use cpu.file instead, set LMCACHE_PLATFORM_BACKEND=cpu.file)" in lines
+    assert (
+        "cpu: cpu (the primary backend; to use cpu.file instead, set LMCACHE_PLATFORM_BACKEND=cpu.file)"
+        in lines
+    )
     installed.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.file,xpu.b")  # read on every selection
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -11,8 +11,12 @@ from support.fakes import context_class, wrapper_class
 
 
 def backend(device: str, **kw):
-    return fake_backend(device, context_class=context_class(device),
-                        wrapper_class=wrapper_class(device, kw.pop("tag", None)), **kw)
+    return fake_backend(
+        device,
+        context_class=context_class(device),
+        wrapper_class=wrapper_class(device, kw.pop("tag", None)),
+        **kw,
+    )
 
 
 def owner(device: str) -> type:
@@ -66,8 +70,9 @@ def test_unavailable_backends_are_not_candidates(lmcache_registry):
     assert owner("cuda").wire_tag == "cuda.fake/1"
 
 
-@pytest.mark.parametrize(("device", "wheel"), [("cpu", "lmcache-platform-cpu"),
-                                               ("cuda", "lmcache-platform-cuda")])
+@pytest.mark.parametrize(
+    ("device", "wheel"), [("cpu", "lmcache-platform-cpu"), ("cuda", "lmcache-platform-cuda")]
+)
 def test_not_found_says_which_wheel_to_install(lmcache_registry, device, wheel):
     lmcache_registry.install("xpu", backend("xpu"))
     with pytest.raises(lp.BackendNotFoundError) as excinfo:
@@ -124,10 +129,12 @@ def test_resolved_factory_is_cached_without_pluggy(lmcache_registry, monkeypatch
 def test_wire_classes_allow_list(lmcache_registry):
     raw = wrapper_class("cuda", "cuda.raw/1")
     default = wrapper_class("cuda", "cuda.torch/1")
-    lmcache_registry.install("cuda", fake_backend(
-        "cuda", context_class=context_class("cuda"), wrapper_class=default,
-        wire_classes=[default, raw]))
-    assert lmcache_registry.registry.wire_classes_for("cuda") == {
-        "cuda.torch/1": default, "cuda.raw/1": raw}
+    lmcache_registry.install(
+        "cuda",
+        fake_backend(
+            "cuda", context_class=context_class("cuda"), wrapper_class=default, wire_classes=[default, raw]
+        ),
+    )
+    assert lmcache_registry.registry.wire_classes_for("cuda") == {"cuda.torch/1": default, "cuda.raw/1": raw}
     with pytest.raises(lp.BackendNotFoundError):
         lmcache_registry.registry.wire_classes_for("cpu")

@@ -19,14 +19,30 @@ def test_block_runs_merge_consecutive_ids_in_chunk_order() -> None:
 
 
 def _mover(order: str) -> tuple[GroupMover, list[list[torch.Tensor]], torch.Tensor]:
-    layers = allocate_kv_caches(KVFormat.VLLM, num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H,
-                                head_size=D, dtype=torch.float8_e4m3fn, engine_layout=order)
+    layers = allocate_kv_caches(
+        KVFormat.VLLM,
+        num_layers=L,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=torch.float8_e4m3fn,
+        engine_layout=order,
+    )
     gen = torch.Generator().manual_seed(3)
     backing = torch.empty(0, dtype=torch.uint8).set_(layers[0].untyped_storage())
     backing.copy_(torch.randint(0, 256, backing.shape, dtype=torch.uint8, generator=gen))
     t = layers[0]
-    lay = LayerLayout(kv_format=KVFormat.VLLM, num_blocks=NB, block_size=BS, num_kv_heads=H, head_size=D,
-                      dtype=t.dtype, shape=tuple(t.shape), stride=tuple(t.stride()))
+    lay = LayerLayout(
+        kv_format=KVFormat.VLLM,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=t.dtype,
+        shape=tuple(t.shape),
+        stride=tuple(t.stride()),
+    )
     planes = [plane_views(x, lay) for x in layers]
     staging = torch.randint(0, 256, (2, 2 * L * SLOT_TOKENS * H * D), dtype=torch.uint8, generator=gen)
     slots = [s.view(torch.float8_e4m3fn).view(2, L, SLOT_TOKENS, H * D) for s in staging]
@@ -57,4 +73,7 @@ def test_scatter_and_gather_match_a_per_token_reference(order: str, first: int, 
             assert torch.equal(view.view(torch.uint8), want[layer][kv])
     staging[0].zero_()
     mover.gather(0, _part(ids, first, count))
-    assert torch.equal(staging[0].view(2, L, SLOT_TOKENS, -1)[:, :, :count], staging[1].view(2, L, SLOT_TOKENS, -1)[:, :, :count])
+    assert torch.equal(
+        staging[0].view(2, L, SLOT_TOKENS, -1)[:, :, :count],
+        staging[1].view(2, L, SLOT_TOKENS, -1)[:, :, :count],
+    )

@@ -24,7 +24,9 @@ from support.plugins import IMPORT_LOG_ENV, env_with_tests_on_path, imported, pl
 
 
 def backend(tag: str, **kw):
-    return fake_backend("cpu", context_class=context_class("cpu"), wrapper_class=wrapper_class("cpu", tag), **kw)
+    return fake_backend(
+        "cpu", context_class=context_class("cpu"), wrapper_class=wrapper_class("cpu", tag), **kw
+    )
 
 
 def serving_tag() -> str:
@@ -32,8 +34,11 @@ def serving_tag() -> str:
 
 
 def choice_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.INFO and "uses backend" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and "uses backend" in r.getMessage()
+    ]
 
 
 def test_the_primary_wins_over_its_variants_and_the_choice_is_logged_once(lmcache_registry, caplog):
@@ -44,11 +49,14 @@ def test_the_primary_wins_over_its_variants_and_the_choice_is_logged_once(lmcach
     assert serving_tag() == "cpu.shm/1"
     info = lp.selected_backend("cpu")
     assert (info.name, info.selected_by, info.selected) == ("cpu", "primary", True)
-    assert info.why_selected == ("the primary backend; to use one of cpu.file, cpu.memfd instead, "
-                                 "set LMCACHE_PLATFORM_BACKEND=<name>")
+    assert info.why_selected == (
+        "the primary backend; to use one of cpu.file, cpu.memfd instead, set LMCACHE_PLATFORM_BACKEND=<name>"
+    )
     lp.get_kv_wrapper_factory("cpu")
     (line,) = choice_logs(caplog)
-    assert line.startswith("lmcache-platform: device type 'cpu' uses backend 'cpu' (lmcache-platform-cpu 0.1)")
+    assert line.startswith(
+        "lmcache-platform: device type 'cpu' uses backend 'cpu' (lmcache-platform-cpu 0.1)"
+    )
 
 
 def test_a_selected_variant_wins(lmcache_registry):
@@ -91,8 +99,13 @@ def import_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def install_site(site: Path, backends: dict[str, str]) -> None:
     """One distribution per backend; each module logs its own import."""
     for name, module in backends.items():
-        make_distribution(site, f"vendor-{module}", "1.0", entry_points={name: module},
-                          files={f"{module}.py": plugin_source(module, "cpu")})
+        make_distribution(
+            site,
+            f"vendor-{module}",
+            "1.0",
+            entry_points={name: module},
+            files={f"{module}.py": plugin_source(module, "cpu")},
+        )
 
 
 def test_explicit_selection_never_imports_the_siblings(lmcache_registry, tmp_path, import_log):
@@ -146,8 +159,9 @@ def test_an_explicit_choice_in_a_fresh_process_skips_the_real_cpu_backend(tmp_pa
     """)
     env = env_with_tests_on_path({IMPORT_LOG_ENV: str(log), "LMCACHE_PLATFORM_BACKEND": "cpu.memfd"})
     env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert out == ["fresh_memfd_d/1", "True True", "[]"]
     assert imported(log) == ["fresh_memfd_d"]
 
@@ -174,14 +188,22 @@ def test_a_server_that_selected_another_backend_says_so_and_what_to_do(tmp_path)
     kv = tmp_path / "kv"
     kv.mkdir(mode=0o700)
     base = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
-    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              env={**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv),
-                                   "LMCACHE_PLATFORM_BACKEND": "cpu.file"})
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv), "LMCACHE_PLATFORM_BACKEND": "cpu.file"},
+    )
     try:
         assert engine.stdout is not None
         data = engine.stdout.readline()
-        server = subprocess.run([sys.executable, "-c", SERVER], input=data, capture_output=True,
-                                env={**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv)}, check=True)
+        server = subprocess.run(
+            [sys.executable, "-c", SERVER],
+            input=data,
+            capture_output=True,
+            env={**base, "LMCACHE_PLATFORM_CPU_FILE_DIR": str(kv)},
+            check=True,
+        )
     finally:
         engine.communicate(b"")
     message = server.stdout.decode()

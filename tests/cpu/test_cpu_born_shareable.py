@@ -95,8 +95,14 @@ print(json.dumps({"before": before, "added": peak() - before, "exports": len({w.
 
 def peak_added(how: str, nbytes: int) -> dict[str, int]:
     env = {**os.environ, "LMCACHE_PLATFORM_CPU_IPC": "memfd"}
-    proc = subprocess.run([sys.executable, "-c", PEAK, how, str(nbytes)], capture_output=True, text=True,
-                          env=env, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", PEAK, how, str(nbytes)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     out: dict[str, int] = json.loads(proc.stdout)
     return out
@@ -109,6 +115,8 @@ def test_wrapping_a_born_shareable_cache_adds_no_peak_memory(request: pytest.Fix
     # The mechanism's bound (one slice at a time), not a speed: at most 5 % or 64 MiB.
     assert born["added"] <= max(nbytes // 20, 64 << 20), born
     assert in_place["added"] <= max(nbytes // 20, 64 << 20), in_place
-    print(f"\n[peak memory] wrapping a {nbytes >> 20} MiB cache cut into 32 layers: born shareable "
-          f"+{born['added'] / 2**20:.0f} MiB, allocated by torch and shared in place "
-          f"+{in_place['added'] / 2**20:.0f} MiB (VmHWM)")
+    print(
+        f"\n[peak memory] wrapping a {nbytes >> 20} MiB cache cut into 32 layers: born shareable "
+        f"+{born['added'] / 2**20:.0f} MiB, allocated by torch and shared in place "
+        f"+{in_place['added'] / 2**20:.0f} MiB (VmHWM)"
+    )

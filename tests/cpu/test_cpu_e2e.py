@@ -31,10 +31,18 @@ SPAWN = multiprocessing.get_context("spawn")
 
 #: Per IPC kind: its size and name fields, and what refusing a bad name or a gone export says.
 KINDS = {
-    "memfd": {"nbytes": "memfd_nbytes", "name": "memfd_name", "bad_name": "not one of this project's",
-              "gone": "closed the export"},
-    "shm": {"nbytes": "shm_nbytes", "name": "shm_name", "bad_name": "not a segment of this project",
-            "gone": "does not exist"},
+    "memfd": {
+        "nbytes": "memfd_nbytes",
+        "name": "memfd_name",
+        "bad_name": "not one of this project's",
+        "gone": "closed the export",
+    },
+    "shm": {
+        "nbytes": "shm_nbytes",
+        "name": "shm_name",
+        "bad_name": "not a segment of this project",
+        "gone": "does not exist",
+    },
 }
 
 
@@ -100,8 +108,15 @@ def peers(child_pids: set[int], kind: str) -> Iterator[tuple[Peer, Peer]]:
 
 
 def layer(fmt: str, dtype: str, **extra: Any) -> dict[str, Any]:
-    return {"format": fmt, "dtype": dtype, "num_blocks": 48, "block_size": 16, "heads": 4,
-            "head_size": 8, **extra}
+    return {
+        "format": fmt,
+        "dtype": dtype,
+        "num_blocks": 48,
+        "block_size": 16,
+        "heads": 4,
+        "head_size": 8,
+        **extra,
+    }
 
 
 @dataclass
@@ -115,15 +130,21 @@ class Case:
 
     def config(self) -> dict[str, Any]:
         return {
-            "tokens_per_chunk": CHUNK, "hints": self.hints, "groups": self.groups,
-            "separate_object_groups": self.separate_object_groups, "full_sw_kv": self.full_sw_kv,
+            "tokens_per_chunk": CHUNK,
+            "hints": self.hints,
+            "groups": self.groups,
+            "separate_object_groups": self.separate_object_groups,
+            "full_sw_kv": self.full_sw_kv,
         }
 
     def verify_groups(self) -> list[dict[str, Any]]:
         """Per engine group: its layers, block size and tokens kept per chunk (the spec)."""
         groups = self.groups or [
-            {"layer_indices": list(range(len(self.layers))),
-             "block_size": self.layers[0]["block_size"], "sliding_window": None}
+            {
+                "layer_indices": list(range(len(self.layers))),
+                "block_size": self.layers[0]["block_size"],
+                "sliding_window": None,
+            }
         ]
         out = []
         for g in groups:
@@ -134,8 +155,13 @@ class Case:
 
 
 FORMATS = ["flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla"]
-DTYPES = {"flash_attn": "bfloat16", "flash_attn_hnd": "float16", "flashinfer": "float32",
-          "flashinfer_hnd": "float8_e4m3fn", "mla": "bfloat16"}
+DTYPES = {
+    "flash_attn": "bfloat16",
+    "flash_attn_hnd": "float16",
+    "flashinfer": "float32",
+    "flashinfer_hnd": "float8_e4m3fn",
+    "mla": "bfloat16",
+}
 
 
 def single_format(fmt: str, hinted: bool) -> Case:
@@ -159,16 +185,26 @@ CASES["block-size-hint-only"] = Case(
 # vLLM, layers of the two groups share allocations pairwise, the groups use disjoint
 # block ids, and only the window's last tokens of each chunk are kept.
 CASES["two-groups-sliding-window-shared-memory"] = Case(
-    [layer("flash_attn", "bfloat16", shared=f"s{i // 2}") if i < 4 else layer("flash_attn", "bfloat16")
-     for i in range(5)],
-    groups=[{"layer_indices": [0, 2, 4], "block_size": 16, "sliding_window": None},
-            {"layer_indices": [1, 3], "block_size": 16, "sliding_window": 8}],
+    [
+        layer("flash_attn", "bfloat16", shared=f"s{i // 2}") if i < 4 else layer("flash_attn", "bfloat16")
+        for i in range(5)
+    ],
+    groups=[
+        {"layer_indices": [0, 2, 4], "block_size": 16, "sliding_window": None},
+        {"layer_indices": [1, 3], "block_size": 16, "sliding_window": 8},
+    ],
 )
 CASES["two-groups-sliding-window-full-kv-one-object"] = Case(
-    [layer("flashinfer", "float16", num_blocks=96), layer("mla", "float16", block_size=8, num_blocks=96),
-     layer("flashinfer", "float16", num_blocks=96), layer("mla", "float16", block_size=8, num_blocks=96)],
-    groups=[{"layer_indices": [0, 2], "block_size": 16, "sliding_window": None},
-            {"layer_indices": [1, 3], "block_size": 8, "sliding_window": 12}],
+    [
+        layer("flashinfer", "float16", num_blocks=96),
+        layer("mla", "float16", block_size=8, num_blocks=96),
+        layer("flashinfer", "float16", num_blocks=96),
+        layer("mla", "float16", block_size=8, num_blocks=96),
+    ],
+    groups=[
+        {"layer_indices": [0, 2], "block_size": 16, "sliding_window": None},
+        {"layer_indices": [1, 3], "block_size": 8, "sliding_window": 12},
+    ],
     separate_object_groups=False,
     full_sw_kv=True,
 )

@@ -40,7 +40,10 @@ def craft(name: str) -> None:
 def gc_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lmcache_platform._cli", "gc", *args],
-        capture_output=True, text=True, check=False, timeout=120,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
     )
 
 

@@ -78,9 +78,11 @@ LEAKY = textwrap.dedent('''
 FAULT_CHECKS = {
     "child_releases": {"test_a_forked_child_never_releases_its_parents_memory"},
     "empty_allocates": {"test_an_empty_tensor_needs_no_memory"},
-    "copies_views": {"test_views_of_one_allocation_share_one_export",
-                     "test_a_forked_child_never_releases_its_parents_memory",
-                     "test_closing_every_export_keeps_the_engine_tensor_and_a_new_export_works"},
+    "copies_views": {
+        "test_views_of_one_allocation_share_one_export",
+        "test_a_forked_child_never_releases_its_parents_memory",
+        "test_closing_every_export_keeps_the_engine_tensor_and_a_new_export_works",
+    },
     "leaks_on_refusal": {"test_a_capacity_error_creates_nothing"},
 }
 CHECKS = set().union(*FAULT_CHECKS.values())
@@ -89,8 +91,13 @@ CHECKS = set().union(*FAULT_CHECKS.values())
 @pytest.fixture(scope="module")
 def leaky_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = tmp_path_factory.mktemp("leaky-site")
-    make_distribution(site, "leaky-backend", "0.0.1", entry_points={"cpu.leaky": "leaky_backend"},
-                      files={"leaky_backend.py": LEAKY})
+    make_distribution(
+        site,
+        "leaky-backend",
+        "0.0.1",
+        entry_points={"cpu.leaky": "leaky_backend"},
+        files={"leaky_backend.py": LEAKY},
+    )
     return site
 
 
@@ -100,9 +107,27 @@ def outcomes(site: Path, tmp_path: Path, faults: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
     env.update(PYTHONPATH=str(site), LEAKY_FAULTS=faults)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.conformance", "--lmcache-backend",
-         "cpu.leaky", "-k", "test_hostmem", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "lmcache_platform.conformance",
+            "--lmcache-backend",
+            "cpu.leaky",
+            "-k",
+            "test_hostmem",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={junit}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+        timeout=600,
     )
     assert junit.exists(), proc.stdout + proc.stderr
     result: dict[str, str] = {}
@@ -131,8 +156,15 @@ def test_each_fault_fails_exactly_the_host_memory_check_written_for_it(
 def test_the_named_segment_kind_passes_the_whole_suite(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
     env["LMCACHE_PLATFORM_CPU_IPC"] = "shm"
-    proc = subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "check", "cpu", "--json"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "check", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+        timeout=900,
+    )
     summary = json.loads(proc.stdout)
     assert proc.returncode == 0 and summary["verdict"] == "pass", proc.stderr[-3000:]
     counts = summary["counts"]

@@ -95,8 +95,14 @@ def test_an_empty_tensor_needs_no_memfd() -> None:
     before = footprint()
     w = CpuMemfdIPCWrapper.wrap(torch.empty(0, 3, dtype=torch.float16))
     assert footprint() == before and w.memory_nbytes == 0
-    assert w.handle == {"memfd_pidns": 0, "memfd_pid": 0, "memfd_fd": 0, "memfd_dev": 0, "memfd_ino": 0,
-                        "memfd_name": ""}
+    assert w.handle == {
+        "memfd_pidns": 0,
+        "memfd_pid": 0,
+        "memfd_fd": 0,
+        "memfd_dev": 0,
+        "memfd_ino": 0,
+        "memfd_name": "",
+    }
     back = reopen(w).to_tensor()
     assert (back.shape, back.stride(), back.dtype) == ((0, 3), (3, 1), torch.float16)
 
@@ -274,8 +280,10 @@ def test_every_verification_step_refuses_a_forged_descriptor_and_maps_nothing(
 
 def test_another_processs_fd_number_is_refused(export: CpuMemfdIPCWrapper) -> None:
     """A live process of the same user, with a memfd at the exported fd number: not ours."""
-    code = ("import os, sys; fd = os.memfd_create('lmcache_platform_' + '0' * 32); "
-            "print(fd, flush=True); sys.stdin.read()")
+    code = (
+        "import os, sys; fd = os.memfd_create('lmcache_platform_' + '0' * 32); "
+        "print(fd, flush=True); sys.stdin.read()"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -310,8 +318,11 @@ def test_an_unreadable_proc_says_to_switch_to_named_segments(
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    with pytest.raises(DescriptorError, match=r"fails the access check: .*(hidepid|dumpable).*"
-                                              r"switch both sides to named segments"):
+    with pytest.raises(
+        DescriptorError,
+        match=r"fails the access check: .*(hidepid|dumpable).*"
+        r"switch both sides to named segments",
+    ):
         reopen(export).to_tensor()
 
 
@@ -326,17 +337,37 @@ def test_an_unreadable_proc_says_to_switch_to_named_segments(
         ({"memfd_fd": -1}, "below the minimum"),
         ({"memfd_ino": 1 << 64}, "above the maximum"),
         ({"memfd_nbytes": 63}, "spans 64 bytes but the memory holds only 63"),
-        ({"memfd_name": "", "memfd_pid": 0, "memfd_fd": 0, "memfd_ino": 0, "memfd_dev": 0, "memfd_pidns": 0},
-         "memfd_nbytes is 64 but no memory is named"),
+        (
+            {
+                "memfd_name": "",
+                "memfd_pid": 0,
+                "memfd_fd": 0,
+                "memfd_ino": 0,
+                "memfd_dev": 0,
+                "memfd_pidns": 0,
+            },
+            "memfd_nbytes is 64 but no memory is named",
+        ),
         ({"memfd_nbytes": 0, "shape": [0]}, "memory is named but memfd_nbytes is 0"),
     ],
 )
 def test_malformed_descriptors_are_refused_before_anything_is_opened(
     change: dict[str, object], match: str
 ) -> None:
-    fields = {"dtype": "float32", "shape": [16], "stride": [1], "storage_offset": 0, "device_uuid": "cpu",
-              "memfd_pidns": pid_namespace(), "memfd_pid": os.getpid(), "memfd_fd": 3, "memfd_dev": 1,
-              "memfd_ino": 7, "memfd_name": _memfd.PREFIX + "a" * 32, "memfd_nbytes": 64}
+    fields = {
+        "dtype": "float32",
+        "shape": [16],
+        "stride": [1],
+        "storage_offset": 0,
+        "device_uuid": "cpu",
+        "memfd_pidns": pid_namespace(),
+        "memfd_pid": os.getpid(),
+        "memfd_fd": 3,
+        "memfd_dev": 1,
+        "memfd_ino": 7,
+        "memfd_name": _memfd.PREFIX + "a" * 32,
+        "memfd_nbytes": 64,
+    }
     before = footprint()
     with pytest.raises(DescriptorError, match=match):
         CpuMemfdIPCWrapper.from_fields({**fields, **change})

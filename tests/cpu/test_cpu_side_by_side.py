@@ -39,7 +39,10 @@ SHAPE = (2, BLOCKS, BLOCK, HEADS, HEAD)  # flash-attention, one allocation per l
 def engine_layers() -> list[torch.Tensor]:
     """Per-layer KV caches with a distinct pattern in every layer and element."""
     n = 2 * BLOCKS * BLOCK * HEADS * HEAD
-    return [(torch.arange(n, dtype=torch.int32) + layer * n).to(torch.float32).view(SHAPE) for layer in range(LAYERS)]
+    return [
+        (torch.arange(n, dtype=torch.int32) + layer * n).to(torch.float32).view(SHAPE)
+        for layer in range(LAYERS)
+    ]
 
 
 def mapped_files(pid: int | str = "self") -> list[str]:
@@ -124,7 +127,12 @@ def test_views_of_one_record_share_their_place(kind: str) -> None:
     with exported(engine) as (_, server):
         tensors = type(server[0]).to_tensors(server)
         assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
-        assert [t.storage_offset() - tensors[0].storage_offset() for t in tensors[:4]] == [0, 4096, 8192, 12288]
+        assert [t.storage_offset() - tensors[0].storage_offset() for t in tensors[:4]] == [
+            0,
+            4096,
+            8192,
+            12288,
+        ]
         assert all(torch.equal(t, e) for t, e in zip(tensors, engine, strict=True))
 
 
@@ -207,14 +215,23 @@ def rows(entry: Any, fmt: KVFormat, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", [KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND, KVFormat.MLA, KVFormat.SGLANG])
 def test_a_server_context_stacks_per_layer_exports_and_moves_exact_bytes(kind: str, fmt: KVFormat) -> None:
-    first = allocate_kv_caches(fmt, num_layers=1, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=HEADS,
-                               head_size=HEAD, dtype=torch.float16)[0]
+    first = allocate_kv_caches(
+        fmt,
+        num_layers=1,
+        num_blocks=BLOCKS,
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        dtype=torch.float16,
+    )[0]
     gen = torch.Generator().manual_seed(7)
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         return torch.randn(t.shape, generator=gen).to(t.dtype)
 
-    layers = [tuple(fresh(t) for t in first) if isinstance(first, tuple) else fresh(first) for _ in range(LAYERS)]
+    layers = [
+        tuple(fresh(t) for t in first) if isinstance(first, tuple) else fresh(first) for _ in range(LAYERS)
+    ]
     wrapped = lp.wrap_kv_caches(layers)
     flat = [w for e in wrapped for w in (e if isinstance(e, tuple) else (e,))]
     decoded = iter(received(flat))

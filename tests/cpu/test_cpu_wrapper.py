@@ -45,7 +45,12 @@ def test_wrap_moves_the_same_tensor_object_into_shm_and_keeps_its_contents() -> 
     assert w.shm_name in _shm.owned() and exists(w.shm_name)
     assert w.shm_nbytes == t.untyped_storage().nbytes() == 64
     assert (w.dtype, w.shape, w.stride, w.storage_offset, w.device_uuid) == (
-        torch.bfloat16, (4, 8), (8, 1), 0, "cpu")
+        torch.bfloat16,
+        (4, 8),
+        (8, 1),
+        0,
+        "cpu",
+    )
     assert type(w).device_type == "cpu" and type(w).wire_tag == "cpu.shm/1"
     w.close()
 
@@ -129,7 +134,10 @@ def test_stride_and_offset_replay_exactly() -> None:
     assert torch.equal(odd, expected)
     back = reopen(w).to_tensor()
     assert (back.shape, back.stride(), back.storage_offset()) == (
-        odd.shape, odd.stride(), odd.storage_offset())
+        odd.shape,
+        odd.stride(),
+        odd.storage_offset(),
+    )
     assert torch.equal(back, expected)
     back[1, 2, 0, 1] = 1000.0  # lands on the same element of the producer's view
     assert odd[1, 2, 0, 1].item() == 1000.0
@@ -260,8 +268,13 @@ def test_unsupported_tensors_are_refused_before_anything_is_created(
 
 def good_fields() -> dict[str, object]:
     return {
-        "dtype": "float32", "shape": [4, 4], "stride": [4, 1], "storage_offset": 0,
-        "device_uuid": "cpu", "shm_name": _shm.new_name(), "shm_nbytes": 64,
+        "dtype": "float32",
+        "shape": [4, 4],
+        "stride": [4, 1],
+        "storage_offset": 0,
+        "device_uuid": "cpu",
+        "shm_name": _shm.new_name(),
+        "shm_nbytes": 64,
     }
 
 
@@ -383,8 +396,9 @@ def test_a_segment_shrunk_after_mapping_is_refused_before_a_transfer_touches_it(
     layer = torch.arange(2 * 8 * 4 * 2 * 8, dtype=torch.float32).view(2, 8, 4, 2, 8)  # FLASH_ATTN
     w = CpuShmIPCWrapper.wrap(layer)
     consumer = reopen(w)
-    hints = lmcache_platform.LayoutHints(kv_format=lmcache_platform.KVFormat.FLASH_ATTN, block_size=4,
-                                         num_kv_heads=2)
+    hints = lmcache_platform.LayoutHints(
+        kv_format=lmcache_platform.KVFormat.FLASH_ATTN, block_size=4, num_kv_heads=2
+    )
     ctx = lmcache_platform.create_cache_context([consumer], 8, layout_hints=hints)
     ctx.store_chunk([[0, 1]])
     consumer.verify()  # whole: nothing to say

@@ -112,8 +112,9 @@ PRODUCER = textwrap.dedent("""
 
 
 def test_gc_reclaims_the_files_of_a_killed_producer_only(kv_dir: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", PRODUCER], capture_output=True, text=True,
-                          env={**os.environ}, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", PRODUCER], capture_output=True, text=True, env={**os.environ}, check=False
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     stale = proc.stdout.strip()
     handle, mm = _store.FileStore().create(4096)  # this process's: alive
@@ -144,10 +145,12 @@ def test_it_uses_only_the_public_core_api() -> None:
 
 
 def test_the_entry_point_loads_neither_torch_nor_the_wrapper() -> None:
-    code = ("import sys, lmcache_platform_cpu_file._plugin as p\n"
-            "p.lmcache_platform_gc(dry_run=True)\n"
-            "print(sorted(m for m in ('torch', 'lmcache_platform_cpu_file._wrapper', 'lmcache_platform_cpu')"
-            " if m in sys.modules))")
+    code = (
+        "import sys, lmcache_platform_cpu_file._plugin as p\n"
+        "p.lmcache_platform_gc(dry_run=True)\n"
+        "print(sorted(m for m in ('torch', 'lmcache_platform_cpu_file._wrapper', 'lmcache_platform_cpu')"
+        " if m in sys.modules))"
+    )
     env = {k: v for k, v in os.environ.items() if k != _store.ENV_DIR}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"

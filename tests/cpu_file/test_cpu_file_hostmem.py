@@ -65,8 +65,11 @@ class HalfStore:
 
 
 def test_a_store_missing_members_is_refused_when_the_class_is_made_listing_them() -> None:
-    with pytest.raises(TypeError, match=r"Half.store \(HalfStore\) is not a HostMemoryStore: it lacks "
-                                        r"check_handle, check_capacity, open_existing$"):
+    with pytest.raises(
+        TypeError,
+        match=r"Half.store \(HalfStore\) is not a HostMemoryStore: it lacks "
+        r"check_handle, check_capacity, open_existing$",
+    ):
 
         class Half(HostMemoryIPCWrapper):
             wire_tag = "vendor.half/1"
@@ -75,8 +78,11 @@ def test_a_store_missing_members_is_refused_when_the_class_is_made_listing_them(
 
 def test_declared_wire_fields_that_disagree_with_the_store_are_refused() -> None:
     """Declaring ``wire_fields`` used to replace the kit's own silently; wrap() then broke."""
-    with pytest.raises(TypeError, match="derives them from its store's handle_fields and its nbytes_field "
-                                        r"\(file_name, file_nbytes\): remove the declaration"):
+    with pytest.raises(
+        TypeError,
+        match="derives them from its store's handle_fields and its nbytes_field "
+        r"\(file_name, file_nbytes\): remove the declaration",
+    ):
 
         class Extra(CpuFileIPCWrapper):
             wire_fields = {**CpuFileIPCWrapper.wire_fields, "file_path": WireField(str, max_len=4096)}
@@ -130,8 +136,9 @@ def test_two_stores_never_mistake_each_others_memory(kv_dir: Path) -> None:
 
 def test_find_stale_judges_only_our_files_of_dead_producers(kv_dir: Path) -> None:
     d = _store.directory()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     stale = _store.NAMES.new().replace(f"_{os.getpid()}_", f"_{dead}_")
     (kv_dir / stale).write_bytes(b"")
     (kv_dir / stale).chmod(0o600)
@@ -188,8 +195,10 @@ def test_memory_headroom_is_the_tightest_cgroup_limit_less_usage_with_cache_coun
     room = hostmem.memory_headroom()
     assert room is not None and room.free == 12 << 20, room
     assert room.limit.startswith(f"the memory cgroup limit {tmp_path}/") and room.limit.endswith(
-        "memory.limit_in_bytes (64.0 MiB, 52.0 MiB in use)" if "memory/" in room.limit else
-        "memory.max (64.0 MiB, 52.0 MiB in use)"), room.limit
+        "memory.limit_in_bytes (64.0 MiB, 52.0 MiB in use)"
+        if "memory/" in room.limit
+        else "memory.max (64.0 MiB, 52.0 MiB in use)"
+    ), room.limit
     assert leaf.startswith(str(tmp_path))
     fake_cgroups(tmp_path, limit=1 << 50, usage=0, inactive=0)  # a limit looser than the host's memory
     room = hostmem.memory_headroom()

@@ -91,8 +91,15 @@ def test_create_makes_a_private_file_of_exact_size_under_an_unguessable_name(kv_
 
 @pytest.mark.parametrize(
     "bad",
-    ["../x", "a/b", "/etc/passwd", "lmcache_cpu_file_1_2_" + "a" * 32 + "/..",
-     "lmcache_platform_1_2_" + "a" * 32, "lmcache_cpu_file_1_2_" + "A" * 32, ""],
+    [
+        "../x",
+        "a/b",
+        "/etc/passwd",
+        "lmcache_cpu_file_1_2_" + "a" * 32 + "/..",
+        "lmcache_platform_1_2_" + "a" * 32,
+        "lmcache_cpu_file_1_2_" + "A" * 32,
+        "",
+    ],
 )
 def test_names_outside_the_pattern_are_refused_before_anything_is_opened(kv_dir: Path, bad: str) -> None:
     with pytest.raises(DescriptorError, match="is not a KV file of this project"):

@@ -46,8 +46,11 @@ def example() -> tuple[str, dict[str, str]]:
 
 def test_the_example_fits_in_200_lines_as_the_guide_says_and_uses_the_public_api_only() -> None:
     prose, files = example()
-    assert set(files) == {"pyproject.toml", "src/lmcache_platform_cpu_sealed/_plugin.py",
-                          "src/lmcache_platform_cpu_sealed/_memory.py"}
+    assert set(files) == {
+        "pyproject.toml",
+        "src/lmcache_platform_cpu_sealed/_plugin.py",
+        "src/lmcache_platform_cpu_sealed/_memory.py",
+    }
     total = sum(len(block.splitlines()) for block in files.values())
     stated = re.search(r"and (\d+) lines in all", prose)
     assert stated and int(stated.group(1)) == total <= LIMIT, (total, stated)
@@ -69,8 +72,15 @@ def test_the_example_passes_the_whole_conformance_suite(tmp_path: Path) -> None:
     make_distribution(site, dist, version, entry_points={name: target}, files=sources)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
     env["PYTHONPATH"] = str(site)
-    proc = subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "check", name, "--json"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "check", name, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+        timeout=900,
+    )
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
     assert proc.returncode == 0 and summary.get("verdict") == "pass", proc.stderr[-4000:]
     assert summary["backend"]["distribution"] == "lmcache-platform-cpu-sealed"

@@ -53,9 +53,17 @@ def spec(fmt: KVFormat) -> dict[str, Any]:
 def caches(fmt: KVFormat, dtype: torch.dtype) -> list[torch.Tensor]:
     shape, _ = FORMATS[fmt]
     if fmt in (KVFormat.VLLM, KVFormat.VLLM_MLA):
-        views = allocate_kv_caches(fmt, num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK,
-                                   num_kv_heads=HEADS, head_size=HEAD, dtype=dtype, device="cuda",
-                                   engine_layout="LBNHC")
+        views = allocate_kv_caches(
+            fmt,
+            num_layers=LAYERS,
+            num_blocks=BLOCKS,
+            block_size=BLOCK,
+            num_kv_heads=HEADS,
+            head_size=HEAD,
+            dtype=dtype,
+            device="cuda",
+            engine_layout="LBNHC",
+        )
         layers = [v for v in views if isinstance(v, torch.Tensor)]
         assert [tuple(v.shape) for v in layers] == [shape] * LAYERS
     else:

@@ -37,8 +37,14 @@ class FakeLibCuda:
 
     def _entry(self, name: str, impl: Callable[..., int]) -> Callable[..., int]:
         def call(*args: Any) -> int:
-            if name not in ("cuGetErrorName", "cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
-                            "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"):
+            if name not in (
+                "cuGetErrorName",
+                "cuInit",
+                "cuDeviceGet",
+                "cuDevicePrimaryCtxRetain",
+                "cuCtxPushCurrent_v2",
+                "cuCtxPopCurrent_v2",
+            ):
                 assert self.stack, f"{name} called with no context current"
                 self.calls.append((name, self.stack[-1]))
             return impl(*args)

@@ -193,8 +193,12 @@ def test_reordered_visible_devices(kind: type[DeviceIPCWrapper]) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in reversed(range(n)))}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
     out = subprocess.run(
-        [sys.executable, "-c", code], input=payload(kind.wrap(t)), env=env,
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        input=payload(kind.wrap(t)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"cuda:{n - 2}", digest(t)]

@@ -80,9 +80,19 @@ def test_wire_round_trip_of_both_kinds() -> None:
 def test_empty_tensor_needs_no_handle() -> None:
     empty = {**LAYER, "shape": [2, 0, 16, 8, 128]}
     for cls, fields in (
-        (CudaIPCWrapper, torch_fields(**empty, handle=b"", storage_nbytes=0, storage_offset_bytes=0,
-                                      ref_counter_handle=b"", ref_counter_offset=0, event_handle=b"",
-                                      event_sync_required=0)),
+        (
+            CudaIPCWrapper,
+            torch_fields(
+                **empty,
+                handle=b"",
+                storage_nbytes=0,
+                storage_offset_bytes=0,
+                ref_counter_handle=b"",
+                ref_counter_offset=0,
+                event_handle=b"",
+                event_sync_required=0,
+            ),
+        ),
         (RawCudaIPCWrapper, raw_fields(**empty, ipc_handle=b"", alloc_offset=0, storage_nbytes=0)),
     ):
         assert cls.from_fields(fields).nbytes == 0

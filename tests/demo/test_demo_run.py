@@ -21,8 +21,20 @@ import pytest
 from lmcache_platform._cli import demo as _demo
 from lmcache_platform.server import ServerClient
 
-SMALL = ["--layers", "3", "--kv-heads", "2", "--head-size", "16", "--block-size", "4",
-         "--chunk-tokens", "16", "--chunks", "3"]
+SMALL = [
+    "--layers",
+    "3",
+    "--kv-heads",
+    "2",
+    "--head-size",
+    "16",
+    "--block-size",
+    "4",
+    "--chunk-tokens",
+    "16",
+    "--chunks",
+    "3",
+]
 SHM = Path("/dev/shm")
 
 
@@ -57,9 +69,12 @@ def test_cli_json_run_in_a_subprocess(tmp_path: Path) -> None:
     report = json.loads(out)
 
     assert report["schema"] == 1 and report["ok"] is True and report["error"] is None
-    assert report["backend"] == {"name": "cpu", "device_type": "cpu",
-                                 "distribution": "lmcache-platform-cpu",
-                                 "version": report["backend"]["version"]}
+    assert report["backend"] == {
+        "name": "cpu",
+        "device_type": "cpu",
+        "distribution": "lmcache-platform-cpu",
+        "version": report["backend"]["version"],
+    }
     assert report["backend"]["version"]
     assert report["server_backend"]["name"] == "cpu"
     cfg = report["config"]
@@ -71,8 +86,12 @@ def test_cli_json_run_in_a_subprocess(tmp_path: Path) -> None:
     assert report["sizes"]["kv_cache_bytes"] == kv
     assert report["sizes"]["chunk_bytes"] == chunk and report["sizes"]["moved_bytes"] == 3 * chunk
     assert 0 < report["sizes"]["handoff_message_bytes"] < 4096
-    assert report["verify"] == {"ok": True, "bytes_checked": kv, "mismatched_bytes": 0,
-                                "first_mismatch": None}
+    assert report["verify"] == {
+        "ok": True,
+        "bytes_checked": kv,
+        "mismatched_bytes": 0,
+        "first_mismatch": None,
+    }
     for step in ("server_start", "wrap", "handoff", "store", "retrieve", "verify"):
         t = report["timings"][step]
         assert set(t) == {"seconds", "bytes", "gb_per_s"} and t["seconds"] > 0

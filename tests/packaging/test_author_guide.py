@@ -89,8 +89,16 @@ def walk_commands() -> list[str]:
 
 def clone_of_the_working_tree(dest: Path) -> Path:
     """What ``git clone`` of this working tree would hold: tracked and unignored files only."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = ROOT / rel
         if src.is_file():
@@ -125,8 +133,12 @@ def fresh_venv(root: Path) -> Path:
     """A venv with pip and the engine's torch, without this project or the test tools."""
     venv.EnvBuilder(with_pip=True).create(root / "venv")
     python = root / "venv" / "bin" / "python"
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     mirror = engine_site(root / "engine-site")
     (Path(site) / "_engine_torch.pth").write_text(f"import site; site.addsitedir({str(mirror)!r})\n")
     return root / "venv" / "bin"
@@ -134,8 +146,11 @@ def fresh_venv(root: Path) -> Path:
 
 def shell_env(bin_dir: Path) -> dict[str, str]:
     """An activated venv: no PYTHONPATH, no lmcache-platform variables of the test run."""
-    keep = {k: v for k, v in os.environ.items()
-            if not k.startswith(("LMCACHE_", "PYTHON", "PYTEST", "VIRTUAL_ENV"))}
+    keep = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("LMCACHE_", "PYTHON", "PYTEST", "VIRTUAL_ENV"))
+    }
     return {**keep, "VIRTUAL_ENV": str(bin_dir.parent), "PATH": f"{bin_dir}{os.pathsep}{keep['PATH']}"}
 
 
@@ -143,10 +158,17 @@ def run_walk(root: Path) -> tuple[Path, dict[str, str], str]:
     """Run the walk: (the new project folder, the venv's environment, output per command)."""
     bin_dir = fresh_venv(root)
     env = shell_env(bin_dir)
-    probe = subprocess.run([bin_dir / "pip", "download", "--no-deps", "-q", "-d", root / "probe", "pluggy"],
-                           capture_output=True, text=True, env=env, check=False)
+    probe = subprocess.run(
+        [bin_dir / "pip", "download", "--no-deps", "-q", "-d", root / "probe", "pluggy"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if probe.returncode != 0:
-        pytest.skip(f"no package index is reachable, and the walk installs core's dependencies: {probe.stderr}")
+        pytest.skip(
+            f"no package index is reachable, and the walk installs core's dependencies: {probe.stderr}"
+        )
     checkout = clone_of_the_working_tree(root / "checkout")
     commands = walk_commands()
     assert commands[0].startswith("CHECKOUT="), "the walk starts by naming the clone"
@@ -154,9 +176,13 @@ def run_walk(root: Path) -> tuple[Path, dict[str, str], str]:
     script = "set -euo pipefail\n" + "".join(f"echo '@@@ {c}'\n{c}\n" for c in commands)
     work = root / "empty"
     work.mkdir()
-    proc = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        ["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, check=False
+    )
     failed = (re.findall(r"^@@@ (.*)$", proc.stdout, re.M) or ["(none)"])[-1]
-    assert proc.returncode == 0, f"the guide's command `{failed}` failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    assert proc.returncode == 0, (
+        f"the guide's command `{failed}` failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    )
     return work / "lmcache-platform-cpu-file", env, proc.stdout
 
 
@@ -178,18 +204,28 @@ def test_a_newcomer_follows_the_guide_from_an_empty_folder_to_a_passing_check(tm
     assert os.listdir(project / "kv") == [], "the conformance suite left KV files behind"
 
     # Everything ran from the venv: the clone's wheels and the index's pytest, not this checkout.
-    code = ("import lmcache_platform, lmcache_platform_cpu, lmcache_platform_cpu_file, pytest\n"
-            "for m in (lmcache_platform, lmcache_platform_cpu, lmcache_platform_cpu_file, pytest):\n"
-            "    print(m.__file__)\n")
-    files = subprocess.run(["python", "-c", code], cwd=project, env=env, capture_output=True, text=True,
-                           check=True).stdout.split()
+    code = (
+        "import lmcache_platform, lmcache_platform_cpu, lmcache_platform_cpu_file, pytest\n"
+        "for m in (lmcache_platform, lmcache_platform_cpu, lmcache_platform_cpu_file, pytest):\n"
+        "    print(m.__file__)\n"
+    )
+    files = subprocess.run(
+        ["python", "-c", code], cwd=project, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert len(files) == 4 and all(f.startswith(env["VIRTUAL_ENV"]) for f in files), files
 
     # The same venv without the [check] extra's pytest: no verdict, the command that installs it.
-    subprocess.run(["pip", "uninstall", "-y", "-q", "pytest"], cwd=project, env=env, check=True,
-                   capture_output=True)
-    proc = subprocess.run(["lmcache-platform", "check", "cpu.file"], cwd=project, env=env,
-                          capture_output=True, text=True, check=False)
+    subprocess.run(
+        ["pip", "uninstall", "-y", "-q", "pytest"], cwd=project, env=env, check=True, capture_output=True
+    )
+    proc = subprocess.run(
+        ["lmcache-platform", "check", "cpu.file"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert 'install it with: pip install "lmcache-platform[check]"' in proc.stderr
     assert "FAIL" not in proc.stdout + proc.stderr

@@ -27,16 +27,26 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("vendor")
-    wheels = [build_wheel(ROOT / project, root / "dist") for project in ("core", "plugins-cpu", "backends/cpu-file")]
+    wheels = [
+        build_wheel(ROOT / project, root / "dist") for project in ("core", "plugins-cpu", "backends/cpu-file")
+    ]
     python = make_venv(root / "venv", hide_project=True)
     pip_install(python, *wheels)
     return python.parent
 
 
-def run(venv_bin: Path, *args: str, cwd: Path, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+def run(
+    venv_bin: Path, *args: str, cwd: Path, check: bool = True, **env: str
+) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTHONPATH"))}
-    return subprocess.run([str(venv_bin / args[0]), *args[1:]], capture_output=True, text=True,
-                          env={**base, **env}, cwd=cwd, check=check)
+    return subprocess.run(
+        [str(venv_bin / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        cwd=cwd,
+        check=check,
+    )
 
 
 def test_only_the_wheels_are_importable(venv_bin: Path, tmp_path: Path) -> None:
@@ -52,9 +62,13 @@ def test_only_the_wheels_are_importable(venv_bin: Path, tmp_path: Path) -> None:
     assert lines[3] == "None", "the editable cuda plugin of the repo leaked into the venv"
 
 
-def test_installing_a_variant_keeps_the_primary_until_the_variant_is_chosen(venv_bin: Path, tmp_path: Path) -> None:
+def test_installing_a_variant_keeps_the_primary_until_the_variant_is_chosen(
+    venv_bin: Path, tmp_path: Path
+) -> None:
     kv = str(tmp_path / "kv")
-    proc = run(venv_bin, "lmcache-platform", "-v", "list", "--json", cwd=tmp_path, LMCACHE_PLATFORM_CPU_FILE_DIR=kv)
+    proc = run(
+        venv_bin, "lmcache-platform", "-v", "list", "--json", cwd=tmp_path, LMCACHE_PLATFORM_CPU_FILE_DIR=kv
+    )
     cpu = json.loads(proc.stdout)["device_types"]["cpu"]
     assert (cpu["selected"], cpu["selected_by"], cpu["ambiguous"]) == ("cpu", "primary", False)
     assert "to use cpu.file instead, set LMCACHE_PLATFORM_BACKEND=cpu.file" in cpu["why"]
@@ -64,17 +78,43 @@ def test_installing_a_variant_keeps_the_primary_until_the_variant_is_chosen(venv
     assert by_name["cpu.file"]["distribution"] == "lmcache-platform-cpu-file"
     assert by_name["cpu.file"]["entry_point"] == "cpu.file = lmcache_platform_cpu_file._plugin"
 
-    chosen = json.loads(run(venv_bin, "lmcache-platform", "list", "--json", cwd=tmp_path,
-                            LMCACHE_PLATFORM_CPU_FILE_DIR=kv, LMCACHE_PLATFORM_BACKEND="cpu.file").stdout)
+    chosen = json.loads(
+        run(
+            venv_bin,
+            "lmcache-platform",
+            "list",
+            "--json",
+            cwd=tmp_path,
+            LMCACHE_PLATFORM_CPU_FILE_DIR=kv,
+            LMCACHE_PLATFORM_BACKEND="cpu.file",
+        ).stdout
+    )
     assert chosen["device_types"]["cpu"]["selected"] == "cpu.file"
     assert chosen["device_types"]["cpu"]["selected_by"] == "explicit"
 
 
 def test_the_demo_runs_on_cpu_file(venv_bin: Path, tmp_path: Path) -> None:
     kv = tmp_path / "kv"
-    proc = run(venv_bin, "lmcache-platform", "demo", "--layers", "2", "--kv-heads", "2", "--head-size", "64",
-               "--chunk-tokens", "64", "--chunks", "2", "--json", cwd=tmp_path, check=False,
-               LMCACHE_PLATFORM_CPU_FILE_DIR=str(kv), LMCACHE_PLATFORM_BACKEND="cpu.file")
+    proc = run(
+        venv_bin,
+        "lmcache-platform",
+        "demo",
+        "--layers",
+        "2",
+        "--kv-heads",
+        "2",
+        "--head-size",
+        "64",
+        "--chunk-tokens",
+        "64",
+        "--chunks",
+        "2",
+        "--json",
+        cwd=tmp_path,
+        check=False,
+        LMCACHE_PLATFORM_CPU_FILE_DIR=str(kv),
+        LMCACHE_PLATFORM_BACKEND="cpu.file",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] and report["verify"]["mismatched_bytes"] == 0

@@ -72,16 +72,38 @@ def build_site(site: Path) -> None:
         module = f"relb_{variant}"
         source = NEW[variant] if variant in NEW else BROKEN[variant]
         source = source.format(device=variant, tag=f"{module}/1", module=module)
-        make_distribution(site, f"broken-{variant.replace('_', '-')}", "1.0",
-                          entry_points={variant: module}, files={f"{module}.py": source})
-    make_distribution(site, "broken-missing-module", "1.0", entry_points={"missing_module": "relb_no_such_module"})
-    make_distribution(site, "broken-missing-attr", "1.0", entry_points={"missing_attr": "relb_host:absent_plugin"},
-                      files={"relb_host.py": plugin_source("relb_host", "missing_attr")})
+        make_distribution(
+            site,
+            f"broken-{variant.replace('_', '-')}",
+            "1.0",
+            entry_points={variant: module},
+            files={f"{module}.py": source},
+        )
+    make_distribution(
+        site, "broken-missing-module", "1.0", entry_points={"missing_module": "relb_no_such_module"}
+    )
+    make_distribution(
+        site,
+        "broken-missing-attr",
+        "1.0",
+        entry_points={"missing_attr": "relb_host:absent_plugin"},
+        files={"relb_host.py": plugin_source("relb_host", "missing_attr")},
+    )
     for side in ("a", "b"):
-        make_distribution(site, f"dup-vendor-{side}", "1.0", entry_points={"dup_name": f"relb_dup_{side}"},
-                          files={f"relb_dup_{side}.py": plugin_source(f"relb_dup_{side}", "dup_name")})
-    make_distribution(site, "good-vendor", "1.0", entry_points={"rel": "relb_good"},
-                      files={"relb_good.py": plugin_source("relb_good", "rel")})
+        make_distribution(
+            site,
+            f"dup-vendor-{side}",
+            "1.0",
+            entry_points={"dup_name": f"relb_dup_{side}"},
+            files={f"relb_dup_{side}.py": plugin_source(f"relb_dup_{side}", "dup_name")},
+        )
+    make_distribution(
+        site,
+        "good-vendor",
+        "1.0",
+        entry_points={"rel": "relb_good"},
+        files={"relb_good.py": plugin_source("relb_good", "rel")},
+    )
 
 
 def cli(site: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -90,8 +112,13 @@ def cli(site: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[s
     for var in ("LMCACHE_PLATFORM_BACKEND", "LMCACHE_PLATFORM_AUTOLOAD"):
         env.pop(var, None)
     env["LMCACHE_PLATFORM_DISABLE"] = "cuda"  # its probe imports torch (~2 s); not under test here
-    return subprocess.run([sys.executable, "-m", "lmcache_platform._cli", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +150,12 @@ def test_every_broken_backend_is_failed_in_list_and_the_rest_still_serve(
     for variant in REASONS:
         assert proc.stderr.count(f"'{variant}'") >= 1, variant
     assert proc.stderr.count("Traceback") >= len(REASONS) - 1  # dup_name fails in metadata, before import
-    emit(request, "3 broken backends", f"{len(REASONS)} broken backends, each 'failed' with its reason; "
-         f"`list --json --check` exit {proc.returncode}; rel and cpu still selected")
+    emit(
+        request,
+        "3 broken backends",
+        f"{len(REASONS)} broken backends, each 'failed' with its reason; "
+        f"`list --json --check` exit {proc.returncode}; rel and cpu still selected",
+    )
 
 
 def test_the_table_names_each_failure(site: Path, tmp_path: Path) -> None:
@@ -139,9 +170,13 @@ def test_the_table_names_each_failure(site: Path, tmp_path: Path) -> None:
 
 def test_a_raising_gc_hook_does_not_stop_the_others(site: Path, tmp_path: Path) -> None:
     gc_site = tmp_path / "gc-site"
-    source = plugin_source("relb_gc", "rel") + "\n@hookimpl\ndef lmcache_platform_gc(dry_run):\n" \
+    source = (
+        plugin_source("relb_gc", "rel") + "\n@hookimpl\ndef lmcache_platform_gc(dry_run):\n"
         "    raise OSError('vendor gc exploded')\n"
-    make_distribution(gc_site, "gc-vendor", "1.0", entry_points={"rel": "relb_gc"}, files={"relb_gc.py": source})
+    )
+    make_distribution(
+        gc_site, "gc-vendor", "1.0", entry_points={"rel": "relb_gc"}, files={"relb_gc.py": source}
+    )
     proc = cli(gc_site, tmp_path, "gc")
     assert proc.returncode == 1
     assert "rel: gc failed: OSError: vendor gc exploded" in proc.stdout
@@ -162,7 +197,9 @@ def test_requesting_the_device_of_a_broken_backend_raises_a_typed_error(
     (error,) = info.value.errors
     assert isinstance(error, lp.BackendLoadError) and error.backend == variant
     assert error.distribution is not None and error.distribution.startswith(("broken-", "dup-vendor-"))
-    with pytest.raises(lp.BackendUnavailableError, match=re.escape(REASONS[variant])):  # the same on every request
+    with pytest.raises(
+        lp.BackendUnavailableError, match=re.escape(REASONS[variant])
+    ):  # the same on every request
         lp.get_kv_wrapper_factory(variant)
     # ...and the others are untouched.
     good: Any = lp.get_kv_wrapper_factory("rel")  # a bound classmethod: its class is __self__
@@ -189,9 +226,16 @@ def test_a_backend_calling_sys_exit_at_import_is_isolated(
 ) -> None:
     monkeypatch.setenv(IMPORT_LOG_ENV, str(tmp_path / "imports.log"))
     site = tmp_path / "site"
-    source = GOOD.replace("DEVICE = {device!r}", "raise SystemExit('vendor SDK: no device')\nDEVICE = {device!r}")
-    make_distribution(site, "exit-vendor", "1.0", entry_points={"exiting": "relb_exit"},
-                      files={"relb_exit.py": source.format(device="exiting", tag="x/1", module="relb_exit")})
+    source = GOOD.replace(
+        "DEVICE = {device!r}", "raise SystemExit('vendor SDK: no device')\nDEVICE = {device!r}"
+    )
+    make_distribution(
+        site,
+        "exit-vendor",
+        "1.0",
+        entry_points={"exiting": "relb_exit"},
+        files={"relb_exit.py": source.format(device="exiting", tag="x/1", module="relb_exit")},
+    )
     lmcache_registry.add_site_dir(site)
     try:
         with pytest.raises(lp.BackendUnavailableError, match="SystemExit"):

@@ -38,8 +38,13 @@ SMALL_CHUNK_BYTES, BIG_CHUNK_BYTES = Model(**SMALL).chunk_bytes, Model(**BIG).ch
 
 
 def ns(name: str, model: dict[str, int]) -> str:
-    return cache_namespace(model=name, kv_layout=json.dumps(model, sort_keys=True), dtype="bfloat16",
-                           block_size=model["block"], chunk_size=model["chunk"]).hex()
+    return cache_namespace(
+        model=name,
+        kv_layout=json.dumps(model, sort_keys=True),
+        dtype="bfloat16",
+        block_size=model["block"],
+        chunk_size=model["chunk"],
+    ).hex()
 
 
 class Clients:
@@ -83,7 +88,9 @@ class Clients:
             conn.close()
 
 
-def run(target: Any, server: ServerProcess, specs: list[dict[str, Any]], pids: set[int]) -> tuple[list[Any], float]:
+def run(
+    target: Any, server: ServerProcess, specs: list[dict[str, Any]], pids: set[int]
+) -> tuple[list[Any], float]:
     """Start the clients, release them together, return their reports and the wall time."""
     clients = Clients(target, server.socket_path, specs, pids)
     try:
@@ -121,16 +128,20 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
     chunk_bytes = SMALL_CHUNK_BYTES
     cap = UNIVERSE // 4 * chunk_bytes
     namespace = ns("8.1", SMALL)
-    specs = [{"model": SMALL, "seed": 700 + i, "universe": UNIVERSE, "requests": REQUESTS, "namespace": namespace}
-             for i in range(CLIENTS)]
+    specs = [
+        {"model": SMALL, "seed": 700 + i, "universe": UNIVERSE, "requests": REQUESTS, "namespace": namespace}
+        for i in range(CLIENTS)
+    ]
     with ServerProcess(max_host_bytes=cap) as server:
         reports, wall = run(mixed_client, server, specs, rel_child_pids)
         status = server_counters(server)
     errors = [e for r in reports for e in r["errors"]]
     assert errors == [], errors[:5]
     assert sum(r["mismatches"] for r in reports) == 0, "a loaded chunk was torn, stale or misplaced"
-    total = {k: sum(r[k] for r in reports) for k in ("puts", "gets", "lookups", "stored", "present",
-                                                       "dropped", "retrieved", "hits")}
+    total = {
+        k: sum(r[k] for r in reports)
+        for k in ("puts", "gets", "lookups", "stored", "present", "dropped", "retrieved", "hits")
+    }
     assert total["puts"] + total["gets"] + total["lookups"] == CLIENTS * REQUESTS
     # the server's counters agree with what the engines saw
     assert status["stored"] == total["stored"] and status["present"] == total["present"]
@@ -139,13 +150,17 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
     assert status["chunks"] == total["stored"] - status["evictions"]
     assert status["host_bytes"] == status["chunks"] * chunk_bytes <= cap
     assert (status["contexts"], status["pinned"]) == (0, 0)
-    emit(request, "8.1 cache load",
-         f"{CLIENTS} engines x {REQUESTS:,} requests in {wall:.2f} s ({CLIENTS * REQUESTS / wall:,.0f} requests/s): "
-         f"{total['puts']:,} puts ({total['stored']:,} chunks stored, {total['present']:,} already present, "
-         f"{total['dropped']:,} dropped), {total['gets']:,} gets ({total['retrieved']:,} chunks loaded and checked), "
-         f"{total['lookups']:,} lookups; {status['evictions']:,} evictions under a cap of {cap // chunk_bytes} "
-         f"chunks; 0 errors, 0 torn chunks",
-         requests_per_s=CLIENTS * REQUESTS / wall, evictions=status["evictions"])
+    emit(
+        request,
+        "8.1 cache load",
+        f"{CLIENTS} engines x {REQUESTS:,} requests in {wall:.2f} s ({CLIENTS * REQUESTS / wall:,.0f} requests/s): "
+        f"{total['puts']:,} puts ({total['stored']:,} chunks stored, {total['present']:,} already present, "
+        f"{total['dropped']:,} dropped), {total['gets']:,} gets ({total['retrieved']:,} chunks loaded and checked), "
+        f"{total['lookups']:,} lookups; {status['evictions']:,} evictions under a cap of {cap // chunk_bytes} "
+        f"chunks; 0 errors, 0 torn chunks",
+        requests_per_s=CLIENTS * REQUESTS / wall,
+        evictions=status["evictions"],
+    )
 
 
 # -- 8.2 ------------------------------------------------------------------------------------------
@@ -162,8 +177,10 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
     common = list(range(COMMON))
     own = [list(range(1000 * (i + 1), 1000 * (i + 1) + OWN_KEYS)) for i in range(CLIENTS)]
     everyone = common + [k for keys in own for k in keys]
-    specs = [{"model": SMALL, "namespace": namespace, "keys": common + own[i], "all_keys": everyone}
-             for i in range(CLIENTS)]
+    specs = [
+        {"model": SMALL, "namespace": namespace, "keys": common + own[i], "all_keys": everyone}
+        for i in range(CLIENTS)
+    ]
     with ServerProcess(max_host_bytes=2 * len(everyone) * chunk_bytes) as server:
         clients = Clients(store_then_load_client, server.socket_path, specs, rel_child_pids)
         try:
@@ -182,13 +199,18 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
     assert sum(r["dropped"] for r in reports) == 0
     assert sum(r["stored"] for r in reports) == len(everyone), "a key was stored twice, or not at all"
     assert sum(r["present"] for r in reports) == (CLIENTS - 1) * COMMON
-    assert [r["retrieved"] for r in reports] == [len(everyone)] * CLIENTS and sum(r["missing"] for r in reports) == 0
+    assert [r["retrieved"] for r in reports] == [len(everyone)] * CLIENTS and sum(
+        r["missing"] for r in reports
+    ) == 0
     assert sum(r["mismatches"] for r in reports) == 0
     assert (status["chunks"], status["evictions"]) == (len(everyone), 0)
-    emit(request, "8.2 nothing lost",
-         f"{CLIENTS} engines stored {len(everyone):,} distinct chunks at once ({COMMON} common to all, "
-         f"copied once; {(CLIENTS - 1) * COMMON} puts found them present) in {stored_s:.2f} s; every engine "
-         f"then loaded all {len(everyone):,}: 0 missing, 0 mismatched")
+    emit(
+        request,
+        "8.2 nothing lost",
+        f"{CLIENTS} engines stored {len(everyone):,} distinct chunks at once ({COMMON} common to all, "
+        f"copied once; {(CLIENTS - 1) * COMMON} puts found them present) in {stored_s:.2f} s; every engine "
+        f"then loaded all {len(everyone):,}: 0 missing, 0 mismatched",
+    )
 
 
 # -- 8.3 ------------------------------------------------------------------------------------------
@@ -205,11 +227,23 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
     chunk_bytes = BIG_CHUNK_BYTES
     cap = READERS * READ_CHUNKS * chunk_bytes
     namespace = ns("8.3", BIG)
-    specs = [{"model": BIG, "namespace": namespace, "first_key": 100 * i, "chunks": READ_CHUNKS,
-              "per_request": PER_REQUEST, "requests": READS} for i in range(READERS)]
+    specs = [
+        {
+            "model": BIG,
+            "namespace": namespace,
+            "first_key": 100 * i,
+            "chunks": READ_CHUNKS,
+            "per_request": PER_REQUEST,
+            "requests": READS,
+        }
+        for i in range(READERS)
+    ]
     modes = ("per-context locks", "one lock")
     walls: dict[str, list[float]] = {m: [] for m in modes}
-    with ServerProcess(max_host_bytes=cap) as par, ServerProcess(max_host_bytes=cap, parallel_transfers=False) as ser:
+    with (
+        ServerProcess(max_host_bytes=cap) as par,
+        ServerProcess(max_host_bytes=cap, parallel_transfers=False) as ser,
+    ):
         clients = Clients(reader_client, [par.socket_path, ser.socket_path], specs, rel_child_pids)
         try:
             assert all(r == {"ready": True} for r in clients.gather())
@@ -218,7 +252,9 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
                     started = clients.go({"server": i})
                     reports = clients.gather()
                     walls[mode].append(time.perf_counter() - started)
-                    assert sum(r["error_count"] for r in reports) == 0, [e for r in reports for e in r["errors"]]
+                    assert sum(r["error_count"] for r in reports) == 0, [
+                        e for r in reports for e in r["errors"]
+                    ]
                     assert sum(r["mismatches"] for r in reports) == 0
                     assert sum(r["bytes"] for r in reports) == READERS * READS * PER_REQUEST * chunk_bytes
             clients.go("exit")
@@ -235,8 +271,11 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
         + ", ".join(f"{moved / w / 1e9:.2f}" for w in walls[m])
         for m in modes
     )
-    emit(request, "8.3 parallel loads",
-         f"{READERS} engines x {READS} gets of {PER_REQUEST} x {chunk_bytes >> 20} MiB chunks, {ROUNDS} "
-         f"alternating rounds per server: {figures}; parallel/serialized {best[modes[1]] / best[modes[0]]:.2f}x; "
-         f"0 mismatches",
-         best_gb_per_s={m: moved / best[m] / 1e9 for m in modes})
+    emit(
+        request,
+        "8.3 parallel loads",
+        f"{READERS} engines x {READS} gets of {PER_REQUEST} x {chunk_bytes >> 20} MiB chunks, {ROUNDS} "
+        f"alternating rounds per server: {figures}; parallel/serialized {best[modes[1]] / best[modes[0]]:.2f}x; "
+        f"0 mismatches",
+        best_gb_per_s={m: moved / best[m] / 1e9 for m in modes},
+    )

@@ -100,7 +100,9 @@ def test_64_threads_racing_the_first_resolution_scan_once(
     assert loads == ["cpu"], "a backend was imported twice, or cpu.file or cuda was imported"
     assert len({id(r) for r in results[0::4]}) == 1 and results[0].__self__ is CpuShmIPCWrapper
     assert {r.name for r in results[3::4]} == {"cpu"}
-    emit(request, "5 first resolution", f"64 threads: {len(scans)} metadata scan, entry points loaded {loads}")
+    emit(
+        request, "5 first resolution", f"64 threads: {len(scans)} metadata scan, entry points loaded {loads}"
+    )
 
 
 # -- one context, many threads -----------------------------------------------------------------
@@ -123,7 +125,8 @@ def engine_and_context() -> Iterator[tuple[list[torch.Tensor], lp.BaseCacheConte
 
 
 def test_concurrent_store_and_retrieve_on_one_context_are_bit_exact(
-    engine_and_context: tuple[list[torch.Tensor], lp.BaseCacheContext], switch_often: None,
+    engine_and_context: tuple[list[torch.Tensor], lp.BaseCacheContext],
+    switch_often: None,
     request: pytest.FixtureRequest,
 ) -> None:
     """One thread per staging slot, each storing fresh bytes and retrieving them elsewhere."""
@@ -138,22 +141,28 @@ def test_concurrent_store_and_retrieve_on_one_context_are_bit_exact(
             src = [slot * 8 + (2 * r) % 8 + b for b in range(per_chunk)]  # blocks 0..8n-1
             dst = [8 * n + slot * 4 + (r % 2) * 2 + b for b in range(per_chunk)]  # above them
             for t in tensors:
-                t[:, src] = torch.randint(-(2**15), 2**15, t[:, src].shape, dtype=torch.int16,
-                                          generator=gen).view(torch.float16)
+                t[:, src] = torch.randint(
+                    -(2**15), 2**15, t[:, src].shape, dtype=torch.int16, generator=gen
+                ).view(torch.float16)
             want = [t[:, src].clone() for t in tensors]
             ctx.store_chunk([src], slot=slot)
             for t in tensors:
                 t[:, dst] = 0
             ctx.retrieve_chunk([dst], slot=slot)
-            bad += sum(not torch.equal(t[:, dst].view(torch.int16), w.view(torch.int16))
-                       for t, w in zip(tensors, want, strict=True))
+            bad += sum(
+                not torch.equal(t[:, dst].view(torch.int16), w.view(torch.int16))
+                for t, w in zip(tensors, want, strict=True)
+            )
         return bad
 
     results, errors = race(n, worker)
     assert errors == []
     assert results == [0] * n, f"mismatched layer copies per thread: {results}"
-    emit(request, "5 concurrent transfers",
-         f"{n} threads x {rounds} store+retrieve rounds on one context: 0 mismatched bytes")
+    emit(
+        request,
+        "5 concurrent transfers",
+        f"{n} threads x {rounds} store+retrieve rounds on one context: 0 mismatched bytes",
+    )
 
 
 def test_transfers_on_a_closed_context_are_refused(
@@ -161,15 +170,19 @@ def test_transfers_on_a_closed_context_are_refused(
 ) -> None:
     _, ctx = engine_and_context
     ctx.close()
-    for call in (lambda: ctx.store_chunk([[0, 1]]), lambda: ctx.retrieve_chunk([[2, 3]]),
-                 lambda: ctx.stage_block_ids([[0]])):
+    for call in (
+        lambda: ctx.store_chunk([[0, 1]]),
+        lambda: ctx.retrieve_chunk([[2, 3]]),
+        lambda: ctx.stage_block_ids([[0]]),
+    ):
         with pytest.raises(TransferError, match="closed"):
             call()
 
 
 @pytest.mark.parametrize("op", ["store_chunk", "retrieve_chunk"])
 def test_a_transfer_racing_close_is_refused_with_transfer_error(
-    engine_and_context: tuple[list[torch.Tensor], lp.BaseCacheContext], monkeypatch: pytest.MonkeyPatch,
+    engine_and_context: tuple[list[torch.Tensor], lp.BaseCacheContext],
+    monkeypatch: pytest.MonkeyPatch,
     op: str,
 ) -> None:
     """Deterministic: close() runs right after the request was validated, before the lock."""
@@ -255,7 +268,9 @@ def test_a_fork_after_wrap_never_unlinks_in_the_child(
 # -- spawn --------------------------------------------------------------------------------------
 
 
-def test_spawned_workers_each_resolve_on_their_own(rel_child_pids: set[int], request: pytest.FixtureRequest) -> None:
+def test_spawned_workers_each_resolve_on_their_own(
+    rel_child_pids: set[int], request: pytest.FixtureRequest
+) -> None:
     """Each child starts with nothing loaded, scans metadata once, and decodes with its own allow-list."""
     from lmcache_platform.testing import fake_backend
     from support.fakes import context_class, wrapper_class
@@ -264,13 +279,19 @@ def test_spawned_workers_each_resolve_on_their_own(rel_child_pids: set[int], req
     tensors = [torch.arange(256, dtype=torch.float32) * (i + 1) for i in range(3)]
     wrappers = lp.wrap_kv_caches(tensors)
     checksum = float(sum(t.double().sum().item() for t in tensors))
-    lp.register_backend(fake_backend("relworker", context_class=context_class("relworker"),
-                                     wrapper_class=wrapper_class("relworker")), "relworker")
+    lp.register_backend(
+        fake_backend(
+            "relworker", context_class=context_class("relworker"), wrapper_class=wrapper_class("relworker")
+        ),
+        "relworker",
+    )
     procs, conns = [], []
     try:
         for _ in range(WORKERS):
             parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=resolve_worker, args=(child, wire.encode(wrappers), checksum), daemon=True)
+            p = SPAWN.Process(
+                target=resolve_worker, args=(child, wire.encode(wrappers), checksum), daemon=True
+            )
             p.start()
             child.close()
             assert p.pid is not None
@@ -298,5 +319,9 @@ def test_spawned_workers_each_resolve_on_their_own(rel_child_pids: set[int], req
         assert r["backend"] == ["cpu", "lmcache-platform-cpu"]
         assert r["checksum_ok"] is True
         assert r["parent_state_leaked"] is False
-    emit(request, "5 spawned workers", f"{WORKERS} spawned workers: each started with no backend loaded, "
-         "scanned metadata once and reopened the parent's wrappers bit-exact")
+    emit(
+        request,
+        "5 spawned workers",
+        f"{WORKERS} spawned workers: each started with no backend loaded, "
+        "scanned metadata once and reopened the parent's wrappers bit-exact",
+    )

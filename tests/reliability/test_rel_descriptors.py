@@ -37,8 +37,15 @@ def segment() -> Iterator[CpuShmIPCWrapper]:
 
 
 def fields(w: CpuShmIPCWrapper | None = None, **over: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"dtype": "float32", "shape": [1024], "stride": [1], "storage_offset": 0,
-                            "device_uuid": "cpu", "shm_name": forge_name(), "shm_nbytes": 4096}
+    base: dict[str, Any] = {
+        "dtype": "float32",
+        "shape": [1024],
+        "stride": [1],
+        "storage_offset": 0,
+        "device_uuid": "cpu",
+        "shm_name": forge_name(),
+        "shm_nbytes": 4096,
+    }
     if w is not None:
         base.update(w.fields())
     base.update(over)
@@ -131,8 +138,22 @@ def test_hostile_layouts_are_refused_by_from_fields(over: dict[str, Any], match:
     refuse(f, match)
 
 
-DTYPES = ["complex64", "complex128", "qint8", "quint4x2", "uint16", "float", "object", "torch.float32",
-          "Float16", "float16 ", "", "__class__", "bits8", "float8_e4m3fnuz"]
+DTYPES = [
+    "complex64",
+    "complex128",
+    "qint8",
+    "quint4x2",
+    "uint16",
+    "float",
+    "object",
+    "torch.float32",
+    "Float16",
+    "float16 ",
+    "",
+    "__class__",
+    "bits8",
+    "float8_e4m3fnuz",
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -148,8 +169,14 @@ def forged() -> Iterator[Callable[..., str]]:
     """Make a well-formed name in /dev/shm as something else; everything is removed after."""
     made: list[str] = []
 
-    def make(kind: str = "file", *, size: int = 4096, mode: int = 0o600, uid: int | None = None,
-             target: str | None = None) -> str:
+    def make(
+        kind: str = "file",
+        *,
+        size: int = 4096,
+        mode: int = 0o600,
+        uid: int | None = None,
+        target: str | None = None,
+    ) -> str:
         name = forge_name()
         path = os.path.join(SHM_DIR, name)
         made.append(path)
@@ -202,7 +229,9 @@ def test_a_non_file_is_refused(forged: Callable[..., str], kind: str) -> None:
 
 
 @pytest.mark.parametrize("real, claimed", [(4096, 8192), (4096, 1 << 40), (8192, 4096)])
-def test_a_size_other_than_the_segments_is_refused(forged: Callable[..., str], real: int, claimed: int) -> None:
+def test_a_size_other_than_the_segments_is_refused(
+    forged: Callable[..., str], real: int, claimed: int
+) -> None:
     """Larger would fault past the end (SIGBUS); smaller would hide a mismatch. Only exact passes."""
     name = forged(size=real)
     refuse(fields(shm_name=name, shm_nbytes=claimed), f"holds {real} bytes but the descriptor says {claimed}")

@@ -84,8 +84,12 @@ def test_10k_wrap_reopen_close_cycles_stay_flat(request: pytest.FixtureRequest) 
         _cycle(i, wrap)
     after = settled()
     flat(before, after)
-    emit(request, "4 wrap/reopen/close", f"{WRAP_CYCLES:,} cycles in process: {describe(before, after)}",
-         **before.delta(after))
+    emit(
+        request,
+        "4 wrap/reopen/close",
+        f"{WRAP_CYCLES:,} cycles in process: {describe(before, after)}",
+        **before.delta(after),
+    )
 
 
 def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
@@ -136,8 +140,12 @@ def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
     flat(before, after)  # the producer: this process
     c_before, c_after = (Resources(**report["marks"][k]) for k in sorted(report["marks"], key=int))
     flat(c_before, c_after)  # the consumer
-    emit(request, "4 spawned consumer", f"{CONSUMER_CYCLES} models reopened in a spawned consumer: "
-         f"producer {describe(before, after)}; consumer {describe(c_before, c_after)}")
+    emit(
+        request,
+        "4 spawned consumer",
+        f"{CONSUMER_CYCLES} models reopened in a spawned consumer: "
+        f"producer {describe(before, after)}; consumer {describe(c_before, c_after)}",
+    )
 
 
 # -- context create and close ------------------------------------------------------------------
@@ -177,8 +185,12 @@ def test_1000_context_create_close_cycles_stay_flat(
     after = settled()
     flat(before, after)
     assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
-    emit(request, "4 context create/close", f"{CONTEXT_CYCLES:,} contexts: {describe(before, after)}",
-         **before.delta(after))
+    emit(
+        request,
+        "4 context create/close",
+        f"{CONTEXT_CYCLES:,} contexts: {describe(before, after)}",
+        **before.delta(after),
+    )
 
 
 # -- a producer killed with SIGKILL ---------------------------------------------------------------
@@ -244,14 +256,26 @@ def test_gc_reclaims_every_segment_of_a_sigkilled_producer_while_a_consumer_maps
     request: pytest.FixtureRequest,
 ) -> None:
     command = _in_own_pid_namespace([sys.executable, "-c", GC_SCENARIO])
-    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdin is not None and proc.stdout is not None
     try:
         names = json.loads(proc.stdout.readline())["names"]
-        views = [CpuShmIPCWrapper.from_fields({
-            "dtype": "float16", "shape": [2, 16, 4, 2, 8], "stride": [1024, 64, 16, 8, 1], "storage_offset": 0,
-            "device_uuid": "cpu", "shm_name": n, "shm_nbytes": 4096}).to_tensor() for n in names]
+        views = [
+            CpuShmIPCWrapper.from_fields(
+                {
+                    "dtype": "float16",
+                    "shape": [2, 16, 4, 2, 8],
+                    "stride": [1024, 64, 16, 8, 1],
+                    "storage_offset": 0,
+                    "device_uuid": "cpu",
+                    "shm_name": n,
+                    "shm_nbytes": 4096,
+                }
+            ).to_tensor()
+            for n in names
+        ]
         proc.stdin.write("go\n")
         proc.stdin.flush()
         stdout, stderr = proc.communicate(timeout=120)
@@ -277,9 +301,13 @@ def test_gc_reclaims_every_segment_of_a_sigkilled_producer_while_a_consumer_maps
     gc.collect()
     assert all(mappings_of(n) == 0 for n in names)
     where = "in a private pid namespace" if command[0] != sys.executable else "in this pid namespace"
-    emit(request, "4 SIGKILLed producer", f"{len(names)} segments of a SIGKILLed producer ({where}): `gc` listed "
-         f"all and removed none, `gc --yes` removed all; a live producer's segment and a consumer's mappings "
-         f"were unaffected")
+    emit(
+        request,
+        "4 SIGKILLed producer",
+        f"{len(names)} segments of a SIGKILLed producer ({where}): `gc` listed "
+        f"all and removed none, `gc --yes` removed all; a live producer's segment and a consumer's mappings "
+        f"were unaffected",
+    )
 
 
 # -- the reference server killed ----------------------------------------------------------------
@@ -312,7 +340,10 @@ def test_a_killed_server_leaves_the_engine_working_and_a_new_server_takes_over(
     assert all(torch.equal(t, s) for t, s in zip(tensors, snapshot, strict=True))
 
     # Registering the same wrappers with a new server works, bit-exact.
-    with ServerProcess(max_host_bytes=1 << 20) as second, ServerClient(second.socket_path, timeout=30) as client:
+    with (
+        ServerProcess(max_host_bytes=1 << 20) as second,
+        ServerClient(second.socket_path, timeout=30) as client,
+    ):
         ctx = client.register(wrappers, lmcache_tokens_per_chunk=8, layout_hints=HINTS).context
         client.store(ctx, [("a", [[4, 5]])])
         for t in tensors:
@@ -320,5 +351,9 @@ def test_a_killed_server_leaves_the_engine_working_and_a_new_server_takes_over(
         client.retrieve(ctx, [("a", [[10, 11]])])
         assert all(torch.equal(t[:, 10:12], s[:, 4:6]) for t, s in zip(tensors, snapshot, strict=True))
         client.unregister(ctx)
-    emit(request, "4 killed server", "server SIGKILLed mid-session: old client gets an error, engine tensors "
-         "and segments intact, a new server registers the same wrappers and round-trips bit-exact")
+    emit(
+        request,
+        "4 killed server",
+        "server SIGKILLed mid-session: old client gets an error, engine tensors "
+        "and segments intact, a new server registers the same wrappers and round-trips bit-exact",
+    )

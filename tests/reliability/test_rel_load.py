@@ -43,7 +43,9 @@ def server() -> Iterator[ServerProcess]:
         yield proc
 
 
-def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) -> tuple[list[dict[str, Any]], float]:
+def run_clients(
+    server: ServerProcess, n: int, requests: int, pids: set[int]
+) -> tuple[list[dict[str, Any]], float]:
     """Start ``n`` clients, release them together, collect their reports; return them and the wall time."""
     from support.reliability_workers import load_client
 
@@ -51,8 +53,11 @@ def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) ->
     try:
         for i in range(n):
             conn, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=load_client, args=(child, server.socket_path, i, requests, 1000 + i, LAYERS, HEAD),
-                              daemon=True)
+            p = SPAWN.Process(
+                target=load_client,
+                args=(child, server.socket_path, i, requests, 1000 + i, LAYERS, HEAD),
+                daemon=True,
+            )
             p.start()
             child.close()
             assert p.pid is not None
@@ -83,7 +88,9 @@ def run_clients(server: ServerProcess, n: int, requests: int, pids: set[int]) ->
             conn.close()
 
 
-def settle(server: ServerProcess, pid: int, threads: int | None = None) -> tuple[dict[str, Any], Resources, int]:
+def settle(
+    server: ServerProcess, pid: int, threads: int | None = None
+) -> tuple[dict[str, Any], Resources, int]:
     """Wait (bounded) until the server counts only the measuring connection; then measure.
 
     The server closes a connection's socket before it stops counting it, so
@@ -155,9 +162,13 @@ def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
 
     total = CLIENTS * REQUESTS
     moved = sum(r["bytes"] for r in reports)
-    emit(request, "6 load",
-         f"{CLIENTS} clients x {REQUESTS:,} requests ({sum(r['stores'] for r in reports):,} stores, "
-         f"{sum(r['retrieves'] for r in reports):,} retrieves) in {wall:.2f} s: {total / wall:,.0f} requests/s, "
-         f"{moved / wall / 1e9:.3f} GB/s of chunk data ({moved / 2**20:.1f} MiB), 0 errors, 0 mismatches; "
-         f"server {describe(before, after)}, connection threads all exited",
-         requests_per_s=total / wall, gb_per_s=moved / wall / 1e9)
+    emit(
+        request,
+        "6 load",
+        f"{CLIENTS} clients x {REQUESTS:,} requests ({sum(r['stores'] for r in reports):,} stores, "
+        f"{sum(r['retrieves'] for r in reports):,} retrieves) in {wall:.2f} s: {total / wall:,.0f} requests/s, "
+        f"{moved / wall / 1e9:.3f} GB/s of chunk data ({moved / 2**20:.1f} MiB), 0 errors, 0 mismatches; "
+        f"server {describe(before, after)}, connection threads all exited",
+        requests_per_s=total / wall,
+        gb_per_s=moved / wall / 1e9,
+    )

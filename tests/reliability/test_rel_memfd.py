@@ -109,8 +109,13 @@ for line in sys.stdin:
 class Worker:
     def __init__(self, role: str, child_pids: set[int], kind: str = "memfd") -> None:
         env = {**os.environ, "LMCACHE_PLATFORM_CPU_IPC": kind}
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, role], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER, role],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         child_pids.add(self.proc.pid)
         self.first: dict[str, Any] = self.read() if role == "engine" else {}
 
@@ -184,8 +189,12 @@ def test_a_producer_cannot_shrink_a_memfd_under_its_consumer(
     assert read["sums"] == engine.first["expected"], read  # every byte, still there
     assert "staged" in consumer.call("store"), "a transfer after the attempts failed"
     assert consumer.proc.poll() is None and engine.proc.poll() is None
-    emit(request, "9.1 memfd truncation", f"engine ftruncate: {own[0]}, same-user process via /proc: "
-         f"{hostile[0]}; the consumer read all {len(read['sums'])} layers bit-exact and kept serving")
+    emit(
+        request,
+        "9.1 memfd truncation",
+        f"engine ftruncate: {own[0]}, same-user process via /proc: "
+        f"{hostile[0]}; the consumer read all {len(read['sums'])} layers bit-exact and kept serving",
+    )
 
     # What sealing does not stop (documented): punching a hole zeroes pages. Wrong bytes, no crash.
     fd = os.open(f"/proc/{engine.proc.pid}/fd/{handles[2]['memfd_fd']}", os.O_RDWR)
@@ -195,8 +204,12 @@ def test_a_producer_cannot_shrink_a_memfd_under_its_consumer(
         os.close(fd)
     after = consumer.call("read")
     assert punched == 0 and after["sums"][2] == 0 and after["zeros"][2] > 0 and consumer.proc.poll() is None
-    emit(request, "9.2 memfd hole punch", "fallocate(PUNCH_HOLE) by a same-user process succeeds: the "
-         "consumer reads zeros in that layer and keeps running (no SIGBUS)")
+    emit(
+        request,
+        "9.2 memfd hole punch",
+        "fallocate(PUNCH_HOLE) by a same-user process succeeds: the "
+        "consumer reads zeros in that layer and keeps running (no SIGBUS)",
+    )
     assert consumer.call("close")["maps"] == 0
     assert consumer.stop() == 0 and engine.stop() == 0
 
@@ -218,8 +231,12 @@ def test_a_named_segment_shrunk_under_its_consumer_is_refused_before_the_transfe
     consumer.send("read")  # touching the mapping without the check: the kernel's answer
     code = consumer.proc.wait(timeout=60)
     assert code == -signal.SIGBUS, code
-    emit(request, "9.3 shm shrink check", f"truncated named segment: store_chunk refused with DescriptorError "
-         f"('{refused['message'][:60]}...'); an unchecked read then died with exit code {code} (SIGBUS)")
+    emit(
+        request,
+        "9.3 shm shrink check",
+        f"truncated named segment: store_chunk refused with DescriptorError "
+        f"('{refused['message'][:60]}...'); an unchecked read then died with exit code {code} (SIGBUS)",
+    )
     assert engine.stop() == 0
 
 
@@ -250,8 +267,12 @@ def test_a_sigkilled_producer_leaves_nothing_and_its_memory_goes_with_the_consum
     assert consumer.call("close")["maps"] == 0
     assert memfd_maps(consumer.proc.pid, names) == 0  # its last holder let go: the kernel frees it
     assert consumer.stop() == 0
-    emit(request, "9.4 memfd SIGKILL", f"producer SIGKILLed: 0 entries in /dev/shm, nothing for gc; the "
-         f"consumer read every byte through {held} mappings, then held none after close")
+    emit(
+        request,
+        "9.4 memfd SIGKILL",
+        f"producer SIGKILLed: 0 entries in /dev/shm, nothing for gc; the "
+        f"consumer read every byte through {held} mappings, then held none after close",
+    )
 
 
 # -- the leak soak ---------------------------------------------------------------------------------
@@ -293,10 +314,17 @@ def test_10k_memfd_wrap_reopen_close_cycles_stay_flat(request: pytest.FixtureReq
     assert (fds, maps) == (0, 0) and _memfd.owned() == owned, (before, after)
     assert segments_of({os.getpid()}) == dev_shm
     assert rss < RSS_SLACK, (before, after)
-    emit(request, "9.5 memfd leak soak", f"{WRAP_CYCLES} cycles: fds {before[0]}->{after[0]} ({fds:+d}), "
-         f"memfd maps {before[1]}->{after[1]} ({maps:+d}), /dev/shm entries +0, RSS "
-         f"{before[2] / 2**20:.1f}->{after[2] / 2**20:.1f} MiB ({rss / 2**20:+.1f} MiB)",
-         cycles=WRAP_CYCLES, fds=fds, maps=maps, rss=rss)
+    emit(
+        request,
+        "9.5 memfd leak soak",
+        f"{WRAP_CYCLES} cycles: fds {before[0]}->{after[0]} ({fds:+d}), "
+        f"memfd maps {before[1]}->{after[1]} ({maps:+d}), /dev/shm entries +0, RSS "
+        f"{before[2] / 2**20:.1f}->{after[2] / 2**20:.1f} MiB ({rss / 2**20:+.1f} MiB)",
+        cycles=WRAP_CYCLES,
+        fds=fds,
+        maps=maps,
+        rss=rss,
+    )
 
 
 # -- hostile input over the new fields ---------------------------------------------------------
@@ -329,8 +357,13 @@ def test_mutated_memfd_messages_raise_only_wire_format_error_and_map_nothing(
             refused += 1
     assert calls == [] and footprint()[:2] == before
     assert refused > 0.9 * N_WIRE and accepted > 0
-    emit(request, "9.6 memfd wire mutator", f"seed {SEED:#x}: {N_WIRE} messages, {refused} refused "
-         f"(WireFormatError), {accepted} accepted, none mapped", messages=N_WIRE)
+    emit(
+        request,
+        "9.6 memfd wire mutator",
+        f"seed {SEED:#x}: {N_WIRE} messages, {refused} refused "
+        f"(WireFormatError), {accepted} accepted, none mapped",
+        messages=N_WIRE,
+    )
 
 
 def hostile_values(rng: random.Random, real: int) -> list[int]:
@@ -383,9 +416,13 @@ def test_hostile_values_in_every_handle_field_are_refused_by_the_named_check(
         w.close()
     assert footprint()[:2] == before
     assert {"inode", "name", "producer", "pid namespace", "size"} <= set(checks), checks
-    emit(request, "9.7 memfd handle fuzz", f"{N_LIVE} hostile handles: refused by "
-         + ", ".join(f"{k} {v}" for k, v in sorted(checks.items()))
-         + "; nothing but the exported memfd itself was ever mapped, fds and mappings flat")
+    emit(
+        request,
+        "9.7 memfd handle fuzz",
+        f"{N_LIVE} hostile handles: refused by "
+        + ", ".join(f"{k} {v}" for k, v in sorted(checks.items()))
+        + "; nothing but the exported memfd itself was ever mapped, fds and mappings flat",
+    )
 
 
 def _in_bounds(spec: Any, value: Any) -> bool:
@@ -446,15 +483,20 @@ def test_a_memory_cgroup_limit_refuses_the_memfd_before_the_oom_killer_can(
         limit_file = os.path.join(cg, "memory.max" if v2 else "memory.limit_in_bytes")
         with open(limit_file, "w") as f:
             f.write(str(64 << 20))
-        proc = subprocess.run([sys.executable, "-c", IN_CGROUP, cg], capture_output=True, text=True,
-                              timeout=300, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", IN_CGROUP, cg], capture_output=True, text=True, timeout=300, check=False
+        )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out.get("errno") == errno.ENOMEM and out["same"], out
         assert f"the memory cgroup limit {limit_file} (64.0 MiB" in out["message"], out["message"]
         assert "nothing was created" in out["message"]
-        emit(request, "9.8 memfd cgroup limit", f"a 40 MiB wrap in a 64 MiB cgroup holding 40 MiB: "
-             f"MemfdCapacityError: {out['message'][11:120]}...")
+        emit(
+            request,
+            "9.8 memfd cgroup limit",
+            f"a 40 MiB wrap in a 64 MiB cgroup holding 40 MiB: "
+            f"MemfdCapacityError: {out['message'][11:120]}...",
+        )
     finally:
         os.rmdir(cg)
 
@@ -482,9 +524,22 @@ def test_a_consumer_in_another_pid_namespace_is_told_to_use_named_segments(
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs unshare(1) and root for a new pid namespace")
-    proc = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", NAMESPACED,
-                           wire.encode(exports[:1]).hex()], capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = subprocess.run(
+        [
+            unshare,
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            NAMESPACED,
+            wire.encode(exports[:1]).hex(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if proc.returncode != 0 and "unshare" in proc.stderr:
         pytest.skip(f"unshare refused here: {proc.stderr.strip()}")
     assert "fails the pid namespace check" in proc.stdout, proc.stdout + proc.stderr

@@ -84,8 +84,17 @@ def _namespace_command() -> list[str] | None:
     if os.geteuid() != 0 or unshare is None:
         return None
     mount = "mount -t tmpfs -o size=1M,mode=1777 tmpfs /dev/shm"
-    return [unshare, "--mount", "--propagation", "private", "sh", "-c", f'{mount} && exec "$0" -c "$1"',
-            sys.executable, IN_NAMESPACE]
+    return [
+        unshare,
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'{mount} && exec "$0" -c "$1"',
+        sys.executable,
+        IN_NAMESPACE,
+    ]
 
 
 def test_a_real_full_tmpfs_refuses_with_enospc_and_keeps_nothing(request: pytest.FixtureRequest) -> None:
@@ -111,9 +120,12 @@ def test_a_real_full_tmpfs_refuses_with_enospc_and_keeps_nothing(request: pytest
     assert out["kernel"]["left"] == out["after_big"]  # ENOSPC from the kernel: unlinked again
     assert out["survivor_ok"] and out["after_close"] == []
     assert segments_of({out["pid"]}) == []  # the host's /dev/shm never saw any of it
-    emit(request, "7 real full tmpfs",
-         f"1 MiB tmpfs over /dev/shm in a private mount namespace: batch of 1.5 MiB refused "
-         f"({out['batch']['message'].split(';')[0]}); kernel ENOSPC refused; nothing left")
+    emit(
+        request,
+        "7 real full tmpfs",
+        f"1 MiB tmpfs over /dev/shm in a private mount namespace: batch of 1.5 MiB refused "
+        f"({out['batch']['message'].split(';')[0]}); kernel ENOSPC refused; nothing left",
+    )
 
 
 # -- simulated ----------------------------------------------------------------------------------
@@ -158,7 +170,9 @@ def test_nearly_full_dev_shm_refuses_the_whole_model_up_front(
     assert _unchanged(before) and [t.data_ptr() for t in model] == addresses
     monkeypatch.setattr(os, "statvfs", real)  # space comes back: the same call now works
     wrappers = lp.wrap_kv_caches(model)
-    assert all(torch.equal(t, torch.arange(16 * KIB, dtype=torch.float32) + 1000 * i) for i, t in enumerate(model))
+    assert all(
+        torch.equal(t, torch.arange(16 * KIB, dtype=torch.float32) + 1000 * i) for i, t in enumerate(model)
+    )
     for w in wrappers:
         w.close()
 
@@ -184,13 +198,20 @@ def test_enospc_in_the_middle_of_a_batch_unwinds_the_layers_already_wrapped(
     assert "layer 2" in str(info.value)
     assert set(segments_of({os.getpid()})) == before[0], "a segment of the failed batch was left behind"
     assert all(torch.equal(t, e) for t, e in zip(model, expected, strict=True))  # the engine lost nothing
-    emit(request, "7 simulated ENOSPC", f"ENOSPC at layer 2 of 4: WrapError(layer=2) from ShmCapacityError; "
-         f"{len(calls) - 1} segments made before it were unlinked; engine tensors intact")
+    emit(
+        request,
+        "7 simulated ENOSPC",
+        f"ENOSPC at layer 2 of 4: WrapError(layer=2) from ShmCapacityError; "
+        f"{len(calls) - 1} segments made before it were unlinked; engine tensors intact",
+    )
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.ENOMEM], ids=["ENOSPC", "ENOMEM"])
-def test_a_kernel_refusal_despite_free_space_explains_itself(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+def test_a_kernel_refusal_despite_free_space_explains_itself(
+    monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
     """statvfs says there is room, the kernel says no (a race, or a memory cgroup charging tmpfs pages)."""
+
     def refuse(fd: int, offset: int, length: int) -> None:
         raise OSError(code, os.strerror(code))
 

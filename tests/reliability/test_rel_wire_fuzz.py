@@ -64,8 +64,11 @@ CLASSES: tuple[type[DeviceIPCWrapper], ...] = (CpuShmIPCWrapper, CudaIPCWrapper,
 ALLOWED = {cls.wire_tag: cls for cls in CLASSES}
 CUDA_UUID = "GPU-6f1d6c3e-2a5b-4c1e-9d3f-0a1b2c3d4e5f"
 CUDA_LAYER: dict[str, Any] = {
-    "dtype": "bfloat16", "shape": [2, 8, 16, 2, 64], "stride": [16384, 2048, 128, 64, 1],
-    "storage_offset": 0, "device_uuid": CUDA_UUID,
+    "dtype": "bfloat16",
+    "shape": [2, 8, 16, 2, 64],
+    "stride": [16384, 2048, 128, 64, 1],
+    "storage_offset": 0,
+    "device_uuid": CUDA_UUID,
 }
 
 
@@ -73,9 +76,16 @@ def cuda_fields() -> list[dict[str, Any]]:
     """Descriptors shaped like real CUDA ones; decoding them opens nothing."""
     nbytes = 2 * 16384 * 2
     return [
-        {**CUDA_LAYER, "handle": b"\x01" + bytes(range(64)), "storage_nbytes": nbytes,
-         "storage_offset_bytes": 4096, "ref_counter_handle": b"/torch_4242_2983412_7",
-         "ref_counter_offset": 3, "event_handle": bytes(64), "event_sync_required": 1},
+        {
+            **CUDA_LAYER,
+            "handle": b"\x01" + bytes(range(64)),
+            "storage_nbytes": nbytes,
+            "storage_offset_bytes": 4096,
+            "ref_counter_handle": b"/torch_4242_2983412_7",
+            "ref_counter_offset": 3,
+            "event_handle": bytes(64),
+            "event_sync_required": 1,
+        },
         {**CUDA_LAYER, "ipc_handle": bytes(range(64, 128)), "alloc_offset": 8192, "storage_nbytes": nbytes},
     ]
 
@@ -115,8 +125,7 @@ class Tally:
         elapsed = time.perf_counter() - self.started
         return (
             f"{self.total:,} messages in {elapsed:.2f} s ({self.total / elapsed:,.0f}/s): "
-            f"{self.refused:,} refused with WireFormatError, {self.accepted:,} valid"
-            + "; "
+            f"{self.refused:,} refused with WireFormatError, {self.accepted:,} valid" + "; "
             f"slowest decode {self.slowest_s * 1e3:.2f} ms"
         )
 
@@ -191,15 +200,25 @@ def wrappers() -> Iterator[list[DeviceIPCWrapper]]:
     spies go in.
     """
     made: list[DeviceIPCWrapper] = []
-    names = [f"{PREFIX}{pid_namespace():020d}_{os.getpid():010d}_{tag * 8}" for tag in ("5eed", "c0de", "f00d")]
+    names = [
+        f"{PREFIX}{pid_namespace():020d}_{os.getpid():010d}_{tag * 8}" for tag in ("5eed", "c0de", "f00d")
+    ]
     try:
         for name, (dtype, shape, stride, offset, nbytes) in zip(names, SEGMENTS, strict=True):
             fd = os.open(f"{SHM_DIR}/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             os.ftruncate(fd, nbytes)
             os.close(fd)
-            w: DeviceIPCWrapper = CpuShmIPCWrapper.from_fields({"dtype": dtype, "shape": shape, "stride": stride,
-                                              "storage_offset": offset, "device_uuid": "cpu",
-                                              "shm_name": name, "shm_nbytes": nbytes})
+            w: DeviceIPCWrapper = CpuShmIPCWrapper.from_fields(
+                {
+                    "dtype": dtype,
+                    "shape": shape,
+                    "stride": stride,
+                    "storage_offset": offset,
+                    "device_uuid": "cpu",
+                    "shm_name": name,
+                    "shm_nbytes": nbytes,
+                }
+            )
             probe = CpuShmIPCWrapper.from_fields(w.fields())
             assert probe.to_tensor().shape == tuple(shape)  # the view dies at once
             probe.close()
@@ -217,19 +236,32 @@ def wrappers() -> Iterator[list[DeviceIPCWrapper]]:
 
 
 def wire_corpus(ws: list[DeviceIPCWrapper]) -> list[bytes]:
-    return [wire.encode(ws), wire.encode(ws[:1]), wire.encode(ws[4:]), wire.encode([ws[3]]),
-            wire.encode([]), wire.encode(ws[1:3] * 3)]
+    return [
+        wire.encode(ws),
+        wire.encode(ws[:1]),
+        wire.encode(ws[4:]),
+        wire.encode([ws[3]]),
+        wire.encode([]),
+        wire.encode(ws[1:3] * 3),
+    ]
 
 
 def protocol_corpus(ws: list[DeviceIPCWrapper]) -> list[bytes]:
-    hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN, per_layer={1: KVFormat.MLA}, block_size=4, num_kv_heads=2)
-    groups = (EngineGroupInfo(layer_indices=(0, 1), block_size=4),
-              EngineGroupInfo(layer_indices=(2,), block_size=4, sliding_window=8))
+    hints = LayoutHints(
+        kv_format=KVFormat.FLASH_ATTN, per_layer={1: KVFormat.MLA}, block_size=4, num_kv_heads=2
+    )
+    groups = (
+        EngineGroupInfo(layer_indices=(0, 1), block_size=4),
+        EngineGroupInfo(layer_indices=(2,), block_size=4, sliding_window=8),
+    )
     chunks = [P.Chunk("c0", ((1, 2), (3,))), P.Chunk("chunk-\u00e9", ((0, 5), (6, 7)))]
     return [
-        P.encode_request("register", 1, wrappers=wire.encode(ws[:3]),
-                         config={"lmcache_tokens_per_chunk": 8, "layout_hints": hints,
-                                 "engine_group_infos": groups}),
+        P.encode_request(
+            "register",
+            1,
+            wrappers=wire.encode(ws[:3]),
+            config={"lmcache_tokens_per_chunk": 8, "layout_hints": hints, "engine_group_infos": groups},
+        ),
         P.encode_request("register", 2, wrappers=wire.encode(ws[4:]), config={}),
         P.encode_request("store", 3, context=7, chunks=chunks),
         P.encode_request("retrieve", 4, context=7, chunks=chunks[::-1]),
@@ -244,7 +276,9 @@ def protocol_corpus(ws: list[DeviceIPCWrapper]) -> list[bytes]:
 
 
 def test_mutated_wrapper_messages_raise_only_wire_format_error(
-    wrappers: list[DeviceIPCWrapper], never_mapped: list[str], watchdog: Callable[[], None],
+    wrappers: list[DeviceIPCWrapper],
+    never_mapped: list[str],
+    watchdog: Callable[[], None],
     request: pytest.FixtureRequest,
 ) -> None:
     """Every tenth message goes through the default allow-list (the real registry)."""
@@ -259,7 +293,9 @@ def test_mutated_wrapper_messages_raise_only_wire_format_error(
 
 
 def test_mutated_requests_and_replies_raise_only_wire_format_error(
-    wrappers: list[DeviceIPCWrapper], never_mapped: list[str], watchdog: Callable[[], None],
+    wrappers: list[DeviceIPCWrapper],
+    never_mapped: list[str],
+    watchdog: Callable[[], None],
     request: pytest.FixtureRequest,
 ) -> None:
     replies = [P.encode_reply(9, {"context": 1, "bytes": 4096}), P.encode_error(9, "TransferError", "no")]
@@ -285,14 +321,25 @@ def _stream(mutate: Mutator, rng_pick: Callable[[list[int]], int]) -> bytes:
     out = b""
     for _ in range(rng_pick([1, 2, 3])):
         payload = mutate()
-        length = rng_pick([len(payload)] * 4 + [0, max(len(payload) - 1, 0), len(payload) + 1,
-                                                P.MAX_FRAME_BYTES, P.MAX_FRAME_BYTES + 1, 0xFFFFFFFF])
+        length = rng_pick(
+            [len(payload)] * 4
+            + [
+                0,
+                max(len(payload) - 1, 0),
+                len(payload) + 1,
+                P.MAX_FRAME_BYTES,
+                P.MAX_FRAME_BYTES + 1,
+                0xFFFFFFFF,
+            ]
+        )
         out += _PREFIX.pack(length) + payload
     return out[: rng_pick([len(out)] * 3 + [len(out) // 2, 3])]
 
 
 def test_hostile_byte_streams_through_the_frame_reader(
-    wrappers: list[DeviceIPCWrapper], never_mapped: list[str], watchdog: Callable[[], None],
+    wrappers: list[DeviceIPCWrapper],
+    never_mapped: list[str],
+    watchdog: Callable[[], None],
     request: pytest.FixtureRequest,
 ) -> None:
     """The server's read loop over a real socket: frames, then requests, until EOF or refusal."""
@@ -319,8 +366,12 @@ def test_hostile_byte_streams_through_the_frame_reader(
         finally:
             a.close()
             b.close()
-    emit(request, "1 frame reader", f"seed {SEED + 3:#x}: {frames:,} frames read; " + tally.summary(),
-         messages=tally.total)
+    emit(
+        request,
+        "1 frame reader",
+        f"seed {SEED + 3:#x}: {frames:,} frames read; " + tally.summary(),
+        messages=tally.total,
+    )
 
 
 @pytest.fixture
@@ -373,9 +424,13 @@ def test_a_live_server_answers_every_hostile_frame_and_keeps_serving(
         status = client.status()["server"]
     assert status["contexts"] == 0  # contexts of closed connections were closed
     assert replies["error"] > 0.9 * sum(replies.values())
-    emit(request, "1 live server", f"seed {SEED + 4:#x}: {sum(replies.values()):,} hostile frames to a live "
-         f"server: {replies['error']:,} error replies, {replies['ok']:,} ok, 0 connections dropped; "
-         "still serving")
+    emit(
+        request,
+        "1 live server",
+        f"seed {SEED + 4:#x}: {sum(replies.values()):,} hostile frames to a live "
+        f"server: {replies['error']:,} error replies, {replies['ok']:,} ok, 0 connections dropped; "
+        "still serving",
+    )
 
 
 def test_the_server_answers_an_unhashable_op_with_an_error_reply(live_server: str) -> None:
@@ -392,16 +447,40 @@ def test_the_server_answers_an_unhashable_op_with_an_error_reply(live_server: st
 # -- hypothesis: structure-aware generation ----------------------------------------------------
 
 _INT64 = st.integers(-(1 << 63), (1 << 64) - 1)
-_EDGE_INTS = st.sampled_from([-1, 0, 1, 2**31, 2**32, 2**48, 2**48 + 1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)])
-_HOSTILE_STR = st.sampled_from([
-    "", "..", "../../etc/passwd", "/dev/shm/lmcache_platform_1_2_" + "0" * 32, "lmcache_platform_",
-    "lmcache_platform_1_1_" + "a" * 32 + "/..", "complex64", "torch.float32", "float", "object",
-    "\x00", "x" * 200, "cpu", "cuda", "GPU-0",
-])
+_EDGE_INTS = st.sampled_from(
+    [-1, 0, 1, 2**31, 2**32, 2**48, 2**48 + 1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)]
+)
+_HOSTILE_STR = st.sampled_from(
+    [
+        "",
+        "..",
+        "../../etc/passwd",
+        "/dev/shm/lmcache_platform_1_2_" + "0" * 32,
+        "lmcache_platform_",
+        "lmcache_platform_1_1_" + "a" * 32 + "/..",
+        "complex64",
+        "torch.float32",
+        "float",
+        "object",
+        "\x00",
+        "x" * 200,
+        "cpu",
+        "cuda",
+        "GPU-0",
+    ]
+)
 HOSTILE = st.one_of(
-    _INT64, _EDGE_INTS, _HOSTILE_STR, st.text(max_size=40), st.binary(max_size=80),
-    st.lists(st.one_of(_INT64, _EDGE_INTS), max_size=10), st.floats(), st.none(), st.booleans(),
-    st.dictionaries(st.text(max_size=4), _INT64, max_size=3), st.lists(st.text(max_size=4), max_size=3),
+    _INT64,
+    _EDGE_INTS,
+    _HOSTILE_STR,
+    st.text(max_size=40),
+    st.binary(max_size=80),
+    st.lists(st.one_of(_INT64, _EDGE_INTS), max_size=10),
+    st.floats(),
+    st.none(),
+    st.booleans(),
+    st.dictionaries(st.text(max_size=4), _INT64, max_size=3),
+    st.lists(st.text(max_size=4), max_size=3),
 )
 
 
@@ -441,8 +520,14 @@ def export_records(draw: st.DrawFn, ws: list[DeviceIPCWrapper]) -> list[object]:
             row[draw(st.integers(0, 3))] = draw(HOSTILE)
         views.append(draw(st.one_of(st.sampled_from([row, row, row[:3], [*row, 0]]), HOSTILE)))
     tag = draw(st.one_of(st.just(type(valid).wire_tag), HOSTILE))
-    return draw(st.sampled_from([[type(valid).device_type, tag, export, views],
-                                 [type(valid).device_type, tag, export, draw(HOSTILE)]]))
+    return draw(
+        st.sampled_from(
+            [
+                [type(valid).device_type, tag, export, views],
+                [type(valid).device_type, tag, export, draw(HOSTILE)],
+            ]
+        )
+    )
 
 
 def _envelope(body: object, magic: bytes = wire.MAGIC, version: int = 1) -> bytes:
@@ -452,15 +537,23 @@ def _envelope(body: object, magic: bytes = wire.MAGIC, version: int = 1) -> byte
 
 
 _SETTINGS = settings(
-    max_examples=N_HYPOTHESIS, derandomize=True, deadline=None, database=None,
+    max_examples=N_HYPOTHESIS,
+    derandomize=True,
+    deadline=None,
+    database=None,
     suppress_health_check=list(HealthCheck),
 )
 
 
-@pytest.mark.parametrize(("version", "label"), [(1, "1 hypothesis records"), (2, "1b hypothesis export records")])
+@pytest.mark.parametrize(
+    ("version", "label"), [(1, "1 hypothesis records"), (2, "1b hypothesis export records")]
+)
 def test_generated_wrapper_records(
-    wrappers: list[DeviceIPCWrapper], never_mapped: list[str], request: pytest.FixtureRequest,
-    version: int, label: str,
+    wrappers: list[DeviceIPCWrapper],
+    never_mapped: list[str],
+    request: pytest.FixtureRequest,
+    version: int,
+    label: str,
 ) -> None:
     """Records near valid ones (version 2: one export, several views): refused cleanly, or
     accepted and surviving a re-encode unchanged."""
@@ -503,7 +596,9 @@ def test_generated_arbitrary_bodies(never_mapped: list[str], request: pytest.Fix
     @given(_ANY, st.booleans())
     def check(body: object, as_request: bool) -> None:
         if as_request:
-            tally.run(decode_request_like_the_server, _envelope(body, P.MAGIC, P.VERSION), "generated request")
+            tally.run(
+                decode_request_like_the_server, _envelope(body, P.MAGIC, P.VERSION), "generated request"
+            )
         else:
             tally.run(decode_wrappers, _envelope(body), "generated body")
 
@@ -512,16 +607,25 @@ def test_generated_arbitrary_bodies(never_mapped: list[str], request: pytest.Fix
 
 
 #: The fields each op carries (beyond "op" and "id"), as the reference client sends them.
-OP_FIELDS = {"register": ("wrappers", "config"), "store": ("context", "chunks"),
-             "retrieve": ("context", "chunks"), "unregister": ("context",), "status": ("context",),
-             "shutdown": ()}
+OP_FIELDS = {
+    "register": ("wrappers", "config"),
+    "store": ("context", "chunks"),
+    "retrieve": ("context", "chunks"),
+    "unregister": ("context",),
+    "status": ("context",),
+    "shutdown": (),
+}
 
 
 @st.composite
 def requests(draw: st.DrawFn, ws: list[DeviceIPCWrapper]) -> dict[object, object]:
     """A request map near a valid one: each field is valid, hostile, missing or extra."""
-    good = {"context": 1, "wrappers": wire.encode(ws[:2]), "config": P.encode_config(),
-            "chunks": [["c", [[1, 2]]], ["d", [[3, 4], [5]]]]}
+    good = {
+        "context": 1,
+        "wrappers": wire.encode(ws[:2]),
+        "config": P.encode_config(),
+        "chunks": [["c", [[1, 2]]], ["d", [[3, 4], [5]]]],
+    }
     op = draw(st.sampled_from(sorted(OP_FIELDS)))
     msg: dict[object, object] = {"op": op, "id": draw(st.integers(0, 100))}
     for key in OP_FIELDS[op]:
@@ -561,8 +665,16 @@ def test_generated_requests(
 def _record(shape: list[int] | None = None, **over: Any) -> list[object]:
     """A CPU record of an empty tensor (it needs no segment), fields overridden."""
     shape = [0, 16] if shape is None else shape
-    fields = {"dtype": "uint8", "shape": shape, "stride": [1] * len(shape), "storage_offset": 0,
-              "device_uuid": "cpu", "shm_name": "", "shm_nbytes": 0, **over}
+    fields = {
+        "dtype": "uint8",
+        "shape": shape,
+        "stride": [1] * len(shape),
+        "storage_offset": 0,
+        "device_uuid": "cpu",
+        "shm_name": "",
+        "shm_nbytes": 0,
+        **over,
+    }
     return ["cpu", CpuShmIPCWrapper.wire_tag, fields]
 
 
@@ -582,42 +694,120 @@ def _name_of_length(n: int) -> str:
 
 CAPS: list[tuple[str, Callable[[int], bytes], int | None, Callable[[bytes], object], str]] = [
     # (what, build(n), limit, decode, refusal message)
-    ("wrappers per message", lambda n: _envelope([_record()] * n), wire.MAX_WRAPPERS,
-     decode_wrappers, "exceed"),
-    ("views per message", lambda n: _envelope([_export(n // 2), _export(n - n // 2)], version=2),
-     wire.MAX_WRAPPERS, decode_wrappers, "exceed"),
-    ("fields per record", lambda n: _envelope([["cpu", CpuShmIPCWrapper.wire_tag,
-                                                {f"f{i}": 0 for i in range(n)}]]), wire.MAX_FIELDS,
-     decode_wrappers, "exceed"),
-    ("shm name length", lambda n: _envelope([_record([16], shm_name=_name_of_length(n), shm_nbytes=16)]),
-     CpuShmIPCWrapper.wire_fields["shm_name"].max_len, decode_wrappers, "exceeds"),
+    (
+        "wrappers per message",
+        lambda n: _envelope([_record()] * n),
+        wire.MAX_WRAPPERS,
+        decode_wrappers,
+        "exceed",
+    ),
+    (
+        "views per message",
+        lambda n: _envelope([_export(n // 2), _export(n - n // 2)], version=2),
+        wire.MAX_WRAPPERS,
+        decode_wrappers,
+        "exceed",
+    ),
+    (
+        "fields per record",
+        lambda n: _envelope([["cpu", CpuShmIPCWrapper.wire_tag, {f"f{i}": 0 for i in range(n)}]]),
+        wire.MAX_FIELDS,
+        decode_wrappers,
+        "exceed",
+    ),
+    (
+        "shm name length",
+        lambda n: _envelope([_record([16], shm_name=_name_of_length(n), shm_nbytes=16)]),
+        CpuShmIPCWrapper.wire_fields["shm_name"].max_len,
+        decode_wrappers,
+        "exceeds",
+    ),
     ("dimensions", lambda n: _envelope([_record([0] + [1] * (n - 1))]), 8, decode_wrappers, "exceed"),
     ("dimension size", lambda n: _envelope([_record([0, n])]), 1 << 48, decode_wrappers, "above"),
-    ("chunks per request", lambda n: P.MAGIC + b"\x01" + msgpack.packb(
-        {"op": "store", "id": 1, "context": 1, "chunks": [["c", [[0]]]] * n}), P.MAX_CHUNKS,
-     P.decode_request, "exceed"),
-    ("chunk id length", lambda n: P.MAGIC + b"\x01" + msgpack.packb(
-        {"op": "store", "id": 1, "context": 1, "chunks": [["c" * n, [[0]]]]}), P.MAX_CHUNK_ID_LEN,
-     P.decode_request, "exceeds"),
-    ("groups per chunk", lambda n: P.MAGIC + b"\x01" + msgpack.packb(
-        {"op": "store", "id": 1, "context": 1, "chunks": [["c", [[0]] * n]]}), P.MAX_GROUPS,
-     P.decode_request, "exceed"),
-    ("block ids per group", lambda n: P.MAGIC + b"\x01" + msgpack.packb(
-        {"op": "store", "id": 1, "context": 1, "chunks": [["c", [[0] * n]]]}), P.MAX_BLOCKS_PER_GROUP,
-     P.decode_request, "exceed"),
-    ("block id value", lambda n: P.MAGIC + b"\x01" + msgpack.packb(
-        {"op": "store", "id": 1, "context": 1, "chunks": [["c", [[n]]]]}), P.MAX_ID,
-     P.decode_request, "outside"),
-    ("tokens per chunk", lambda n: P.MAGIC + b"\x01" + msgpack.packb(
-        {"op": "register", "id": 1, "wrappers": b"", "config": {**P.encode_config(), "lmcache_tokens_per_chunk": n}}),
-     1 << 24, lambda d: P.decode_request(d), "outside"),
+    (
+        "chunks per request",
+        lambda n: (
+            P.MAGIC
+            + b"\x01"
+            + msgpack.packb({"op": "store", "id": 1, "context": 1, "chunks": [["c", [[0]]]] * n})
+        ),
+        P.MAX_CHUNKS,
+        P.decode_request,
+        "exceed",
+    ),
+    (
+        "chunk id length",
+        lambda n: (
+            P.MAGIC
+            + b"\x01"
+            + msgpack.packb({"op": "store", "id": 1, "context": 1, "chunks": [["c" * n, [[0]]]]})
+        ),
+        P.MAX_CHUNK_ID_LEN,
+        P.decode_request,
+        "exceeds",
+    ),
+    (
+        "groups per chunk",
+        lambda n: (
+            P.MAGIC
+            + b"\x01"
+            + msgpack.packb({"op": "store", "id": 1, "context": 1, "chunks": [["c", [[0]] * n]]})
+        ),
+        P.MAX_GROUPS,
+        P.decode_request,
+        "exceed",
+    ),
+    (
+        "block ids per group",
+        lambda n: (
+            P.MAGIC
+            + b"\x01"
+            + msgpack.packb({"op": "store", "id": 1, "context": 1, "chunks": [["c", [[0] * n]]]})
+        ),
+        P.MAX_BLOCKS_PER_GROUP,
+        P.decode_request,
+        "exceed",
+    ),
+    (
+        "block id value",
+        lambda n: (
+            P.MAGIC
+            + b"\x01"
+            + msgpack.packb({"op": "store", "id": 1, "context": 1, "chunks": [["c", [[n]]]]})
+        ),
+        P.MAX_ID,
+        P.decode_request,
+        "outside",
+    ),
+    (
+        "tokens per chunk",
+        lambda n: (
+            P.MAGIC
+            + b"\x01"
+            + msgpack.packb(
+                {
+                    "op": "register",
+                    "id": 1,
+                    "wrappers": b"",
+                    "config": {**P.encode_config(), "lmcache_tokens_per_chunk": n},
+                }
+            )
+        ),
+        1 << 24,
+        lambda d: P.decode_request(d),
+        "outside",
+    ),
 ]
 
 
 @pytest.mark.parametrize("what, build, limit, decode, refusal", CAPS, ids=[c[0] for c in CAPS])
 def test_caps_hold_at_their_boundary(
-    never_mapped: list[str], what: str, build: Callable[[int], bytes], limit: int | None,
-    decode: Callable[[bytes], object], refusal: str,
+    never_mapped: list[str],
+    what: str,
+    build: Callable[[int], bytes],
+    limit: int | None,
+    decode: Callable[[bytes], object],
+    refusal: str,
 ) -> None:
     assert limit is not None
     at, over = build(limit), build(limit + 1)
@@ -630,9 +820,12 @@ def test_caps_hold_at_their_boundary(
 
 
 @pytest.mark.parametrize("declared", [1 << 16, 1 << 24, 0xFFFFFFFF])
-@pytest.mark.parametrize("header", [b"\xdb", b"\xc6", b"\xdd", b"\xdf"], ids=["str32", "bin32", "array32", "map32"])
-def test_huge_declared_lengths_are_refused_without_reading(never_mapped: list[str], header: bytes,
-                                                           declared: int) -> None:
+@pytest.mark.parametrize(
+    "header", [b"\xdb", b"\xc6", b"\xdd", b"\xdf"], ids=["str32", "bin32", "array32", "map32"]
+)
+def test_huge_declared_lengths_are_refused_without_reading(
+    never_mapped: list[str], header: bytes, declared: int
+) -> None:
     """A 4-byte length field claiming up to 4 GiB, with nothing behind it."""
     rss = Resources.of().rss
     for magic, decode in ((wire.MAGIC, decode_wrappers), (P.MAGIC, P.decode_request)):
@@ -652,7 +845,9 @@ def test_whole_messages_over_the_byte_caps_are_refused_before_parsing(never_mapp
     assert P.request_id_of(big) == 0
 
 
-@pytest.mark.parametrize("op", [[], {}, ["store"], {"op": "store"}], ids=["array", "map", "list-of-op", "map-op"])
+@pytest.mark.parametrize(
+    "op", [[], {}, ["store"], {"op": "store"}], ids=["array", "map", "list-of-op", "map-op"]
+)
 def test_an_unhashable_op_is_refused(op: object) -> None:
     data = P.MAGIC + bytes([P.VERSION]) + msgpack.packb({"op": op, "id": 1})
     assert P.request_id_of(data) == 1

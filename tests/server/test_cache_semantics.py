@@ -278,7 +278,9 @@ def test_within_one_request_the_prefix_tail_is_evicted_first(
     assert c.lookup(ns, keys[3:]) == 0
 
 
-def test_a_put_beyond_the_cap_keeps_its_leading_chunks(small_client: ServerClient, engine: TinyEngine) -> None:
+def test_a_put_beyond_the_cap_keeps_its_leading_chunks(
+    small_client: ServerClient, engine: TinyEngine
+) -> None:
     c = small_client
     ns = fresh_namespace()
     keys = chunk_keys(tokens(6), CHUNK, ns)

@@ -15,8 +15,11 @@ from lmcache_platform import EngineGroupInfo
 from lmcache_platform.server import KEY_BYTES, cache_namespace, chunk_keys
 
 BASE: dict[str, Any] = dict(
-    model="Qwen/Qwen3-0.6B@c1899de", kv_layout="flash_attn [2, *, 16, 8, 128] x 28",
-    dtype="bfloat16", block_size=16, chunk_size=256,
+    model="Qwen/Qwen3-0.6B@c1899de",
+    kv_layout="flash_attn [2, *, 16, 8, 128] x 28",
+    dtype="bfloat16",
+    block_size=16,
+    chunk_size=256,
 )
 NS = cache_namespace(**BASE)
 TOKENS = list(range(1000, 1000 + 4 * 16 + 5))  # four whole chunks of 16 and a partial one
@@ -25,12 +28,14 @@ TOKENS = list(range(1000, 1000 + 4 * 16 + 5))  # four whole chunks of 16 and a p
 def test_a_namespace_is_fixed_bytes_for_fixed_inputs() -> None:
     assert len(NS) == KEY_BYTES and cache_namespace(**BASE) == NS
     # the same in another process: nothing depends on the process (hash seeds, dict order)
-    code = (
-        "from lmcache_platform.server import cache_namespace;"
-        f"print(cache_namespace(**{BASE!r}).hex())"
+    code = f"from lmcache_platform.server import cache_namespace;print(cache_namespace(**{BASE!r}).hex())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345"},
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345"})
     assert out.stdout.strip() == NS.hex()
 
 
@@ -55,12 +60,18 @@ def test_group_structure_and_extra_fields_are_compared_by_value() -> None:
     full = EngineGroupInfo(layer_indices=(0, 2), block_size=16)
     window = EngineGroupInfo(layer_indices=(1, 3), block_size=16, sliding_window=512)
     a = cache_namespace(**BASE, groups=(full, window), extra={"tp_rank": 0, "tp_size": 2})
-    b = cache_namespace(**BASE, groups=[EngineGroupInfo(layer_indices=[0, 2], block_size=16), window],
-                        extra={"tp_size": 2, "tp_rank": 0})
+    b = cache_namespace(
+        **BASE,
+        groups=[EngineGroupInfo(layer_indices=[0, 2], block_size=16), window],
+        extra={"tp_size": 2, "tp_rank": 0},
+    )
     assert a == b
     assert a != cache_namespace(**BASE, groups=(window, full), extra={"tp_rank": 0, "tp_size": 2})
-    assert a != cache_namespace(**BASE, groups=(full, EngineGroupInfo(layer_indices=(1, 3), block_size=16, sliding_window=256)),
-                                extra={"tp_rank": 0, "tp_size": 2})
+    assert a != cache_namespace(
+        **BASE,
+        groups=(full, EngineGroupInfo(layer_indices=(1, 3), block_size=16, sliding_window=256)),
+        extra={"tp_rank": 0, "tp_size": 2},
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,7 +87,9 @@ def test_group_structure_and_extra_fields_are_compared_by_value() -> None:
         ({"extra": {1: "x"}}, TypeError, "extra keys must be str"),
     ],
 )
-def test_bad_namespace_arguments_are_named(change: dict[str, Any], error: type[Exception], match: str) -> None:
+def test_bad_namespace_arguments_are_named(
+    change: dict[str, Any], error: type[Exception], match: str
+) -> None:
     with pytest.raises(error, match=match):
         cache_namespace(**{**BASE, **change})
 

@@ -78,13 +78,21 @@ def test_send_refuses_oversized_frames(pair: tuple[socket.socket, socket.socket]
 
 CONFIG: dict[str, Any] = dict(
     lmcache_tokens_per_chunk=128,
-    layout_hints=LayoutHints(kv_format=KVFormat.FLASH_ATTN, per_layer={3: KVFormat.MLA},
-                             block_size=16, num_kv_heads=8, engine_layout="LBNHC", head_size=64),
+    layout_hints=LayoutHints(
+        kv_format=KVFormat.FLASH_ATTN,
+        per_layer={3: KVFormat.MLA},
+        block_size=16,
+        num_kv_heads=8,
+        engine_layout="LBNHC",
+        head_size=64,
+    ),
     engine_group_infos=(
         EngineGroupInfo(layer_indices=(0, 2), block_size=16),
         EngineGroupInfo(layer_indices=(1, 3), block_size=16, sliding_window=512),
     ),
-    engine_type=EngineType.SGLANG, separate_object_groups=False, full_sw_kv=True,
+    engine_type=EngineType.SGLANG,
+    separate_object_groups=False,
+    full_sw_kv=True,
     layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(4)),
 )
 
@@ -192,8 +200,10 @@ def good_lookup(**over: Any) -> dict[str, Any]:
         (good_lookup(namespace="n"), "lookup namespace: expected bytes"),
         ({"op": "lookup", "id": 1, "keys": [b"k"]}, "missing keys \\['namespace'\\]"),
         (good_lookup(context=1), "unknown keys"),
-        ({"op": "register", "id": 1, "wrappers": b"", "config": P.encode_config(), "namespace": 7},
-         "register namespace: expected bytes, got int"),
+        (
+            {"op": "register", "id": 1, "wrappers": b"", "config": P.encode_config(), "namespace": 7},
+            "register namespace: expected bytes, got int",
+        ),
     ],
 )
 def test_bad_requests_name_the_culprit(msg: object, match: str) -> None:

@@ -375,7 +375,9 @@ def test_disconnect_closes_that_clients_contexts(
     client.store(mine, [("still", [[0, 1]])])  # the remaining client is unaffected
 
 
-def test_a_connection_the_server_no_longer_counts_holds_no_fd(server: ServerProcess, client: ServerClient) -> None:
+def test_a_connection_the_server_no_longer_counts_holds_no_fd(
+    server: ServerProcess, client: ServerClient
+) -> None:
     """Leak checks wait for ``connections`` to drop, then count fds: the two must agree."""
     fd_dir = f"/proc/{server.pid}/fd"
     assert wait_for(client, "connections", 1) == 1

@@ -20,16 +20,29 @@ from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir
 
 def serve_cmd(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``serve`` to completion (it fails to start, or prints help)."""
-    return subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "serve", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_help_documents_every_option_and_environment_variable() -> None:
     out = serve_cmd("--help")
     assert out.returncode == 0
-    for word in ("--socket", "--max-host-bytes", "--max-connections", "--json-log",
-                 "LMCACHE_PLATFORM_SOCKET", "LMCACHE_PLATFORM_MAX_HOST_BYTES", "LMCACHE_PLATFORM_BACKEND",
-                 "0700", "SIGTERM", "died"):
+    for word in (
+        "--socket",
+        "--max-host-bytes",
+        "--max-connections",
+        "--json-log",
+        "LMCACHE_PLATFORM_SOCKET",
+        "LMCACHE_PLATFORM_MAX_HOST_BYTES",
+        "LMCACHE_PLATFORM_BACKEND",
+        "0700",
+        "SIGTERM",
+        "died",
+    ):
         assert word in out.stdout, word
 
 
@@ -112,8 +125,13 @@ def test_a_directory_others_can_enter_is_refused(tmp_path: Path) -> None:
 
 def test_no_socket_path_is_a_clear_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "LMCACHE_PLATFORM_SOCKET"}
-    out = subprocess.run([sys.executable, "-m", "lmcache_platform._cli", "serve"], capture_output=True,
-                         text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "serve"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 2 and "pass --socket PATH or set LMCACHE_PLATFORM_SOCKET" in out.stderr
 
 
@@ -130,8 +148,17 @@ def test_a_bad_memory_cap_is_a_usage_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and "not a positive size: 'lots'" in out.stderr
 
 
-@pytest.mark.parametrize(("text", "value"), [("1048576", 1 << 20), ("16G", 16 << 30), ("512MiB", 512 << 20),
-                                             ("64kb", 64 << 10), (" 2T ", 2 << 40), ("3B", 3)])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1048576", 1 << 20),
+        ("16G", 16 << 30),
+        ("512MiB", 512 << 20),
+        ("64kb", 64 << 10),
+        (" 2T ", 2 << 40),
+        ("3B", 3),
+    ],
+)
 def test_sizes_take_binary_units(text: str, value: int) -> None:
     assert parse_size(text) == value
 
@@ -164,8 +191,10 @@ def test_json_log_has_one_object_per_line_for_registrations_and_refusals(tmp_pat
         assert (reg["context"], reg["namespace"], reg["chunk_bytes"]) == (ctx, ns.hex(), CHUNK_BYTES)
         assert reg["peer"] == f"pid {os.getpid()} uid {os.getuid()}"
         refused = [e for e in events if e["event"] == "refused"]
-        assert [(e["op"], e["error_type"]) for e in refused] == [("get", "TransferError"),
-                                                                 ("request", "WireFormatError")]
+        assert [(e["op"], e["error_type"]) for e in refused] == [
+            ("get", "TransferError"),
+            ("request", "WireFormatError"),
+        ]
         assert all(e["level"] == "warning" for e in refused)
         stopped = events[-1]
         assert stopped["event"] == "stopped" and stopped["chunks"] == 3 and stopped["hits"] == 3

@@ -59,7 +59,9 @@ def content(model: Model, k: int, like: torch.Tensor) -> torch.Tensor:
 class Engine:
     """One model's KV caches, registered with one server (:meth:`also` registers them with another)."""
 
-    def __init__(self, model: Model, socket_path: str, namespace: bytes, *, share: Engine | None = None) -> None:
+    def __init__(
+        self, model: Model, socket_path: str, namespace: bytes, *, share: Engine | None = None
+    ) -> None:
         import lmcache_platform as lp
         from lmcache_platform.server import ServerClient
 
@@ -74,8 +76,9 @@ class Engine:
             self.tensors, self.wrappers = share.tensors, share.wrappers
         self.client = ServerClient(socket_path, timeout=300)
         hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN, block_size=model.block, num_kv_heads=model.heads)
-        self.ctx = self.client.register(self.wrappers, namespace=namespace, layout_hints=hints,
-                                        lmcache_tokens_per_chunk=model.chunk).context
+        self.ctx = self.client.register(
+            self.wrappers, namespace=namespace, layout_hints=hints, lmcache_tokens_per_chunk=model.chunk
+        ).context
 
     def also(self, socket_path: str) -> Engine:
         """The same KV caches registered with the server at ``socket_path`` too."""
@@ -128,8 +131,18 @@ def mixed_client(conn: Connection, socket_path: str, spec: dict[str, Any]) -> No
     universe, requests = spec["universe"], spec["requests"]
     engine = Engine(model, socket_path, bytes.fromhex(spec["namespace"]))
     half = model.slots() // 2
-    report: dict[str, Any] = {"puts": 0, "gets": 0, "lookups": 0, "stored": 0, "present": 0, "dropped": 0,
-                              "retrieved": 0, "hits": 0, "mismatches": 0, "errors": []}
+    report: dict[str, Any] = {
+        "puts": 0,
+        "gets": 0,
+        "lookups": 0,
+        "stored": 0,
+        "present": 0,
+        "dropped": 0,
+        "retrieved": 0,
+        "hits": 0,
+        "mismatches": 0,
+        "errors": [],
+    }
     _send(conn, {"ready": True})
     conn.recv_bytes()  # go
     started = time.perf_counter()
@@ -142,15 +155,18 @@ def mixed_client(conn: Connection, socket_path: str, spec: dict[str, Any]) -> No
             if roll < 0.45:
                 for j, kk in enumerate(run):
                     engine.write(j, kk)
-                r = engine.client.put(engine.ctx, [(key(kk), [model.blocks_of(j)]) for j, kk in enumerate(run)])
+                r = engine.client.put(
+                    engine.ctx, [(key(kk), [model.blocks_of(j)]) for j, kk in enumerate(run)]
+                )
                 report["puts"] += 1
                 for name in ("stored", "present", "dropped"):
                     report[name] += getattr(r, name)
             elif roll < 0.9:
                 for j in range(n):
                     engine.clear(half + j)
-                got = engine.client.get(engine.ctx, [(key(kk), [model.blocks_of(half + j)])
-                                                     for j, kk in enumerate(run)])
+                got = engine.client.get(
+                    engine.ctx, [(key(kk), [model.blocks_of(half + j)]) for j, kk in enumerate(run)]
+                )
                 report["gets"] += 1
                 report["retrieved"] += got.retrieved
                 for j, kk in enumerate(run):
@@ -176,8 +192,15 @@ def store_then_load_client(conn: Connection, socket_path: str, spec: dict[str, A
     model = Model(**spec["model"])
     engine = Engine(model, socket_path, bytes.fromhex(spec["namespace"]))
     mine, everyone = spec["keys"], spec["all_keys"]
-    report: dict[str, Any] = {"stored": 0, "present": 0, "dropped": 0, "retrieved": 0, "missing": 0,
-                              "mismatches": 0, "errors": []}
+    report: dict[str, Any] = {
+        "stored": 0,
+        "present": 0,
+        "dropped": 0,
+        "retrieved": 0,
+        "missing": 0,
+        "mismatches": 0,
+        "errors": [],
+    }
     _send(conn, {"ready": True})
     conn.recv_bytes()
     batch = model.slots() // 2
@@ -198,8 +221,9 @@ def store_then_load_client(conn: Connection, socket_path: str, spec: dict[str, A
             run = everyone[start : start + batch]
             for j in range(len(run)):
                 engine.clear(batch + j)
-            got = engine.client.get(engine.ctx, [(key(kk), [model.blocks_of(batch + j)])
-                                                 for j, kk in enumerate(run)])
+            got = engine.client.get(
+                engine.ctx, [(key(kk), [model.blocks_of(batch + j)]) for j, kk in enumerate(run)]
+            )
             report["retrieved"] += got.retrieved
             report["missing"] += len(run) - got.retrieved
             for j, kk in enumerate(run[: got.retrieved]):
@@ -239,7 +263,9 @@ def reader_client(conn: Connection, socket_paths: list[str], spec: dict[str, Any
         for i in range(spec["requests"]):
             js = [(i * per_request + m) % n for m in range(per_request)]
             try:
-                got = engine.client.get(engine.ctx, [(key(base + j), [model.blocks_of(half + j)]) for j in js])
+                got = engine.client.get(
+                    engine.ctx, [(key(base + j), [model.blocks_of(half + j)]) for j in js]
+                )
                 moved += got.bytes
             except Exception as exc:
                 errors.append(f"request {i}: {type(exc).__name__}: {exc}")
@@ -247,7 +273,15 @@ def reader_client(conn: Connection, socket_paths: list[str], spec: dict[str, Any
         for j in range(n):
             mismatches += not first.check(half + j, base + j)
             first.clear(half + j)
-        _send(conn, {"seconds": seconds, "bytes": moved, "mismatches": mismatches, "errors": errors[:5],
-                     "error_count": len(errors)})
+        _send(
+            conn,
+            {
+                "seconds": seconds,
+                "bytes": moved,
+                "mismatches": mismatches,
+                "errors": errors[:5],
+                "error_count": len(errors),
+            },
+        )
     for e in reversed(engines):
         e.close()

@@ -45,7 +45,9 @@ def server_main(conn: Connection) -> None:
 def our_mappings() -> int:
     """Mappings of our memory in this process, either kind (lines of /proc/self/maps)."""
     with open("/proc/self/maps") as f:
-        return sum(1 for line in f if "/dev/shm/lmcache_platform_" in line or "/memfd:lmcache_platform_" in line)
+        return sum(
+            1 for line in f if "/dev/shm/lmcache_platform_" in line or "/memfd:lmcache_platform_" in line
+        )
 
 
 def exported(handle: Json) -> bool:
@@ -53,7 +55,9 @@ def exported(handle: Json) -> bool:
     if "shm_name" in handle:
         return os.path.exists("/dev/shm/" + handle["shm_name"])
     try:  # a memfd export lives as long as its fd
-        return os.readlink(f"/proc/self/fd/{handle['memfd_fd']}") == f"/memfd:{handle['memfd_name']} (deleted)"
+        return (
+            os.readlink(f"/proc/self/fd/{handle['memfd_fd']}") == f"/memfd:{handle['memfd_name']} (deleted)"
+        )
     except FileNotFoundError:
         return False
 
@@ -73,9 +77,13 @@ TOKEN: dict[str, Callable[[Any, int, int], Any]] = {
 def layer_shape(spec: Json) -> tuple[int, ...]:
     from lmcache_platform import KVFormat, kv_cache_shape
 
-    return kv_cache_shape(KVFormat(spec["format"]), num_blocks=spec["num_blocks"],
-                          block_size=spec["block_size"], num_kv_heads=spec["heads"],
-                          head_size=spec["head_size"])
+    return kv_cache_shape(
+        KVFormat(spec["format"]),
+        num_blocks=spec["num_blocks"],
+        block_size=spec["block_size"],
+        num_kv_heads=spec["heads"],
+        head_size=spec["head_size"],
+    )
 
 
 class Engine:
@@ -185,7 +193,9 @@ class Engine:
 
         No ``gc.collect()``: reference counting alone must release every segment or memfd.
         """
-        handles = [json.loads(h) for h in sorted({json.dumps(w.handle) for w in self.wrappers if w.memory_nbytes})]
+        handles = [
+            json.loads(h) for h in sorted({json.dumps(w.handle) for w in self.wrappers if w.memory_nbytes})
+        ]
         if not drop_only:
             for w in self.wrappers:
                 w.close()

@@ -24,10 +24,16 @@ from collections.abc import Callable, Sequence
 
 # msgpack first bytes whose following bytes are a length: byte -> (width, kind).
 _LENGTH_HEADERS: dict[int, int] = {
-    0xC4: 1, 0xC5: 2, 0xC6: 4,  # bin 8/16/32
-    0xD9: 1, 0xDA: 2, 0xDB: 4,  # str 8/16/32
-    0xDC: 2, 0xDD: 4,  # array 16/32
-    0xDE: 2, 0xDF: 4,  # map 16/32
+    0xC4: 1,
+    0xC5: 2,
+    0xC6: 4,  # bin 8/16/32
+    0xD9: 1,
+    0xDA: 2,
+    0xDB: 4,  # str 8/16/32
+    0xDC: 2,
+    0xDD: 4,  # array 16/32
+    0xDE: 2,
+    0xDF: 4,  # map 16/32
 }
 _INT_HEADERS = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
 _HOSTILE_INTS = [
@@ -49,8 +55,15 @@ class Mutator:
         self.corpus = list(corpus)
         self.rng = random.Random(seed)
         self._ops: list[Callable[[bytearray], bytearray]] = [
-            self._flip_bits, self._overwrite, self._truncate, self._insert, self._delete,
-            self._splice, self._tamper_length, self._tamper_length, self._tamper_int,
+            self._flip_bits,
+            self._overwrite,
+            self._truncate,
+            self._insert,
+            self._delete,
+            self._splice,
+            self._tamper_length,
+            self._tamper_length,
+            self._tamper_int,
             self._tamper_header,
         ]
 

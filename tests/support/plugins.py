@@ -19,7 +19,9 @@ from lmcache_platform import API_VERSION, Availability, hookimpl
 from support.fakes import context_class, wrapper_class
 """
 
-GOOD = _HEADER + """
+GOOD = (
+    _HEADER
+    + """
 DEVICE = {device!r}
 Wrapper = wrapper_class(DEVICE, {tag!r})
 Context = context_class(DEVICE)
@@ -42,21 +44,23 @@ def lmcache_platform_probe(device_type):
     reason = os.environ.get("FAKE_UNAVAILABLE_" + {module!r}.upper())
     return Availability.no(reason) if reason else Availability.yes()
 """
+)
 
 #: Broken variants: name -> source. Each must fail in its own way.
 BROKEN = {
     "import_error": _HEADER + "raise ImportError('vendor SDK libfoo.so not found')\n",
     "bad_api": GOOD.replace("return API_VERSION", "return API_VERSION + 1"),
-    "no_api": GOOD.replace("@hookimpl\ndef lmcache_platform_api_version():\n"
-                           "    return API_VERSION\n", ""),
+    "no_api": GOOD.replace("@hookimpl\ndef lmcache_platform_api_version():\n    return API_VERSION\n", ""),
     "hook_raises": GOOD.replace("    return Context\n", "    raise RuntimeError('driver crashed')\n"),
     "wrong_type": GOOD.replace("    return Context\n", "    return dict\n"),
     "wrong_device": GOOD.replace("Context = context_class(DEVICE)", "Context = context_class('xpu')"),
-    "unknown_arg": GOOD.replace("def lmcache_platform_probe(device_type):",
-                                "def lmcache_platform_probe(device_type, bogus):"),
+    "unknown_arg": GOOD.replace(
+        "def lmcache_platform_probe(device_type):", "def lmcache_platform_probe(device_type, bogus):"
+    ),
     "unknown_hook": GOOD + "\n@hookimpl\ndef lmcache_platform_frobnicate():\n    return 1\n",
-    "probe_raises": GOOD.replace("    reason = os.environ", "    raise OSError('probe exploded')\n"
-                                 "    reason = os.environ"),
+    "probe_raises": GOOD.replace(
+        "    reason = os.environ", "    raise OSError('probe exploded')\n    reason = os.environ"
+    ),
 }
 
 

@@ -60,11 +60,18 @@ def resolve_worker(conn: Connection, wrappers: bytes, checksum: float) -> None:
     del views
     for w in decoded:
         w.close()
-    _send(conn, {
-        "pid": os.getpid(), **fresh, "scans": len(scans), "factory": factory.__qualname__,
-        "backend": [info.name, info.distribution], "checksum_ok": total == checksum,
-        "parent_state_leaked": parent_state_leaked,
-    })
+    _send(
+        conn,
+        {
+            "pid": os.getpid(),
+            **fresh,
+            "scans": len(scans),
+            "factory": factory.__qualname__,
+            "backend": [info.name, info.distribution],
+            "checksum_ok": total == checksum,
+            "parent_state_leaked": parent_state_leaked,
+        },
+    )
 
 
 # -- case 4: a consumer process that reopens and closes, reporting its own resources ---------
@@ -159,7 +166,9 @@ def load_client(
                     cid = f"c{(i // 2) % LOAD_CHUNK_IDS}"
                     src = [2 * ((i // 2) % 16) + b for b in range(blocks_per_chunk)]
                     for t in tensors:
-                        raw = torch.randint(-(2**15), 2**15, t[:, src].shape, dtype=torch.int16, generator=gen)
+                        raw = torch.randint(
+                            -(2**15), 2**15, t[:, src].shape, dtype=torch.int16, generator=gen
+                        )
                         t[:, src] = raw.view(torch.bfloat16)
                     moved += client.store(ctx, [(cid, [src])])
                     stored[cid] = [t[:, src].clone() for t in tensors]
@@ -180,6 +189,16 @@ def load_client(
         client.unregister(ctx)
     for w in wrappers:
         w.close()
-    _send(conn, {"client": client_id, "stores": stores, "retrieves": retrieves, "bytes": moved,
-                 "mismatches": mismatches, "errors": errors[:5], "error_count": len(errors),
-                 "seconds": elapsed})
+    _send(
+        conn,
+        {
+            "client": client_id,
+            "stores": stores,
+            "retrieves": retrieves,
+            "bytes": moved,
+            "mismatches": mismatches,
+            "errors": errors[:5],
+            "error_count": len(errors),
+            "seconds": elapsed,
+        },
+    )

@@ -31,8 +31,11 @@ START_TIMEOUT_S = 60.0
 
 def namespace(model: str = "tiny", head: int = HEAD) -> bytes:
     return cache_namespace(
-        model=model, kv_layout=f"flash_attn [2, *, {BLOCK}, {HEADS}, {head}] x {LAYERS}",
-        dtype="float32", block_size=BLOCK, chunk_size=CHUNK,
+        model=model,
+        kv_layout=f"flash_attn [2, *, {BLOCK}, {HEADS}, {head}] x {LAYERS}",
+        dtype="float32",
+        block_size=BLOCK,
+        chunk_size=CHUNK,
     )
 
 
@@ -41,13 +44,16 @@ class Serve:
 
     def __init__(self, socket_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.socket_path = socket_path
-        self.log_path = socket_path.parent.parent / f"serve-{socket_path.parent.name}-{time.monotonic_ns()}.log"
+        self.log_path = (
+            socket_path.parent.parent / f"serve-{socket_path.parent.name}-{time.monotonic_ns()}.log"
+        )
         cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", *args]
         if "--socket" not in args and not (env and "LMCACHE_PLATFORM_SOCKET" in env):
             cmd += ["--socket", str(socket_path)]
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                         env={**os.environ, **(env or {})})
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **(env or {})}
+            )
 
     def wait_ready(self) -> Serve:
         """Until a status request is answered; fail if the process exits first."""
@@ -115,8 +121,9 @@ class TinyEngine:
         self.hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN, block_size=BLOCK, num_kv_heads=HEADS)
 
     def register(self, client: ServerClient, ns: bytes | None = None) -> int:
-        return client.register(self.wrappers, namespace=ns, lmcache_tokens_per_chunk=CHUNK,
-                               layout_hints=self.hints).context
+        return client.register(
+            self.wrappers, namespace=ns, lmcache_tokens_per_chunk=CHUNK, layout_hints=self.hints
+        ).context
 
     @staticmethod
     def blocks(i: int) -> list[int]:
@@ -132,8 +139,10 @@ class TinyEngine:
     def holds(self, i: int, seed: int) -> bool:
         """Whether the blocks of slot ``i`` hold exactly the pattern of ``seed``."""
         gen = torch.Generator().manual_seed(seed)
-        return all(torch.equal(t[:, self.blocks(i)], torch.rand(t[:, self.blocks(i)].shape, generator=gen))
-                   for t in self.tensors)
+        return all(
+            torch.equal(t[:, self.blocks(i)], torch.rand(t[:, self.blocks(i)].shape, generator=gen))
+            for t in self.tensors
+        )
 
     def is_zero(self, i: int) -> bool:
         return all(not t[:, self.blocks(i)].any() for t in self.tensors)

@@ -24,9 +24,22 @@ def build_wheel(project: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     before = set(out.glob("*.whl"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-q", "-w", str(out), str(project)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out),
+            str(project),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     (wheel,) = set(out.glob("*.whl")) - before
     return wheel
@@ -48,16 +61,18 @@ def make_venv(path: Path, *, inherit: bool = True, hide_project: bool = False) -
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(path)
     python = path / "bin" / "python"
     if inherit:
-        site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                              check=True, capture_output=True, text=True).stdout.strip()
+        site = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         parent = Path(sysconfig.get_path("purelib"))
         if hide_project:
             parent = _site_without_project(parent, path / "parent-site")
         # An "import" line runs site.addsitedir, which also honours the parent's .pth files
         # (editable installs); a bare path line would not.
-        (Path(site) / "_inherit_test_env.pth").write_text(
-            f"import site; site.addsitedir({str(parent)!r})\n"
-        )
+        (Path(site) / "_inherit_test_env.pth").write_text(f"import site; site.addsitedir({str(parent)!r})\n")
     return python
 
 
@@ -81,17 +96,30 @@ def _site_without_project(site: Path, mirror: Path) -> Path:
 def pip_install(python: Path, *wheels: Path) -> None:
     """Install wheels into the venv of ``python`` (pip from this env, targeting that one)."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-         "--no-index", "--disable-pip-version-check", "-q", *map(str, wheels)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            *map(str, wheels),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
 
 
-def write_backend_project(root: Path, *, dist: str, package: str, backend: str,
-                          device: str) -> Path:
+def write_backend_project(root: Path, *, dist: str, package: str, backend: str, device: str) -> Path:
     """A minimal third-party backend project, as a vendor would write one."""
     (root / "src" / package).mkdir(parents=True)
-    (root / "pyproject.toml").write_text(textwrap.dedent(f"""
+    (root / "pyproject.toml").write_text(
+        textwrap.dedent(f"""
         [build-system]
         requires = ["setuptools>=68"]
         build-backend = "setuptools.build_meta"
@@ -103,9 +131,11 @@ def write_backend_project(root: Path, *, dist: str, package: str, backend: str,
 
         [project.entry-points."lmcache.platform"]
         "{backend}" = "{package}.plugin"
-    """))
+    """)
+    )
     (root / "src" / package / "__init__.py").write_text("")
-    (root / "src" / package / "plugin.py").write_text(textwrap.dedent(f"""
+    (root / "src" / package / "plugin.py").write_text(
+        textwrap.dedent(f"""
         from lmcache_platform import API_VERSION, Availability, BaseCacheContext, hookimpl
         from lmcache_platform import DeviceIPCWrapper
 
@@ -138,5 +168,6 @@ def write_backend_project(root: Path, *, dist: str, package: str, backend: str,
         @hookimpl
         def lmcache_platform_probe(device_type):
             return Availability.yes()
-    """))
+    """)
+    )
     return root

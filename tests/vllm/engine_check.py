@@ -21,32 +21,83 @@ import time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-BASE = {"vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+BASE = {
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
 MODELS: dict[str, dict] = {
     # Full attention with GQA (4 query heads over 2 KV heads).
-    "gqa": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
-            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "num_hidden_layers": 4, "head_dim": 64, "use_sliding_window": False},
+    "gqa": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "head_dim": 64,
+        "use_sliding_window": False,
+    },
     # Every layer a 128-token sliding window.
-    "sliding": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 256,
-                "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "num_hidden_layers": 4, "head_dim": 64, "sliding_window": 128},
+    "sliding": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "head_dim": 64,
+        "sliding_window": 128,
+    },
     # Gemma-2: sliding-window and full-attention layers alternate; two groups overlay one allocation.
-    "hybrid": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256,
-               "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "num_hidden_layers": 4, "head_dim": 64, "sliding_window": 128,
-               "query_pre_attn_scalar": 64, "hidden_activation": "gelu_pytorch_tanh",
-               "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "hybrid": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "query_pre_attn_scalar": 64,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    },
     # DeepSeek-V2 multi-head latent attention: one 576-wide latent per token.
-    "mla": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
-            "intermediate_size": 512, "moe_intermediate_size": 128, "num_attention_heads": 4,
-            "num_key_value_heads": 4, "num_hidden_layers": 4, "kv_lora_rank": 512, "q_lora_rank": None,
-            "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 4,
-            "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 4,
-            "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
-            "norm_topk_prob": False, "scoring_func": "softmax", "routed_scaling_factor": 1.0,
-            "rope_scaling": None},
+    "mla": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 4,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 4,
+        "moe_layer_freq": 1,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+        "routed_scaling_factor": 1.0,
+        "rope_scaling": None,
+    },
 }
 CHUNK = 256
 PROMPT_LEN = 3 * CHUNK + 40  # three whole chunks and a partial one
@@ -68,11 +119,19 @@ def main(kind: str) -> dict:
             json.dump({**BASE, **MODELS[kind]}, f)
         t0 = time.monotonic()
         llm = LLM(
-            model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-            kv_cache_memory_bytes=48 << 20, max_model_len=2048, max_num_batched_tokens=2048,
-            enforce_eager=True, enable_prefix_caching=True, seed=0,
+            model=model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            kv_cache_memory_bytes=48 << 20,
+            max_model_len=2048,
+            max_num_batched_tokens=2048,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            seed=0,
             kv_transfer_config=KVTransferConfig(
-                kv_connector="ProbeConnector", kv_connector_module_path="probe_connector",
+                kv_connector="ProbeConnector",
+                kv_connector_module_path="probe_connector",
                 kv_role="kv_both",
                 kv_connector_extra_config={"socket": server.socket_path, "tokens_per_chunk": CHUNK},
             ),
@@ -96,16 +155,24 @@ def main(kind: str) -> dict:
         def run() -> dict:
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             steps = [sorted([tid, v.logprob] for tid, v in step.items()) for step in out.outputs[0].logprobs]
-            return {"tokens": list(out.outputs[0].token_ids), "logprobs": steps,
-                    "cached": int(out.num_cached_tokens or 0)}
+            return {
+                "tokens": list(out.outputs[0].token_ids),
+                "logprobs": steps,
+                "cached": int(out.num_cached_tokens or 0),
+            }
 
         report["cold"] = run()  # computes every token
         report["hit"] = run()  # vLLM's own prefix-cache hit: the reference for hit runs
         req_id = next(iter(probe_connector.BLOCKS))
         blocks = probe_connector.BLOCKS[req_id]
         chunks = [
-            (f"chunk-{c}", [ids[c * CHUNK // g.block_size : (c + 1) * CHUNK // g.block_size]
-                            for ids, g in zip(blocks, groups, strict=True)])
+            (
+                f"chunk-{c}",
+                [
+                    ids[c * CHUNK // g.block_size : (c + 1) * CHUNK // g.block_size]
+                    for ids, g in zip(blocks, groups, strict=True)
+                ],
+            )
             for c in range(PROMPT_LEN // CHUNK)
         ]
         backing = torch.empty(0, dtype=torch.uint8).set_(next(iter(kv.values())).untyped_storage())

@@ -34,16 +34,28 @@ def main(spec: dict) -> None:
         if spec.get("socket", "none") != "none":
             transfer = KVTransferConfig(
                 # The platform's connector, plus a record of its instances (probe_connector).
-                kv_connector="ProbeConnector", kv_connector_module_path="probe_connector",
+                kv_connector="ProbeConnector",
+                kv_connector_module_path="probe_connector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"socket": spec["socket"], "tokens_per_chunk": spec.get("chunk", 256),
-                                           "model_id": spec.get("model_id", "tests/vllm " + spec["model"])},
+                kv_connector_extra_config={
+                    "socket": spec["socket"],
+                    "tokens_per_chunk": spec.get("chunk", 256),
+                    "model_id": spec.get("model_id", "tests/vllm " + spec["model"]),
+                },
             )
         t0 = time.monotonic()
         llm = LLM(
-            model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
-            kv_cache_memory_bytes=48 << 20, max_model_len=4096, max_num_batched_tokens=4096,
-            enforce_eager=True, enable_prefix_caching=True, seed=0, kv_transfer_config=transfer,
+            model=model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=spec.get("dtype", "bfloat16"),
+            kv_cache_memory_bytes=48 << 20,
+            max_model_len=4096,
+            max_num_batched_tokens=4096,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            seed=0,
+            kv_transfer_config=transfer,
         )
         llm.apply_model(sensitive_weights)
         print(json.dumps({"startup_s": round(time.monotonic() - t0, 1)}), flush=True)
@@ -55,9 +67,19 @@ def main(spec: dict) -> None:
             t0 = time.monotonic()
             out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
             steps = [sorted([tid, v.logprob] for tid, v in step.items()) for step in out.outputs[0].logprobs]
-            print(json.dumps({"prompt": i, "tokens": list(out.outputs[0].token_ids), "logprobs": steps,
-                              "cached": int(out.num_cached_tokens or 0), "stats": _stats(),
-                              "seconds": round(time.monotonic() - t0, 3)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "prompt": i,
+                        "tokens": list(out.outputs[0].token_ids),
+                        "logprobs": steps,
+                        "cached": int(out.num_cached_tokens or 0),
+                        "stats": _stats(),
+                        "seconds": round(time.monotonic() - t0, 3),
+                    }
+                ),
+                flush=True,
+            )
         if spec.get("wait"):
             time.sleep(3600)
 

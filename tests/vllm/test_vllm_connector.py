@@ -45,7 +45,9 @@ class Serve:
         self.log = tmp / "serve.log"
         self.proc = subprocess.Popen(
             [str(python), "-m", "lmcache_platform._cli", "serve", "--socket", self.socket],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+            cwd=ROOT,
         )
         deadline = time.monotonic() + 60
         while not os.path.exists(self.socket):
@@ -61,15 +63,22 @@ class Serve:
 
 def engine(python: Path, **spec: object) -> tuple[list[dict], str]:
     """Run one engine to completion; its per-prompt results and its log."""
-    proc = subprocess.run([str(python), str(HERE / "engine_run.py"), json.dumps({"model": "gqa", **spec})],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [str(python), str(HERE / "engine_run.py"), json.dumps({"model": "gqa", **spec})],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     if proc.returncode != 0:
         pytest.fail(f"engine {spec} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return _results(proc.stdout), proc.stdout + proc.stderr
 
 
 def _results(stdout: str) -> list[dict]:
-    return [r for r in (json.loads(line) for line in stdout.splitlines() if line.startswith("{")) if "prompt" in r]
+    return [
+        r for r in (json.loads(line) for line in stdout.splitlines() if line.startswith("{")) if "prompt" in r
+    ]
 
 
 def same(a: dict, b: dict) -> bool:
@@ -86,9 +95,15 @@ def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(pyt
     try:
         # Engine A computes P (and stores its three whole chunks), then hits its own cache.
         a_proc = subprocess.Popen(
-            [str(python), str(HERE / "engine_run.py"),
-             json.dumps({"model": "gqa", "socket": server.socket, "prompts": [P, P], "wait": True})],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+            [
+                str(python),
+                str(HERE / "engine_run.py"),
+                json.dumps({"model": "gqa", "socket": server.socket, "prompts": [P, P], "wait": True}),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
         )
         assert a_proc.stdout is not None
         lines = []
@@ -137,8 +152,9 @@ def test_no_server_a_dead_server_and_an_empty_one_never_change_the_output(python
     # An empty server, killed (SIGKILL) after the first two prompts: still the same output.
     server = Serve(python, tmp_path)
     try:
-        results, log = engine(python, socket=server.socket, prompts=prompts,
-                              kill_server_after=2, server_pid=server.proc.pid)
+        results, log = engine(
+            python, socket=server.socket, prompts=prompts, kill_server_after=2, server_pid=server.proc.pid
+        )
     finally:
         server.stop()
     assert [same(x, y) for x, y in zip(results, (plain, plain_r, plain_hit), strict=True)] == [True] * 3

@@ -37,7 +37,10 @@ def engine_run():
         if kind not in reports:
             proc = subprocess.run(
                 [str(python), str(HERE / "engine_check.py"), kind],
-                capture_output=True, text=True, timeout=600, cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                cwd=ROOT,
             )
             if proc.returncode != 0:
                 pytest.fail(f"engine_check {kind} exited {proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -69,9 +69,15 @@ ALLOWED = {FakeWrapper.wire_tag: FakeWrapper}
 
 def make(i: int = 0, **over: Any) -> FakeWrapper:
     kw: dict[str, Any] = dict(
-        name=f"seg{i}", handle=bytes([i % 256]) * 16, ids=[i, i + 1], size=4096 * (i + 1),
-        dtype=torch.bfloat16, shape=(2, 4, 16, 8, 128), stride=(65536, 16384, 1024, 128, 1),
-        storage_offset=i, device_uuid="host-0",
+        name=f"seg{i}",
+        handle=bytes([i % 256]) * 16,
+        ids=[i, i + 1],
+        size=4096 * (i + 1),
+        dtype=torch.bfloat16,
+        shape=(2, 4, 16, 8, 128),
+        stride=(65536, 16384, 1024, 128, 1),
+        storage_offset=i,
+        device_uuid="host-0",
     )
     kw.update(over)
     return FakeWrapper(**kw)
@@ -79,7 +85,9 @@ def make(i: int = 0, **over: Any) -> FakeWrapper:
 
 def backend(wrapper: type, wire_classes: list[type] | None = None) -> object:
     return fake_backend(
-        "fakedev", context_class=context_class("fakedev"), wrapper_class=wrapper,
+        "fakedev",
+        context_class=context_class("fakedev"),
+        wrapper_class=wrapper,
         wire_classes=wire_classes,
     )
 
@@ -191,8 +199,18 @@ def test_views_of_one_export_travel_as_one_record() -> None:
 
 def test_version_1_messages_still_decode() -> None:
     sent = [make(0), make(1)]
-    assert wire.decode(envelope([record(), record(name="seg1", handle=bytes([1]) * 16, ids=[1, 2],
-                                                size=8192, storage_offset=1)]), allowed=ALLOWED) == sent
+    assert (
+        wire.decode(
+            envelope(
+                [
+                    record(),
+                    record(name="seg1", handle=bytes([1]) * 16, ids=[1, 2], size=8192, storage_offset=1),
+                ]
+            ),
+            allowed=ALLOWED,
+        )
+        == sent
+    )
 
 
 @pytest.mark.parametrize(
@@ -213,8 +231,10 @@ def test_bad_views_are_refused(views: Any, match: str, closed: list[str]) -> Non
     assert closed == RELEASED
 
 
-@pytest.mark.parametrize(("over", "match"), [({"size": -1}, "outside"), ({"extra": 1}, "unknown fields"),
-                                             ({"name": 5}, "expected str")])
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [({"size": -1}, "outside"), ({"extra": 1}, "unknown fields"), ({"name": 5}, "expected str")],
+)
 def test_bad_export_fields_are_refused_once_for_all_views(over: dict[str, Any], match: str) -> None:
     reject(envelope([export_record([view(), view()], **over)], version=2), match, allowed=ALLOWED)
 
@@ -255,10 +275,14 @@ def wrappers(draw: st.DrawFn) -> FakeWrapper:
     shape = draw(_dims)
     stride = draw(st.lists(st.integers(0, 1 << 16), min_size=len(shape), max_size=len(shape)))
     return FakeWrapper(
-        name=draw(_names), handle=draw(st.binary(max_size=64)),
-        ids=draw(st.lists(st.integers(0, 1000), max_size=8)), size=draw(_ints),
+        name=draw(_names),
+        handle=draw(st.binary(max_size=64)),
+        ids=draw(st.lists(st.integers(0, 1000), max_size=8)),
+        size=draw(_ints),
         dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.uint8])),
-        shape=shape, stride=stride, storage_offset=draw(st.integers(0, 1 << 20)),
+        shape=shape,
+        stride=stride,
+        storage_offset=draw(st.integers(0, 1 << 20)),
         device_uuid=draw(st.text(max_size=128)),
     )
 
@@ -343,8 +367,11 @@ def test_unknown_wire_tag_names_the_tag() -> None:
 
 def test_tag_of_another_device_type_is_refused() -> None:
     rec = ["fakedev", OtherDeviceWrapper.wire_tag, make().fields()]
-    reject(envelope([rec]), "belongs to device type 'otherdev'",
-           allowed={OtherDeviceWrapper.wire_tag: OtherDeviceWrapper})
+    reject(
+        envelope([rec]),
+        "belongs to device type 'otherdev'",
+        allowed={OtherDeviceWrapper.wire_tag: OtherDeviceWrapper},
+    )
 
 
 def test_unknown_device_type_is_wrapped_with_its_cause(lmcache_registry: Any) -> None:
@@ -421,8 +448,7 @@ def test_wrappers_built_before_a_bad_record_are_closed() -> None:
     RELEASED.clear()
     bad = record()
     bad[1] = "fakedev.unknown/1"
-    reject(envelope([record(name="first"), record(name="second"), bad]), "not accepted",
-           allowed=ALLOWED)
+    reject(envelope([record(name="first"), record(name="second"), bad]), "not accepted", allowed=ALLOWED)
     assert RELEASED == ["first", "second"]
 
 
@@ -456,8 +482,7 @@ def test_fuzz_random_bytes(data: bytes) -> None:
 
 
 @settings(max_examples=1000, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)),
-                min_size=1, max_size=8))
+@given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8))
 def test_fuzz_mutated_valid_messages(mutations: list[tuple[int, int]]) -> None:
     data = bytearray(_VALID)
     for pos, value in mutations:

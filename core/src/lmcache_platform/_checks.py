@@ -27,7 +27,11 @@ def show(value: object) -> str:
 
 
 def expect_map(
-    value: object, where: str, *, keys: Set[str], optional: Set[str] = frozenset(),
+    value: object,
+    where: str,
+    *,
+    keys: Set[str],
+    optional: Set[str] = frozenset(),
     error: Error = WireFormatError,
 ) -> dict[str, object]:
     """``value`` must be a map with exactly ``keys`` plus any of ``optional``."""
@@ -42,7 +46,11 @@ def expect_map(
 
 
 def expect_int(
-    value: object, where: str, *, lo: int | None = None, hi: int | None = None,
+    value: object,
+    where: str,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
     error: Error = WireFormatError,
 ) -> int:
     """``value`` must be an ``int`` (``bool`` is not one) within ``[lo, hi]``."""
@@ -71,7 +79,11 @@ def _expect_sized(value: object, kind: type, where: str, max_len: int | None, er
 
 
 def expect_str(
-    value: object, where: str, *, max_len: int | None, pattern: re.Pattern[str] | None = None,
+    value: object,
+    where: str,
+    *,
+    max_len: int | None,
+    pattern: re.Pattern[str] | None = None,
     error: Error = WireFormatError,
 ) -> str:
     _expect_sized(value, str, where, max_len, error)
@@ -98,7 +110,12 @@ def expect_list(
 
 
 def expect_int_list(
-    value: object, where: str, *, lo: int | None = None, hi: int | None = None, max_len: int | None,
+    value: object,
+    where: str,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
+    max_len: int | None,
     error: Error = WireFormatError,
 ) -> list[int]:
     items = expect_list(value, where, max_len=max_len, error=error)

@@ -98,4 +98,3 @@ def unpack(
     if consumed != len(body):
         raise WireFormatError(f"{what}: {len(body) - consumed} trailing bytes after the message")
     return obj
-

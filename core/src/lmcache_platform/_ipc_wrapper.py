@@ -25,9 +25,18 @@ if TYPE_CHECKING:
 
 #: dtypes a descriptor may name. Anything else is refused before memory is mapped.
 ALLOWED_DTYPES: tuple[str, ...] = (
-    "float16", "bfloat16", "float32", "float64",
-    "float8_e4m3fn", "float8_e5m2",
-    "int8", "uint8", "int16", "int32", "int64", "bool",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
 )
 
 MAX_NDIM = 8
@@ -168,9 +177,7 @@ class DeviceIPCWrapper(abc.ABC):
     ) -> None:
         shape, stride = tuple(shape), tuple(stride)
         if len(shape) != len(stride):
-            raise DescriptorError(
-                f"{type(self).__name__}: shape {shape} and stride {stride} differ in rank"
-            )
+            raise DescriptorError(f"{type(self).__name__}: shape {shape} and stride {stride} differ in rank")
         dtype_name(dtype)
         extent = required_elements(shape, stride, storage_offset)
         if extent > MAX_EXTENT:
@@ -268,8 +275,12 @@ class DeviceIPCWrapper(abc.ABC):
 
     def view_fields(self) -> dict[str, Primitive]:
         """The fields of :data:`VIEW_FIELDS`: where in the memory this view lies."""
-        return {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "stride": list(self.stride),
-                "storage_offset": self.storage_offset}
+        return {
+            "dtype": dtype_name(self.dtype),
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "storage_offset": self.storage_offset,
+        }
 
     def fields(self) -> dict[str, Primitive]:
         """The descriptor as primitives: base fields, then ``wire_fields``."""

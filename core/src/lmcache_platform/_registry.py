@@ -90,8 +90,11 @@ class _Backend:
     def error_of(self, message: str, kind: type[BackendLoadError] = BackendLoadError) -> BackendLoadError:
         """A load error of ``kind`` that names this backend, its distribution and entry point."""
         return kind(
-            message, backend=self.name, distribution=self.distribution,
-            version=self.version, entry_point=self.entry_point,
+            message,
+            backend=self.name,
+            distribution=self.distribution,
+            version=self.version,
+            entry_point=self.entry_point,
         )
 
 
@@ -186,10 +189,16 @@ class Registry:
                 return
             if _config.autoload_enabled():
                 for spec in _discovery.scan(path=self.search_path):
-                    self._add(_Backend(
-                        name=spec.name, distribution=spec.distribution, version=spec.version,
-                        entry_point=spec.entry_point, load=spec.load, problem=spec.problem,
-                    ))
+                    self._add(
+                        _Backend(
+                            name=spec.name,
+                            distribution=spec.distribution,
+                            version=spec.version,
+                            entry_point=spec.entry_point,
+                            load=spec.load,
+                            problem=spec.problem,
+                        )
+                    )
             self._scanned = True
 
     def _add(self, backend: _Backend) -> None:
@@ -246,9 +255,13 @@ class Registry:
             backend.status = Status.FAILED
             tb = traceback.format_exc()
             where = f"{backend.distribution} {backend.version}" if backend.distribution else "manual"
-            error = exc if isinstance(exc, BackendLoadError) else backend.error_of(
-                f"backend {backend.name!r} ({where}, entry point {backend.entry_point!r}) "
-                f"failed to load: {type(exc).__name__}: {exc}"
+            error = (
+                exc
+                if isinstance(exc, BackendLoadError)
+                else backend.error_of(
+                    f"backend {backend.name!r} ({where}, entry point {backend.entry_point!r}) "
+                    f"failed to load: {type(exc).__name__}: {exc}"
+                )
             )
             error.traceback = tb
             if error is not exc:
@@ -260,9 +273,7 @@ class Registry:
             logger.warning("lmcache-platform: %s\n%s", backend.reason, tb)
 
     def _register(self, backend: _Backend, plugin: object) -> None:
-        unknown = sorted(
-            n for n in dir(plugin) if n.startswith(_HOOK_PREFIX) and n not in _SPEC_NAMES
-        )
+        unknown = sorted(n for n in dir(plugin) if n.startswith(_HOOK_PREFIX) and n not in _SPEC_NAMES)
         if unknown:
             raise backend.error_of(
                 f"backend {backend.name!r} implements unknown hooks: {', '.join(unknown)} "
@@ -323,16 +334,25 @@ class Registry:
         self._ensure_scanned()
         with self._lock:
             choice = _selection.select(
-                device_type, self._backends_for(device_type), _config.preferred_backends(),
-                what=what, load=self._load_if_needed, installed=sorted(self._backends),
+                device_type,
+                self._backends_for(device_type),
+                _config.preferred_backends(),
+                what=what,
+                load=self._load_if_needed,
+                installed=sorted(self._backends),
             )
             chosen = choice.backend
             assert isinstance(chosen, _Backend)
             if self._announced.get(device_type) != chosen.name:
                 self._announced[device_type] = chosen.name
                 where = f"{chosen.distribution} {chosen.version}" if chosen.distribution else "manual"
-                logger.info("lmcache-platform: device type %r uses backend %r (%s): %s",
-                            device_type, chosen.name, where, choice.why)
+                logger.info(
+                    "lmcache-platform: device type %r uses backend %r (%s): %s",
+                    device_type,
+                    chosen.name,
+                    where,
+                    choice.why,
+                )
             return choice
 
     def _select(self, device_type: str, what: str) -> _Backend:
@@ -432,8 +452,12 @@ class Registry:
         if not _discovery.BACKEND_NAME_RE.match(name):
             raise ValueError(f"invalid backend name {name!r}")
         backend = _Backend(
-            name=name, distribution=distribution, version=version,
-            entry_point=None, load=lambda: plugin, manual=True,
+            name=name,
+            distribution=distribution,
+            version=version,
+            entry_point=None,
+            load=lambda: plugin,
+            manual=True,
         )
         with self._lock:
             if name in self._backends:
@@ -448,16 +472,25 @@ class Registry:
     def install(self, name: str, plugin: object, *, distribution: str, version: str) -> None:
         """Add a backend exactly as if an installed entry point advertised it (test kit)."""
         spec = _discovery.BackendSpec(
-            name=name, distribution=distribution, version=version,
-            entry_point=f"{name} = <installed by test>", load=lambda: plugin,
+            name=name,
+            distribution=distribution,
+            version=version,
+            entry_point=f"{name} = <installed by test>",
+            load=lambda: plugin,
             problem=None if _discovery.BACKEND_NAME_RE.match(name) else f"invalid name {name!r}",
         )
         with self._lock:
             self._ensure_scanned()
-            self._add(_Backend(
-                name=spec.name, distribution=distribution, version=version,
-                entry_point=spec.entry_point, load=spec.load, problem=spec.problem,
-            ))
+            self._add(
+                _Backend(
+                    name=spec.name,
+                    distribution=distribution,
+                    version=version,
+                    entry_point=spec.entry_point,
+                    load=spec.load,
+                    problem=spec.problem,
+                )
+            )
             self._forget(spec.device_type)
 
     def unregister_backend(self, name: str) -> None:
@@ -481,10 +514,17 @@ class Registry:
 
     def _info(self, b: _Backend, choice: _selection.Choice | None = None) -> BackendInfo:
         return BackendInfo(
-            name=b.name, device_type=b.device_type, distribution=b.distribution,
-            version=b.version, entry_point=b.entry_point, status=b.status, reason=b.reason,
-            traceback=b.error.traceback if b.error else None, manual=b.manual,
-            selected_by=choice.rule.value if choice else None, why_selected=choice.why if choice else "",
+            name=b.name,
+            device_type=b.device_type,
+            distribution=b.distribution,
+            version=b.version,
+            entry_point=b.entry_point,
+            status=b.status,
+            reason=b.reason,
+            traceback=b.error.traceback if b.error else None,
+            manual=b.manual,
+            selected_by=choice.rule.value if choice else None,
+            why_selected=choice.why if choice else "",
         )
 
     def backends(self, *, load: bool = False) -> list[BackendInfo]:
@@ -547,8 +587,10 @@ class Registry:
             self._backends = dict(state["backends"])
             self._scanned = state["scanned"]
             self.search_path = state["search_path"]
-            for table, (snap, auto) in ((self.contexts, state["contexts"]),
-                                        (self.wrappers, state["wrappers"])):
+            for table, (snap, auto) in (
+                (self.contexts, state["contexts"]),
+                (self.wrappers, state["wrappers"]),
+            ):
                 table.restore(snap)
                 table.auto.update(auto)
 

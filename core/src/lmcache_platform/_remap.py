@@ -113,12 +113,19 @@ def remap_in_place(address: int, length: int, fd: int, reserve: Callable[[int, i
                 n = min(SLICE, length - offset)
                 reserve(offset, n)
                 ctypes.memmove(window_address + offset, address + offset, n)
-                got = libc.mmap(address + offset, n, mmap.PROT_READ | mmap.PROT_WRITE,
-                                mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
+                got = libc.mmap(
+                    address + offset,
+                    n,
+                    mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_SHARED | _MAP_FIXED,
+                    fd,
+                    offset,
+                )
                 if got != address + offset:
                     err = ctypes.get_errno()
-                    raise RemapError(err, f"mmap(MAP_FIXED) of {n} bytes at offset {offset}: "
-                                          f"{os.strerror(err)}")
+                    raise RemapError(
+                        err, f"mmap(MAP_FIXED) of {n} bytes at offset {offset}: {os.strerror(err)}"
+                    )
                 window.madvise(mmap.MADV_DONTNEED, offset, n)  # counted once: where the engine maps it
         finally:
             del anchor
@@ -140,15 +147,17 @@ def map_side_by_side(fds: Sequence[int], sizes: Sequence[int]) -> tuple[int, int
         offsets.append(length)
         length += -(-n // PAGE) * PAGE
     libc = _libc()
-    address = libc.mmap(None, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                        -1, 0)  # not writable: no memory is committed for it
+    address = libc.mmap(
+        None, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+    )  # not writable: no memory is committed for it
     if address in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise RemapError(err, f"reserving {length} bytes of address space: {os.strerror(err)}")
     try:
         for fd, n, offset in zip(fds, sizes, offsets, strict=True):
-            got = libc.mmap(address + offset, n, mmap.PROT_READ | mmap.PROT_WRITE,
-                            mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+            got = libc.mmap(
+                address + offset, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0
+            )
             if got != address + offset:
                 err = ctypes.get_errno()
                 raise RemapError(err, f"mmap(MAP_FIXED) of {n} bytes at offset {offset}: {os.strerror(err)}")
@@ -176,8 +185,14 @@ def _libc() -> ctypes.CDLL:
     if _LIBC is None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _LIBC = libc

@@ -129,8 +129,7 @@ def select(
         )
         listing = ", ".join(installed) if installed else "none"
         raise BackendNotFoundError(
-            f"No {what} registered for device type {device_type!r}: {hint}. "
-            f"Installed backends: {listing}.",
+            f"No {what} registered for device type {device_type!r}: {hint}. Installed backends: {listing}.",
             device_type=device_type,
         )
     reasons = {b.name: b.reason for b in backends}

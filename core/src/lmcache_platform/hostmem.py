@@ -384,8 +384,13 @@ def _cgroup_headrooms() -> list[Headroom]:
         if controllers == "":  # v2: one unified hierarchy
             out += _walk(CGROUP_ROOT, path, "memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            out += _walk(os.path.join(CGROUP_ROOT, "memory"), path, "memory.limit_in_bytes",
-                         "memory.usage_in_bytes", "total_inactive_file")
+            out += _walk(
+                os.path.join(CGROUP_ROOT, "memory"),
+                path,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            )
     return out
 
 
@@ -583,9 +588,15 @@ class _Tracker:
         except BaseException:
             self.store.release(handle)  # the remapped slices keep the bytes; nothing is exported
             raise
-        segment = _Segment(dict(handle), length, None, owned=True, offset=storage.data_ptr() - address,
-                           source=StorageWeakRef(storage),  # type: ignore[no-untyped-call]
-                           storage_nbytes=storage.nbytes())
+        segment = _Segment(
+            dict(handle),
+            length,
+            None,
+            owned=True,
+            offset=storage.data_ptr() - address,
+            source=StorageWeakRef(storage),  # type: ignore[no-untyped-call]
+            storage_nbytes=storage.nbytes(),
+        )
         self.segments[storage.data_ptr()] = segment
         return segment
 
@@ -623,8 +634,10 @@ class _Tracker:
             raise
         finalizer.atexit = False  # at exit the process's mappings and fds go anyway
         storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # keeps buffer alive
-        segments = [_Segment(dict(handle), nbytes, None, owned=False, offset=-offset)
-                    for (handle, nbytes), offset in zip(exports, offsets, strict=True)]
+        segments = [
+            _Segment(dict(handle), nbytes, None, owned=False, offset=-offset)
+            for (handle, nbytes), offset in zip(exports, offsets, strict=True)
+        ]
         with self.lock:
             self.ranges[address] = (length, list(zip(offsets, segments, strict=True)))
         return [_Region(storage, offset, fd) for offset, fd in zip(offsets, fds, strict=True)]
@@ -779,18 +792,25 @@ def _check_store(cls: type, store: object) -> dict[str, WireField]:
     if missing:
         raise TypeError(f"{where} is not a HostMemoryStore: it lacks {', '.join(missing)}")
     schema = store.handle_fields  # type: ignore[attr-defined]
-    if not isinstance(schema, Mapping) or not schema or not all(
-            isinstance(k, str) and isinstance(v, WireField) for k, v in schema.items()):
+    if (
+        not isinstance(schema, Mapping)
+        or not schema
+        or not all(isinstance(k, str) and isinstance(v, WireField) for k, v in schema.items())
+    ):
         raise TypeError(f"{where}.handle_fields must map field names to WireField declarations")
     nbytes_field = cls.nbytes_field  # type: ignore[attr-defined]
     clash = sorted(set(schema) & {*BASE_FIELDS, nbytes_field})
     if clash:
-        raise TypeError(f"{where}.handle_fields reuses {clash}: the base fields and nbytes_field "
-                        f"{nbytes_field!r} are the wrapper's; rename the handle's fields")
+        raise TypeError(
+            f"{where}.handle_fields reuses {clash}: the base fields and nbytes_field "
+            f"{nbytes_field!r} are the wrapper's; rename the handle's fields"
+        )
     shadowed = sorted(n for n in (*schema, nbytes_field) if hasattr(HostMemoryIPCWrapper, n))
     if shadowed:  # each field becomes an attribute of the wrapper
-        raise TypeError(f"{cls.__name__}: the wire field(s) {shadowed} would hide the wrapper's own "
-                        "attribute of that name; rename them in handle_fields or nbytes_field")
+        raise TypeError(
+            f"{cls.__name__}: the wire field(s) {shadowed} would hide the wrapper's own "
+            "attribute of that name; rename them in handle_fields or nbytes_field"
+        )
     for name, spec in schema.items():
         empty = _EMPTY.get(spec.kind)
         try:
@@ -798,8 +818,10 @@ def _check_store(cls: type, store: object) -> dict[str, WireField]:
                 raise DescriptorError(f"kind {spec.kind.__name__} is not a wire-field kind")
             spec.check(cls.__name__, name, empty)
         except DescriptorError as exc:
-            raise TypeError(f"{where}.handle_fields[{name!r}] must admit the empty value {empty!r} "
-                            f"(an empty tensor's handle): {exc}") from None
+            raise TypeError(
+                f"{where}.handle_fields[{name!r}] must admit the empty value {empty!r} "
+                f"(an empty tensor's handle): {exc}"
+            ) from None
     return {**schema, nbytes_field: WireField(int, lo=0, hi=MAX_EXTENT)}
 
 
@@ -943,9 +965,11 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
             return known
         where, nbytes_field, store = cls.__name__, cls.nbytes_field, cls._memory().store
         if set(handle) != set(names):
-            raise TypeError(f"{where} takes {', '.join(names)} besides the base fields; "
-                            f"missing {sorted(set(names) - set(handle))}, "
-                            f"unknown {sorted(set(handle) - set(names))}")
+            raise TypeError(
+                f"{where} takes {', '.join(names)} besides the base fields; "
+                f"missing {sorted(set(names) - set(handle))}, "
+                f"unknown {sorted(set(handle) - set(names))}"
+            )
         values = {name: spec.check(where, name, handle[name]) for name, spec in names.items()}
         nbytes = values[nbytes_field]
         assert isinstance(nbytes, int)  # an int field, checked above
@@ -1043,11 +1067,19 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
     def _describe(cls, tensor: torch.Tensor, handle: Handle, nbytes: int, offset: int = 0) -> Self:
         """The descriptor of ``tensor`` in memory that starts ``offset`` bytes before its storage."""
         if offset % tensor.element_size():
-            raise DescriptorError(f"{cls.__name__}.wrap: the storage starts {offset} bytes into its memory, "
-                                  f"not a multiple of {tensor.dtype}'s {tensor.element_size()} bytes")
-        return cls(dtype=tensor.dtype, shape=tuple(tensor.shape), stride=tuple(tensor.stride()),
-                   storage_offset=int(tensor.storage_offset()) + offset // tensor.element_size(),
-                   device_uuid=HOST_UUID, **handle, **{cls.nbytes_field: nbytes})
+            raise DescriptorError(
+                f"{cls.__name__}.wrap: the storage starts {offset} bytes into its memory, "
+                f"not a multiple of {tensor.dtype}'s {tensor.element_size()} bytes"
+            )
+        return cls(
+            dtype=tensor.dtype,
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            storage_offset=int(tensor.storage_offset()) + offset // tensor.element_size(),
+            device_uuid=HOST_UUID,
+            **handle,
+            **{cls.nbytes_field: nbytes},
+        )
 
     @classmethod
     def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:

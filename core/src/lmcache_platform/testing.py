@@ -58,13 +58,18 @@ def fake_backend(
         return probe() if callable(probe) else probe
 
     served = device_type
-    return types.SimpleNamespace(**{
-        f.__name__: f for f in (
-            lmcache_platform_api_version, lmcache_platform_cache_context_class,
-            lmcache_platform_ipc_wrapper_class, lmcache_platform_wire_classes,
-            lmcache_platform_probe,
-        )
-    })
+    return types.SimpleNamespace(
+        **{
+            f.__name__: f
+            for f in (
+                lmcache_platform_api_version,
+                lmcache_platform_cache_context_class,
+                lmcache_platform_ipc_wrapper_class,
+                lmcache_platform_wire_classes,
+                lmcache_platform_probe,
+            )
+        }
+    )
 
 
 def make_distribution(
@@ -153,4 +158,3 @@ def lmcache_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[RegistryFixtur
 
 def pytest_report_header(config: Any) -> str:
     return f"lmcache-platform: backend API {API_VERSION}"
-

@@ -119,8 +119,11 @@ def registration_config(kv_cache_config: Any, layer_names: Sequence[str]) -> dic
         head_sizes.add(int(spec.head_size))
         window = getattr(spec, "sliding_window", None)
         groups.append(
-            EngineGroupInfo(layer_indices=tuple(layers), block_size=int(spec.block_size),
-                            sliding_window=int(window) if window else None)
+            EngineGroupInfo(
+                layer_indices=tuple(layers),
+                block_size=int(spec.block_size),
+                sliding_window=int(window) if window else None,
+            )
         )
     layout = getattr(kv_cache_config, "kv_cache_layout", None)
     hints = LayoutHints(
@@ -149,13 +152,16 @@ def cache_namespace_for(
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         dtypes.add(str(getattr(spec, "dtype", "")).removeprefix("torch."))
-        groups.append({
-            "spec": type(spec).__name__, "block_size": int(spec.block_size),
-            "sliding_window": int(getattr(spec, "sliding_window", None) or 0),
-            "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
-            "head_size": int(getattr(spec, "head_size", 0)),
-            "layers": len(group.layer_names),
-        })
+        groups.append(
+            {
+                "spec": type(spec).__name__,
+                "block_size": int(spec.block_size),
+                "sliding_window": int(getattr(spec, "sliding_window", None) or 0),
+                "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
+                "head_size": int(getattr(spec, "head_size", 0)),
+                "layers": len(group.layer_names),
+            }
+        )
     parallel = vllm_config.parallel_config
     layout = json.dumps({"layout": str(getattr(kv_cache_config, "kv_cache_layout", "")), "groups": groups})
     return cache_namespace(
@@ -227,8 +233,14 @@ class _Link:
     def _set_state(self, state: str, detail: str = "") -> None:
         if state != self._state:
             level = logging.INFO if state == "connected" else logging.WARNING
-            _log.log(level, "lmcache-platform %s: server %s %s%s", self.role, self.socket_path, state,
-                     f" ({detail})" if detail else "")
+            _log.log(
+                level,
+                "lmcache-platform %s: server %s %s%s",
+                self.role,
+                self.socket_path,
+                state,
+                f" ({detail})" if detail else "",
+            )
             self._state = state
 
     def call(self, fn: Callable[[ServerClient], _T]) -> _T | None:
@@ -278,8 +290,9 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.socket_path: str | None = extra.get("socket") or os.environ.get(SOCKET_ENV)
         self.tokens_per_chunk = int(extra.get("tokens_per_chunk", DEFAULT_TOKENS_PER_CHUNK))
-        self.namespace = cache_namespace_for(vllm_config, kv_cache_config, self.tokens_per_chunk,
-                                             extra.get("model_id"))
+        self.namespace = cache_namespace_for(
+            vllm_config, kv_cache_config, self.tokens_per_chunk, extra.get("model_id")
+        )
         self.block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
         for g, size in enumerate(self.block_sizes):
             if self.tokens_per_chunk % size:
@@ -307,8 +320,19 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         self._load_errors: set[int] = set()
         #: Counters (this side's): lookups, tokens offered, chunks and bytes moved, seconds spent.
         self.stats: dict[str, float] = dict.fromkeys(
-            ("lookups", "hit_tokens", "loaded_chunks", "loaded_bytes", "load_seconds", "stored_chunks",
-             "stored_bytes", "store_seconds", "load_errors"), 0)
+            (
+                "lookups",
+                "hit_tokens",
+                "loaded_chunks",
+                "loaded_bytes",
+                "load_seconds",
+                "stored_chunks",
+                "stored_bytes",
+                "store_seconds",
+                "load_errors",
+            ),
+            0,
+        )
         # Scheduler side.
         self._requests: dict[str, _Request] = {}
 
@@ -323,11 +347,16 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         if self.kv_caches:
             config = registration_config(self._kv_cache_config, list(self.kv_caches))
             self.registration = client.register(
-                self.kv_caches, namespace=self.namespace, lmcache_tokens_per_chunk=self.tokens_per_chunk,
+                self.kv_caches,
+                namespace=self.namespace,
+                lmcache_tokens_per_chunk=self.tokens_per_chunk,
                 **config,
             )
-            _log.info("lmcache-platform worker: registered %d layers as context %d",
-                      len(self.kv_caches), self.registration.context)
+            _log.info(
+                "lmcache-platform worker: registered %d layers as context %d",
+                len(self.kv_caches),
+                self.registration.context,
+            )
 
     # -- worker side -------------------------------------------------------------------
 
@@ -338,8 +367,11 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         try:
             self.kv_caches = wrap_kv_caches(kv_caches)
         except LMCachePlatformError as exc:  # e.g. no room to export: run without the server
-            _log.warning("lmcache-platform worker: cannot export the KV caches (%s); "
-                         "the engine runs without the connector", exc)
+            _log.warning(
+                "lmcache-platform worker: cannot export the KV caches (%s); "
+                "the engine runs without the connector",
+                exc,
+            )
             return
         self.link.call(lambda client: None)  # connect now, so the first request need not wait
 
@@ -370,8 +402,12 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
                 failed = {b for _, ids in chunks[loaded:] for group in ids for b in group}
                 self._load_errors |= failed
                 self.stats["load_errors"] += len(chunks) - loaded
-                _log.warning("lmcache-platform worker: %s loaded %d of %d chunks; vLLM recomputes the rest",
-                             req_id, loaded, len(chunks))
+                _log.warning(
+                    "lmcache-platform worker: %s loaded %d of %d chunks; vLLM recomputes the rest",
+                    req_id,
+                    loaded,
+                    len(chunks),
+                )
 
     def _getter(self, chunks: list[ChunkMove]) -> Callable[[ServerClient], GetResult]:
         def get(client: ServerClient) -> GetResult:

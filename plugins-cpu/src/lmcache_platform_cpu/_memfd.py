@@ -51,11 +51,15 @@ class MemfdCapacityError(LMCachePlatformError, OSError):
 
     def __init__(self, needed: int, headroom: Headroom) -> None:
         if needed > headroom.free:
-            what = (f"a memfd of {_size(needed)} does not fit: {headroom.limit} leaves "
-                    f"{_size(headroom.free)} (short by {_size(needed - headroom.free)})")
+            what = (
+                f"a memfd of {_size(needed)} does not fit: {headroom.limit} leaves "
+                f"{_size(headroom.free)} (short by {_size(needed - headroom.free)})"
+            )
         else:  # the kernel refused although the limit said it fits: a race, or a limit we cannot see
-            what = (f"the kernel refused to reserve {_size(needed)} for a memfd although {headroom.limit} "
-                    f"leaves {_size(headroom.free)} (another process took the memory meanwhile)")
+            what = (
+                f"the kernel refused to reserve {_size(needed)} for a memfd although {headroom.limit} "
+                f"leaves {_size(headroom.free)} (another process took the memory meanwhile)"
+            )
         super().__init__(
             errno.ENOMEM,
             f"{what}; nothing was created. memfd memory counts against the memory cgroup, not "
@@ -83,8 +87,9 @@ class MemfdStore:
     def check_handle(self, handle: Handle) -> None:
         name = handle["memfd_name"]
         if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-            raise DescriptorError(f"memfd name {name!r} is not one of this project's "
-                                  f"(expected {PREFIX}<32 hex digits>)")
+            raise DescriptorError(
+                f"memfd name {name!r} is not one of this project's (expected {PREFIX}<32 hex digits>)"
+            )
         if handle["memfd_pid"] == 0:
             raise DescriptorError("memfd_pid 0 names no process")
 
@@ -143,8 +148,12 @@ class MemfdStore:
         with _lock:
             _owned[fd] = st.st_ino
         handle: dict[str, int | str] = {
-            "memfd_pidns": pid_namespace(), "memfd_pid": os.getpid(), "memfd_fd": fd,
-            "memfd_dev": st.st_dev, "memfd_ino": st.st_ino, "memfd_name": name,
+            "memfd_pidns": pid_namespace(),
+            "memfd_pid": os.getpid(),
+            "memfd_fd": fd,
+            "memfd_dev": st.st_dev,
+            "memfd_ino": st.st_ino,
+            "memfd_name": name,
         }
         return handle, fd
 
@@ -179,14 +188,20 @@ class MemfdStore:
                 raise refuse("owner", f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
             said = (handle["memfd_dev"], handle["memfd_ino"])
             if (st.st_dev, st.st_ino) != said:
-                raise refuse("inode", f"it is inode {st.st_ino} on device {st.st_dev}, the descriptor says "
-                             f"{said[1]} on {said[0]} (a reused fd or pid)")
+                raise refuse(
+                    "inode",
+                    f"it is inode {st.st_ino} on device {st.st_dev}, the descriptor says "
+                    f"{said[1]} on {said[0]} (a reused fd or pid)",
+                )
             if st.st_size != nbytes:
                 raise refuse("size", f"it holds {st.st_size} bytes but the descriptor says {nbytes}")
             seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
             if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-                raise refuse("seals", f"its seals are {seals:#x}, not F_SEAL_SHRINK | F_SEAL_GROW: "
-                             "its producer could truncate it under our mapping")
+                raise refuse(
+                    "seals",
+                    f"its seals are {seals:#x}, not F_SEAL_SHRINK | F_SEAL_GROW: "
+                    "its producer could truncate it under our mapping",
+                )
         except BaseException:
             os.close(own)
             raise
@@ -223,16 +238,22 @@ def _open_fd(pid: int, fd: int, name: str, refuse: Refuse) -> int:
     except FileNotFoundError:
         raise refuse("producer", f"no process {pid} exists in this pid namespace (it exited)") from None
     except PermissionError:
-        raise refuse("access", f"/proc/{pid}/fd is not readable here (/proc mounted with hidepid, another "
-                     f"user, or a producer that is not dumpable); {SWITCH}") from None
+        raise refuse(
+            "access",
+            f"/proc/{pid}/fd is not readable here (/proc mounted with hidepid, another "
+            f"user, or a producer that is not dumpable); {SWITCH}",
+        ) from None
     try:
         _check_target(os.readlink(str(fd), dir_fd=d), f"fd {fd} of pid {pid}", name, refuse)
         return os.open(str(fd), os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK, dir_fd=d)
     except FileNotFoundError:
         raise refuse("fd", f"pid {pid} has no fd {fd} (it closed the export)") from None
     except PermissionError:
-        raise refuse("access", f"/proc/{pid}/fd/{fd} cannot be opened (a producer that is not "
-                     f"dumpable, or another user's memory); {SWITCH}") from None
+        raise refuse(
+            "access",
+            f"/proc/{pid}/fd/{fd} cannot be opened (a producer that is not "
+            f"dumpable, or another user's memory); {SWITCH}",
+        ) from None
     except OSError as exc:
         raise refuse("fd", f"/proc/{pid}/fd/{fd} cannot be opened read-write: {exc.strerror}") from None
     finally:

@@ -56,12 +56,16 @@ class ShmCapacityError(LMCachePlatformError, OSError):
 
     def __init__(self, needed: int, free: int) -> None:
         if needed > free:
-            what = (f"{SHM_DIR} has {_size(free)} free but a segment of {_size(needed)} is needed "
-                    f"(short by {_size(needed - free)})")
+            what = (
+                f"{SHM_DIR} has {_size(free)} free but a segment of {_size(needed)} is needed "
+                f"(short by {_size(needed - free)})"
+            )
         else:  # the kernel refused although statvfs said it fits: a cgroup limit, or a race
-            what = (f"the kernel refused to reserve {_size(needed)} in {SHM_DIR} although {_size(free)} "
-                    "are reported free (a memory-cgroup limit on tmpfs pages, or another process "
-                    "took the space)")
+            what = (
+                f"the kernel refused to reserve {_size(needed)} in {SHM_DIR} although {_size(free)} "
+                "are reported free (a memory-cgroup limit on tmpfs pages, or another process "
+                "took the space)"
+            )
         super().__init__(
             errno.ENOSPC,
             f"{what}; nothing was created. Enlarge {SHM_DIR} "

@@ -25,8 +25,15 @@ from lmcache_platform import KVFormat, LayoutHints, allocate_kv_caches
 LAYERS, HEADS, HEAD, BLOCK, TOKENS = 32, 8, 128, 16, 256
 #: Formats measured, current vLLM first (GPU flash-attention's LBNHC order: one
 #: allocation, one view a layer); SGLang's K/V pairs do not travel in one wire message.
-FORMATS = (KVFormat.VLLM, KVFormat.VLLM_MLA, KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND,
-           KVFormat.FLASHINFER, KVFormat.FLASHINFER_HND, KVFormat.MLA)
+FORMATS = (
+    KVFormat.VLLM,
+    KVFormat.VLLM_MLA,
+    KVFormat.FLASH_ATTN,
+    KVFormat.FLASH_ATTN_HND,
+    KVFormat.FLASHINFER,
+    KVFormat.FLASHINFER_HND,
+    KVFormat.MLA,
+)
 _MLA = (KVFormat.MLA, KVFormat.VLLM_MLA)
 
 
@@ -35,10 +42,17 @@ def _layers(fmt: KVFormat, num_blocks: int) -> list[Any]:
     import torch
 
     vllm = fmt in (KVFormat.VLLM, KVFormat.VLLM_MLA)
-    layers = allocate_kv_caches(fmt, num_layers=LAYERS if vllm else 1, num_blocks=num_blocks,
-                                block_size=BLOCK, num_kv_heads=HEADS, head_size=576 if fmt in _MLA else HEAD,
-                                dtype=torch.bfloat16, device="cuda",
-                                engine_layout="LBNHC" if vllm else None)
+    layers = allocate_kv_caches(
+        fmt,
+        num_layers=LAYERS if vllm else 1,
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_size=576 if fmt in _MLA else HEAD,
+        dtype=torch.bfloat16,
+        device="cuda",
+        engine_layout="LBNHC" if vllm else None,
+    )
     out = [t for t in layers if isinstance(t, torch.Tensor)]
     if not vllm:
         out = [torch.empty_like(out[0]) for _ in range(LAYERS)]
@@ -156,8 +170,15 @@ def run(quick: bool) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
-        "model": {"layers": LAYERS, "kv_heads": HEADS, "head_size": HEAD, "block_size": BLOCK,
-                  "chunk_tokens": TOKENS, "dtype": "bfloat16", "iterations": iters},
+        "model": {
+            "layers": LAYERS,
+            "kv_heads": HEADS,
+            "head_size": HEAD,
+            "block_size": BLOCK,
+            "chunk_tokens": TOKENS,
+            "dtype": "bfloat16",
+            "iterations": iters,
+        },
         "handoff": {},
         "formats": {},
     }

@@ -51,9 +51,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuCtxPushCurrent_v2": [_CUcontext],
     "cuCtxPopCurrent_v2": [ctypes.POINTER(_CUcontext)],
     "cuPointerGetAttribute": [ctypes.c_void_p, ctypes.c_int, _CUdeviceptr],
-    "cuMemGetAddressRange_v2": [
-        ctypes.POINTER(_CUdeviceptr), ctypes.POINTER(ctypes.c_size_t), _CUdeviceptr
-    ],
+    "cuMemGetAddressRange_v2": [ctypes.POINTER(_CUdeviceptr), ctypes.POINTER(ctypes.c_size_t), _CUdeviceptr],
     "cuIpcGetMemHandle": [ctypes.POINTER(_CUipcMemHandle), _CUdeviceptr],
     "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_CUdeviceptr), _CUipcMemHandle, ctypes.c_uint],
     "cuIpcCloseMemHandle": [_CUdeviceptr],

@@ -58,8 +58,10 @@ class FileCapacityError(LMCachePlatformError, OSError):
         if needed > free:
             what = f"{path} has {free} bytes free but {needed} are needed (short by {needed - free})"
         else:  # the file system refused although statvfs said it fits: a quota, or a race
-            what = (f"{path} refused to reserve {needed} bytes although {free} are reported free "
-                    "(a quota, a memory-cgroup limit on tmpfs pages, or a race)")
+            what = (
+                f"{path} refused to reserve {needed} bytes although {free} are reported free "
+                "(a quota, a memory-cgroup limit on tmpfs pages, or a race)"
+            )
         super().__init__(
             errno.ENOSPC,
             f"{what}; nothing was created. Give {ENV_DIR} a larger file system or reclaim files of "

@@ -52,8 +52,13 @@ def bench_dispatch(report: Report, settings: Settings) -> None:
         "dict lookup via a function call": "getitem(dt)",
         "pluggy hook call (1 impl)": "hook(device_type=dt)",
     }
-    env = {"table": table, "dt": device_type, "get": get_kv_wrapper_factory,
-           "getitem": table.__getitem__, "hook": hook}
+    env = {
+        "table": table,
+        "dt": device_type,
+        "get": get_kv_wrapper_factory,
+        "getitem": table.__getitem__,
+        "hook": hook,
+    }
     runs, budget = settings.repeats(5, 9), 0.02 if settings.quick else 0.1
     results = [
         Result("dispatch", case, "ns", tuple(t * 1e9 for t in values), {"device": device_type})
@@ -63,10 +68,15 @@ def bench_dispatch(report: Report, settings: Settings) -> None:
     results = [r if r.case == "empty loop" else r.relative_to(base) for r in results]
     report.results.extend(results)
     cached = next(r for r in results if r.case.startswith("get_kv_wrapper_factory"))
-    report.targets.append(SpeedTarget.at_most(
-        "dispatch.cached_lookup", f"cached get_kv_wrapper_factory <= {DISPATCH_LIMIT:g} x dict lookup",
-        cached.ratio, DISPATCH_LIMIT, note="timeit per call, loop overhead included in both",
-    ))
+    report.targets.append(
+        SpeedTarget.at_most(
+            "dispatch.cached_lookup",
+            f"cached get_kv_wrapper_factory <= {DISPATCH_LIMIT:g} x dict lookup",
+            cached.ratio,
+            DISPATCH_LIMIT,
+            note="timeit per call, loop overhead included in both",
+        )
+    )
 
 
 def per_call(
@@ -125,8 +135,7 @@ def bench_create_dispatch(report: Report, settings: Settings, *, layers: int = 3
         REGISTRY.register_backend(plugin, _NULL_DEVICE, distribution="bench", version="0")
         if type(create_cache_context(wrappers)) is not ctx_cls:
             raise RuntimeError("create_cache_context did not dispatch to the benchmark backend")
-        env = {"create": create_cache_context, "cls": ctx_cls, "w": wrappers,
-               "Config": CacheContextConfig}
+        env = {"create": create_cache_context, "cls": ctx_cls, "w": wrappers, "Config": CacheContextConfig}
         runs, budget = settings.repeats(5, 9), 0.02 if settings.quick else 0.1
         timed = per_call({"facade": "create(w)", "direct": "cls(w, Config())"}, env, runs, budget)
     finally:
@@ -137,9 +146,14 @@ def bench_create_dispatch(report: Report, settings: Settings, *, layers: int = 3
     report.results += [
         Result("dispatch", "create_cache_context (do-nothing context)", "us", tuple(as_us), params),
         Result("dispatch", "direct constructor + config", "us", tuple(direct_us), params),
-        Result("dispatch", "create_cache_context dispatch overhead", "us",
-               tuple(f - d for f, d in zip(as_us, direct_us, strict=True)), params,
-               note="per call, paired difference of the two rows above"),
+        Result(
+            "dispatch",
+            "create_cache_context dispatch overhead",
+            "us",
+            tuple(f - d for f, d in zip(as_us, direct_us, strict=True)),
+            params,
+            note="per call, paired difference of the two rows above",
+        ),
     ]
 
 
@@ -157,13 +171,26 @@ def _null_backend() -> tuple[type[Any], type[Any], object]:
         self.kv_caches, self.config = kv_caches, config
 
     abstract = {n: unused for n in getattr(BaseCacheContext, "__abstractmethods__", ())}
-    ctx_cls = type("NullContext", (BaseCacheContext,), {
-        **abstract, "device_type": _NULL_DEVICE, "__init__": init, "close": lambda self: None,
-    })
-    wrapper_cls = type("NullWrapper", (DeviceIPCWrapper,), {
-        "device_type": _NULL_DEVICE, "wire_tag": "bench.null/1",
-        "wrap": classmethod(unused), "to_tensor": unused,
-    })
+    ctx_cls = type(
+        "NullContext",
+        (BaseCacheContext,),
+        {
+            **abstract,
+            "device_type": _NULL_DEVICE,
+            "__init__": init,
+            "close": lambda self: None,
+        },
+    )
+    wrapper_cls = type(
+        "NullWrapper",
+        (DeviceIPCWrapper,),
+        {
+            "device_type": _NULL_DEVICE,
+            "wire_tag": "bench.null/1",
+            "wrap": classmethod(unused),
+            "to_tensor": unused,
+        },
+    )
 
     @hookimpl
     def lmcache_platform_api_version() -> int:
@@ -229,24 +256,39 @@ def bench_import(report: Report, settings: Settings) -> None:
     try:
         heavy = [_fresh(_RESOLVE, device_type) for _ in range(settings.repeats(2, 5))]
     except RuntimeError as exc:
-        report.skipped.append(Skip("import", f"first resolution of {device_type}",
-                                   str(exc).strip().splitlines()[-1]))
+        report.skipped.append(
+            Skip("import", f"first resolution of {device_type}", str(exc).strip().splitlines()[-1])
+        )
         heavy = []
     ms = 1e3
-    report.results.append(Result("import", "import lmcache_platform", "ms",
-                                 tuple(r["import"] * ms for r in light)))
+    report.results.append(
+        Result("import", "import lmcache_platform", "ms", tuple(r["import"] * ms for r in light))
+    )
     if heavy:
         report.results += [
-            Result("import", "import lmcache_platform (torch already loaded)", "ms",
-                   tuple(r["import"] * ms for r in heavy)),
-            Result("import", "import torch (reference)", "ms",
-                   tuple(r["import_torch"] * ms for r in heavy)),
-            Result("import", f"first resolution of {device_type!r} (torch loaded)", "ms",
-                   tuple(r["resolve"] * ms for r in heavy), {"device": device_type},
-                   note="metadata scan, backend import, hooks, probe, selection"),
+            Result(
+                "import",
+                "import lmcache_platform (torch already loaded)",
+                "ms",
+                tuple(r["import"] * ms for r in heavy),
+            ),
+            Result("import", "import torch (reference)", "ms", tuple(r["import_torch"] * ms for r in heavy)),
+            Result(
+                "import",
+                f"first resolution of {device_type!r} (torch loaded)",
+                "ms",
+                tuple(r["resolve"] * ms for r in heavy),
+                {"device": device_type},
+                note="metadata scan, backend import, hooks, probe, selection",
+            ),
         ]
     with_torch = sum(r["torch"] for r in light)
-    report.targets.append(SpeedTarget.at_most(
-        "import.no_torch", "`import lmcache_platform` imports torch in 0 of the fresh processes",
-        float(with_torch), 0.0, note=f"{len(light)} processes",
-    ))
+    report.targets.append(
+        SpeedTarget.at_most(
+            "import.no_torch",
+            "`import lmcache_platform` imports torch in 0 of the fresh processes",
+            float(with_torch),
+            0.0,
+            note=f"{len(light)} processes",
+        )
+    )

@@ -78,10 +78,17 @@ def kv_set(size: int, device: str, layout: str = "vllm") -> list[torch.Tensor]:
     per_layer = layout == "per-layer"
     if per_layer:
         fmt = KVFormat.FLASH_ATTN
-    views = allocate_kv_caches(fmt, num_layers=1 if per_layer else LAYERS, num_blocks=blocks,
-                               block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE,
-                               dtype=torch.float16, device=device,
-                               engine_layout=None if per_layer else order)
+    views = allocate_kv_caches(
+        fmt,
+        num_layers=1 if per_layer else LAYERS,
+        num_blocks=blocks,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+        device=device,
+        engine_layout=None if per_layer else order,
+    )
     tensors = [t for t in views if not isinstance(t, tuple)]
     if per_layer:
         tensors = [torch.empty_like(tensors[0]) for _ in range(LAYERS)]
@@ -158,15 +165,21 @@ class Receiver:
         self._mid_trial = False
         if "received_bytes" in ack:  # a bytes-only baseline: check the count, the caller checks data
             if ack["received_bytes"] != stages.get("sent_bytes"):
-                raise RuntimeError(f"hand-off by {method}: {ack['received_bytes']} bytes arrived, "
-                                   f"{stages.get('sent_bytes')} were sent")
+                raise RuntimeError(
+                    f"hand-off by {method}: {ack['received_bytes']} bytes arrived, "
+                    f"{stages.get('sent_bytes')} were sent"
+                )
         elif ack["corners"] != EXPECTED_CORNERS or ack["layers"] != LAYERS:
             raise RuntimeError(
                 f"hand-off by {method}: the receiver saw {ack['layers']} layers with corner values "
                 f"{ack['corners']}, expected {LAYERS} layers with {EXPECTED_CORNERS}"
             )
-        return {**stages, "decode": ack.get("decode", 0.0), "to_tensor": ack.get("to_tensor", 0.0),
-                "total": total}
+        return {
+            **stages,
+            "decode": ack.get("decode", 0.0),
+            "to_tensor": ack.get("to_tensor", 0.0),
+            "total": total,
+        }
 
     def close(self) -> None:
         if not self._mid_trial:  # mid-trial it awaits a payload, not a command: just stop it
@@ -193,8 +206,9 @@ def sharing_strategy(strategy: str) -> Iterator[None]:
         tmp.set_sharing_strategy(before)  # type: ignore[no-untyped-call]
 
 
-def _trials(recv: Receiver, method: str, send: Callable[[], dict[str, float]],
-            runs: int, warmup: int) -> list[dict[str, float]]:
+def _trials(
+    recv: Receiver, method: str, send: Callable[[], dict[str, float]], runs: int, warmup: int
+) -> list[dict[str, float]]:
     for _ in range(warmup):
         recv.handoff(method, send)
     return [recv.handoff(method, send) for _ in range(runs)]
@@ -238,8 +252,11 @@ def bench_handoff(report: Report, settings: Settings) -> None:
                         _handoff_torch(report, recv, f"torch {strategy}", size, device, runs, params)
             else:
                 _handoff_torch(report, recv, "torch CUDA IPC", size, device, runs, params)
-            why = (f"pickling copies every byte; skipped above {size_label(PICKLE_MAX)}"
-                   if size > PICKLE_MAX else _room_for(6 * size, 0, device))
+            why = (
+                f"pickling copies every byte; skipped above {size_label(PICKLE_MAX)}"
+                if size > PICKLE_MAX
+                else _room_for(6 * size, 0, device)
+            )
             if why:
                 report.skipped.append(Skip("handoff", PICKLE, why, params))
             else:
@@ -310,15 +327,20 @@ def _handoff_ours(
         p = {**_params(size, device, layout), "message_bytes": message_bytes[size]}
         report.results.append(Result("handoff", OURS, "ms", tuple(t["total"] * 1e3 for t in ts), p))
         for stage in ("wrap", "encode", "decode", "to_tensor"):
-            report.results.append(Result("handoff stages", f"ours: {stage}", "ms",
-                                         tuple(t[stage] * 1e3 for t in ts), p))
+            report.results.append(
+                Result("handoff stages", f"ours: {stage}", "ms", tuple(t[stage] * 1e3 for t in ts), p)
+            )
         transport = [t["total"] - t["wrap"] - t["encode"] - t["decode"] - t["to_tensor"] for t in ts]
-        report.results.append(Result("handoff stages", "ours: pipe and acknowledgement", "ms",
-                                     tuple(x * 1e3 for x in transport), p))
+        report.results.append(
+            Result(
+                "handoff stages", "ours: pipe and acknowledgement", "ms", tuple(x * 1e3 for x in transport), p
+            )
+        )
 
 
-def _handoff_torch(report: Report, recv: Receiver, label: str, size: int, device: str, runs: int,
-                   params: dict[str, Any]) -> None:
+def _handoff_torch(
+    report: Report, recv: Receiver, label: str, size: int, device: str, runs: int, params: dict[str, Any]
+) -> None:
     tensors = kv_set(size, device, params["layout"])
     if device == "cpu":
         for t in tensors:
@@ -348,8 +370,11 @@ def _picklable(tensors: list[torch.Tensor]) -> Any:
     if len(storages) != 1 or len(tensors) < 2:
         return tensors
     backing = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(tensors[0].untyped_storage())
-    return (backing, str(tensors[0].dtype).removeprefix("torch."),
-            [(tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors])
+    return (
+        backing,
+        str(tensors[0].dtype).removeprefix("torch."),
+        [(tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors],
+    )
 
 
 def _unpickled(obj: Any) -> list[torch.Tensor]:
@@ -362,8 +387,9 @@ def _unpickled(obj: Any) -> list[torch.Tensor]:
     return [typed.as_strided(shape, stride, offset) for shape, stride, offset in views]
 
 
-def _handoff_pickle(report: Report, recv: Receiver, size: int, device: str, runs: int,
-                    params: dict[str, Any]) -> None:
+def _handoff_pickle(
+    report: Report, recv: Receiver, size: int, device: str, runs: int, params: dict[str, Any]
+) -> None:
     """Pickle, send, unpickle. The receiver only takes the bytes (nothing unpickles bytes
     from another process); the unpickling of the same bytes is timed here and added."""
     tensors = kv_set(size, device, params["layout"])
@@ -398,11 +424,15 @@ def _handoff_targets(report: Report) -> None:
     ours_1g = report.find("handoff", OURS, size_bytes=GiB)
     fs_1g = report.find("handoff", "torch file_system", size_bytes=GiB)
     value = ours_1g.median / fs_1g.median if ours_1g and fs_1g else None
-    report.targets.append(SpeedTarget.at_most(
-        "handoff.vs_torch_file_system",
-        f"1 GiB hand-off <= {VS_TORCH_LIMIT:g} x torch file_system strategy", value, VS_TORCH_LIMIT,
-        note="" if value is not None else "1 GiB not measured in this run",
-    ))
+    report.targets.append(
+        SpeedTarget.at_most(
+            "handoff.vs_torch_file_system",
+            f"1 GiB hand-off <= {VS_TORCH_LIMIT:g} x torch file_system strategy",
+            value,
+            VS_TORCH_LIMIT,
+            note="" if value is not None else "1 GiB not measured in this run",
+        )
+    )
     ours = [r for r in report.section("handoff") if r.case == OURS]
     if len(ours) >= 2:
         lo = min(ours, key=lambda r: r.params["size_bytes"])
@@ -411,18 +441,24 @@ def _handoff_targets(report: Report) -> None:
         note = f"{hi.params['size']} over {lo.params['size']}"
     else:
         flat, note = None, "fewer than two sizes measured"
-    report.targets.append(SpeedTarget.at_most(
-        "handoff.flat", f"our hand-off is flat in size (largest / smallest <= {FLAT_LIMIT:g})",
-        flat, FLAT_LIMIT, note=note,
-    ))
+    report.targets.append(
+        SpeedTarget.at_most(
+            "handoff.flat",
+            f"our hand-off is flat in size (largest / smallest <= {FLAT_LIMIT:g})",
+            flat,
+            FLAT_LIMIT,
+            note=note,
+        )
+    )
 
 
 def bench_migration(report: Report, settings: Settings) -> None:
     """First ``wrap`` (moves storage into a segment) against ``share_memory_()``."""
     device = settings.device
     if device != "cpu":
-        report.skipped.append(Skip("migration", "all methods",
-                                   f"{device} memory is shared in place; nothing migrates"))
+        report.skipped.append(
+            Skip("migration", "all methods", f"{device} memory is shared in place; nothing migrates")
+        )
         return
     for size in sizes_of(settings):
         params = _params(size, device, settings.layout)

@@ -35,19 +35,27 @@ def measure(method: str, size: int, layout: str) -> dict[str, float]:
     """Run one fresh process; return its figures in MiB (``before``, ``peak``, ``added``)."""
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_platform._bench.peak", method, str(size), layout],
-        capture_output=True, text=True, timeout=_TIMEOUT_S, check=False,
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT_S,
+        check=False,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"peak-memory probe {method} {size} failed ({proc.returncode}): "
-                           f"{proc.stderr.strip().splitlines()[-1:] or proc.stdout}")
+        raise RuntimeError(
+            f"peak-memory probe {method} {size} failed ({proc.returncode}): "
+            f"{proc.stderr.strip().splitlines()[-1:] or proc.stdout}"
+        )
     figures: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
     return figures
 
 
 #: What wrapping an existing allocation may add to peak memory: this share of it, or FLOOR.
 ADDED_SHARE, ADDED_FLOOR = 0.05, 64 << 20
-LABELS = {"wrap": "ours: wrap an existing allocation", "empty": "ours: born shared (empty), then wrap",
-          "share_memory_": "share_memory_ (file_system)"}
+LABELS = {
+    "wrap": "ours: wrap an existing allocation",
+    "empty": "ours: born shared (empty), then wrap",
+    "share_memory_": "share_memory_ (file_system)",
+}
 
 
 def bench_peak(report: Report, settings: Settings) -> None:
@@ -68,18 +76,28 @@ def bench_peak(report: Report, settings: Settings) -> None:
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 report.errors.append(Skip("migration memory", LABELS[method], str(exc), params))
                 continue
-            report.results.append(Result("migration memory", LABELS[method], "MiB added",
-                                         (figures["added"],), {**params, "peak_mib": figures["peak"]}))
+            report.results.append(
+                Result(
+                    "migration memory",
+                    LABELS[method],
+                    "MiB added",
+                    (figures["added"],),
+                    {**params, "peak_mib": figures["peak"]},
+                )
+            )
     wraps = [r for r in report.section("migration memory") if r.case == LABELS["wrap"]]
     largest = max(wraps, key=lambda r: r.params["size_bytes"], default=None)
     allowed = (max(ADDED_SHARE * largest.params["size_bytes"], ADDED_FLOOR) / (1 << 20)) if largest else 0.0
-    report.targets.append(SpeedTarget.at_most(
-        "migration.peak_memory",
-        f"wrapping an existing allocation adds <= {ADDED_SHARE:.0%} of it (at least "
-        f"{ADDED_FLOOR >> 20} MiB) to peak memory",
-        largest.median if largest else None, allowed,
-        note=f"{largest.params['size']}: {allowed:.0f} MiB allowed" if largest else "not measured",
-    ))
+    report.targets.append(
+        SpeedTarget.at_most(
+            "migration.peak_memory",
+            f"wrapping an existing allocation adds <= {ADDED_SHARE:.0%} of it (at least "
+            f"{ADDED_FLOOR >> 20} MiB) to peak memory",
+            largest.median if largest else None,
+            allowed,
+            note=f"{largest.params['size']}: {allowed:.0f} MiB allowed" if largest else "not measured",
+        )
+    )
 
 
 def _max_rss_mib() -> float:
@@ -150,8 +168,18 @@ def main(argv: list[str]) -> None:
         wrappers = wrap_kv_caches(tensors)
     total = sum(int(t.view(torch.uint8).amax()) for t in tensors)  # every page resident again
     peak = _max_rss_mib()
-    print(json.dumps({"before": before, "peak": peak, "added": peak - before, "checksum": total,
-                      "peak_reset": reset, "pid": os.getpid()}))
+    print(
+        json.dumps(
+            {
+                "before": before,
+                "peak": peak,
+                "added": peak - before,
+                "checksum": total,
+                "peak_reset": reset,
+                "pid": os.getpid(),
+            }
+        )
+    )
     for w in wrappers:
         w.close()
 

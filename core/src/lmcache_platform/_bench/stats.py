@@ -81,8 +81,14 @@ class Result:
         """A copy carrying ``self.median / baseline.median``."""
         ratio = self.median / baseline.median if baseline.median else float("inf")
         return Result(
-            self.section, self.case, self.unit, self.values, self.params,
-            ratio=ratio, ratio_of=baseline.case, note=self.note,
+            self.section,
+            self.case,
+            self.unit,
+            self.values,
+            self.params,
+            ratio=ratio,
+            ratio_of=baseline.case,
+            note=self.note,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -146,8 +152,12 @@ class Skip:
     params: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"section": self.section, "case": self.case, "params": dict(self.params),
-                "reason": self.reason}
+        return {
+            "section": self.section,
+            "case": self.case,
+            "params": dict(self.params),
+            "reason": self.reason,
+        }
 
 
 @dataclass
@@ -190,8 +200,11 @@ def ratio_rows(results: Sequence[Result], baseline_case: str, *keys: str) -> lis
     out = []
     for r in results:
         base = next(
-            (b for b in results
-             if b.case == baseline_case and all(b.params.get(k) == r.params.get(k) for k in keys)),
+            (
+                b
+                for b in results
+                if b.case == baseline_case and all(b.params.get(k) == r.params.get(k) for k in keys)
+            ),
             None,
         )
         out.append(r.relative_to(base) if base is not None else r)

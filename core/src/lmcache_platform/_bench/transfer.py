@@ -54,14 +54,23 @@ def case_name(fmt: KVFormat, engine_layout: str | None) -> str:
     return fmt.value + (f"-{engine_layout}" if engine_layout else "")
 
 
-def _allocate(fmt: KVFormat, engine_layout: str | None, num_blocks: int, heads: int, head_size: int,
-              device: str) -> list[Any]:
+def _allocate(
+    fmt: KVFormat, engine_layout: str | None, num_blocks: int, heads: int, head_size: int, device: str
+) -> list[Any]:
     """The layers as the engine of ``fmt`` allocates them, every page written once."""
     import torch
 
-    layers = allocate_kv_caches(fmt, num_layers=1 if engine_layout is None else LAYERS, num_blocks=num_blocks,
-                                block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size,
-                                dtype=torch.float16, device=device, engine_layout=engine_layout)
+    layers = allocate_kv_caches(
+        fmt,
+        num_layers=1 if engine_layout is None else LAYERS,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=torch.float16,
+        device=device,
+        engine_layout=engine_layout,
+    )
     if engine_layout is None:  # one allocation per layer (per tensor, for a pair)
         first = layers[0]
         layers = [
@@ -90,8 +99,14 @@ def bench_transfer(report: Report, settings: Settings) -> None:
         mla = FORMATS[fmt].planes == 1
         d = MLA_HEAD_SIZE if mla else HEAD_SIZE
         name = case_name(fmt, engine_layout)
-        params = {"format": fmt.value, "engine_layout": engine_layout, "layers": LAYERS,
-                  "tokens": TOKENS_PER_CHUNK, "heads": 1 if mla else HEADS, "head_size": d}
+        params = {
+            "format": fmt.value,
+            "engine_layout": engine_layout,
+            "layers": LAYERS,
+            "tokens": TOKENS_PER_CHUNK,
+            "heads": 1 if mla else HEADS,
+            "head_size": d,
+        }
         try:
             measured = _one_format(fmt, engine_layout, device, num_blocks, HEADS, d, runs, sync, gen)
         except LMCachePlatformError as exc:
@@ -104,31 +119,46 @@ def bench_transfer(report: Report, settings: Settings) -> None:
         retrieve = out["retrieve_chunk"].relative_to(out["copy_ (retrieve-shaped)"])
         report.results += [out["copy_ (store-shaped)"], store, out["copy_ (retrieve-shaped)"], retrieve]
         worst = min(store.ratio or 0.0, retrieve.ratio or 0.0)
-        report.targets.append(SpeedTarget.at_least(
-            f"transfer.{name}",
-            f"{name}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
-            worst, BANDWIDTH_SHARE,
-            note=f"store {store.ratio:.2f}, retrieve {retrieve.ratio:.2f} of copy_",
-        ))
+        report.targets.append(
+            SpeedTarget.at_least(
+                f"transfer.{name}",
+                f"{name}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
+                worst,
+                BANDWIDTH_SHARE,
+                note=f"store {store.ratio:.2f}, retrieve {retrieve.ratio:.2f} of copy_",
+            )
+        )
 
 
 def _one_format(
-    fmt: KVFormat, engine_layout: str | None, device: str, num_blocks: int, heads: int, head_size: int,
-    runs: int, sync: Callable[[], None], gen: torch.Generator,
+    fmt: KVFormat,
+    engine_layout: str | None,
+    device: str,
+    num_blocks: int,
+    heads: int,
+    head_size: int,
+    runs: int,
+    sync: Callable[[], None],
+    gen: torch.Generator,
 ) -> tuple[int, dict[str, list[float]]]:
     import torch
 
     from .. import create_cache_context, wire, wrap_kv_caches
 
     tensors = _allocate(fmt, engine_layout, num_blocks, heads, head_size, device)
-    hints = LayoutHints(kv_format=fmt, block_size=BLOCK_SIZE, engine_layout=engine_layout,
-                        num_kv_heads=None if FORMATS[fmt].planes == 1 else heads)
+    hints = LayoutHints(
+        kv_format=fmt,
+        block_size=BLOCK_SIZE,
+        engine_layout=engine_layout,
+        num_kv_heads=None if FORMATS[fmt].planes == 1 else heads,
+    )
     wrapped = wrap_kv_caches(tensors)
     try:  # as a server gets them: through the wire (views of one export share one mapping)
         flat = [w for entry in wrapped for w in (entry if isinstance(entry, tuple) else (entry,))]
         received = iter(wire.decode(wire.encode(flat)))
-        layers = [(next(received), next(received)) if isinstance(e, tuple) else next(received)
-                  for e in wrapped]
+        layers = [
+            (next(received), next(received)) if isinstance(e, tuple) else next(received) for e in wrapped
+        ]
         ctx = create_cache_context(layers, TOKENS_PER_CHUNK, layout_hints=hints)
     finally:
         for entry in wrapped:

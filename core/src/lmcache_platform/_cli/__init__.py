@@ -64,4 +64,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args))
-

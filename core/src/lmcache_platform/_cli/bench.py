@@ -32,47 +32,83 @@ from . import positive_int as _positive
 #: section -> (title, parameter columns, what ratios compare with)
 SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "import": ("Import cost, in fresh interpreters (ms)", (), ""),
-    "dispatch": ("Dispatch overhead per call (timeit, loop included)", ("layers",),
-                 "ratio = median / dict lookup"),
-    "handoff": ("Hand-off of a 32-layer KV-cache set to a spawned process (ms)", ("size",),
-                "ratio = median / ours"),
-    "handoff stages": ("Our hand-off by stage (ms; decode and to_tensors() in the receiver)",
-                       ("size", "message_bytes"), ""),
-    "migration": ("One-time migration into shared memory (ms)", ("size",),
-                  "ratio = median / ours: first wrap"),
-    "migration memory": ("Peak memory added by sharing the set (MiB, VmHWM of a fresh process)",
-                         ("size", "peak_mib"), ""),
-    "transfer": ("Store/retrieve of 256-token chunks, 32 layers (GB/s, higher is better)",
-                 ("format", "engine_layout", "chunk_bytes"),
-                 "ratio = median / copy_ of the same bytes and shape"),
+    "dispatch": (
+        "Dispatch overhead per call (timeit, loop included)",
+        ("layers",),
+        "ratio = median / dict lookup",
+    ),
+    "handoff": (
+        "Hand-off of a 32-layer KV-cache set to a spawned process (ms)",
+        ("size",),
+        "ratio = median / ours",
+    ),
+    "handoff stages": (
+        "Our hand-off by stage (ms; decode and to_tensors() in the receiver)",
+        ("size", "message_bytes"),
+        "",
+    ),
+    "migration": (
+        "One-time migration into shared memory (ms)",
+        ("size",),
+        "ratio = median / ours: first wrap",
+    ),
+    "migration memory": (
+        "Peak memory added by sharing the set (MiB, VmHWM of a fresh process)",
+        ("size", "peak_mib"),
+        "",
+    ),
+    "transfer": (
+        "Store/retrieve of 256-token chunks, 32 layers (GB/s, higher is better)",
+        ("format", "engine_layout", "chunk_bytes"),
+        "ratio = median / copy_ of the same bytes and shape",
+    ),
 }
 ORDER = tuple(SECTIONS)
 _RUNNABLE = ("import", "dispatch", "handoff", "migration", "transfer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="device type of the KV caches (default: cpu)")
-    parser.add_argument("--layout", choices=("vllm", "per-layer"), default="vllm",
-                        help="KV set of the hand-off and migration sections: current vLLM's views of one "
-                             "allocation (default) or one allocation per layer (older engines)")
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes, fewer repeats: a smoke run (10 to 30 s on 2 cores)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="device type of the KV caches (default: cpu)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("vllm", "per-layer"),
+        default="vllm",
+        help="KV set of the hand-off and migration sections: current vLLM's views of one "
+        "allocation (default) or one allocation per layer (older engines)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, fewer repeats: a smoke run (10 to 30 s on 2 cores)"
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--save", type=Path, metavar="FILE",
-                        help="also write the JSON document to FILE")
-    parser.add_argument("--plot", type=Path, metavar="FILE",
-                        help="write a PNG of hand-off time against size per method")
-    parser.add_argument("--section", action="append", choices=_RUNNABLE, dest="sections",
-                        help="run only this section (repeatable; default: all)")
-    parser.add_argument("--sizes", type=parse_sizes, metavar="LIST",
-                        help="hand-off and migration sizes, e.g. 64M,1G (default: 64M,1G,4G; "
-                             "--quick: 4M,16M,64M)")
-    parser.add_argument("--runs", type=_positive, metavar="N",
-                        help="repeats of every measurement (default: per section)")
-    parser.add_argument("--threads", type=_positive, metavar="N",
-                        help="torch intra-op threads in this process (default: torch's choice); "
-                             "1 keeps copies steady on a busy machine")
+    parser.add_argument("--save", type=Path, metavar="FILE", help="also write the JSON document to FILE")
+    parser.add_argument(
+        "--plot", type=Path, metavar="FILE", help="write a PNG of hand-off time against size per method"
+    )
+    parser.add_argument(
+        "--section",
+        action="append",
+        choices=_RUNNABLE,
+        dest="sections",
+        help="run only this section (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        metavar="LIST",
+        help="hand-off and migration sizes, e.g. 64M,1G (default: 64M,1G,4G; --quick: 4M,16M,64M)",
+    )
+    parser.add_argument(
+        "--runs", type=_positive, metavar="N", help="repeats of every measurement (default: per section)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive,
+        metavar="N",
+        help="torch intra-op threads in this process (default: torch's choice); "
+        "1 keeps copies steady on a busy machine",
+    )
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -97,15 +133,22 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     device: str = args.device
     if device == "cuda" and not _cuda_available():
-        print("lmcache-platform bench: --device cuda needs a CUDA build of torch and a visible GPU",
-              file=sys.stderr)
+        print(
+            "lmcache-platform bench: --device cuda needs a CUDA build of torch and a visible GPU",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    settings = Settings(device=device, quick=args.quick, runs=args.runs, sizes=args.sizes,
-                        layout=getattr(args, "layout", "vllm"))
+    settings = Settings(
+        device=device,
+        quick=args.quick,
+        runs=args.runs,
+        sizes=args.sizes,
+        layout=getattr(args, "layout", "vllm"),
+    )
     with _sigterm_exits():
         report = _measure(settings, args.sections or _RUNNABLE)
     if args.plot:
@@ -187,8 +230,13 @@ def _sections(settings: Settings, report: Report) -> dict[str, Callable[[], None
 
         bench_transfer(report, settings)
 
-    return {"import": imports, "dispatch": dispatch, "handoff": handoff,
-            "migration": migration, "transfer": transfer}
+    return {
+        "import": imports,
+        "dispatch": dispatch,
+        "handoff": handoff,
+        "migration": migration,
+        "transfer": transfer,
+    }
 
 
 def _cuda_available() -> bool:
@@ -258,8 +306,12 @@ def format_report(report: Report) -> str:
         f"lmcache-platform bench: device {m['device']}{', quick' if m['quick'] else ''}; "
         f"lmcache-platform {m['lmcache_platform']}, Python {m['python']}, torch {m['torch']}, "
         f"{m['cpus']} CPUs ({m['torch_threads']} torch threads), load {m['loadavg_start']}",
-        "backend: " + (f"{backend.get('name')} ({backend.get('distribution')} {backend.get('version')})"
-                       if "name" in backend else str(backend.get("error"))),
+        "backend: "
+        + (
+            f"{backend.get('name')} ({backend.get('distribution')} {backend.get('version')})"
+            if "name" in backend
+            else str(backend.get("error"))
+        ),
         f"figures: median, min and max over repeated runs; noisy: max > {NOISY_SPREAD:g} x min",
     ]
     for section in ORDER:
@@ -268,10 +320,19 @@ def format_report(report: Report) -> str:
             continue
         title, keys, ratio_note = SECTIONS[section]
         lines += ["", f"== {title} ==" + (f"  [{ratio_note}]" if ratio_note else "")]
-        table = [[*(str(r.params.get(k) or "") for k in keys), r.case, _fmt(r.median), _fmt(r.min),
-                  _fmt(r.max), r.unit, f"{r.ratio:.2f}" if r.ratio is not None else "",
-                  "noisy" if r.noisy else ""]
-                 for r in rows]
+        table = [
+            [
+                *(str(r.params.get(k) or "") for k in keys),
+                r.case,
+                _fmt(r.median),
+                _fmt(r.min),
+                _fmt(r.max),
+                r.unit,
+                f"{r.ratio:.2f}" if r.ratio is not None else "",
+                "noisy" if r.noisy else "",
+            ]
+            for r in rows
+        ]
         header = [*keys, "case", "median", "min", "max", "unit", "ratio", ""]
         lines += _columns([header, *table], right=set(range(len(keys) + 1, len(header))))
     lines += ["", "== Targets (benchmark figures, not assertions) =="]
@@ -293,8 +354,10 @@ def format_report(report: Report) -> str:
 def _columns(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
-        "  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+        "  "
+        + "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
         for r in rows
     ]
 
@@ -313,9 +376,12 @@ def plot_handoff(report: Report, path: Path) -> bool:
             results.sort(key=lambda r: r.params["size_bytes"])
             xs = [r.params["size_bytes"] / (1 << 20) for r in results]
             ax.errorbar(
-                xs, [r.median for r in results],
+                xs,
+                [r.median for r in results],
                 yerr=[[r.median - r.min for r in results], [r.max - r.median for r in results]],
-                marker="o", capsize=3, label=method,
+                marker="o",
+                capsize=3,
+                label=method,
             )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -26,26 +26,46 @@ from .._version import API_VERSION
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", metavar="NAME",
-                        help="backend to check: its entry-point name (cpu, cuda, cpu.file, ...)")
+    parser.add_argument(
+        "name", metavar="NAME", help="backend to check: its entry-point name (cpu, cuda, cpu.file, ...)"
+    )
     parser.add_argument("-k", metavar="EXPR", dest="keyword", help="only checks matching EXPR (pytest -k)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     parser.add_argument("--junitxml", metavar="PATH", help="also write a JUnit XML report (for CI)")
-    parser.add_argument("--allow-unavailable", action="store_true",
-                        help="exit 0 when the backend cannot serve here and only its device-free "
-                        "checks ran (a runner without the device)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the summary as JSON (pytest's output goes to stderr)")
+    parser.add_argument(
+        "--allow-unavailable",
+        action="store_true",
+        help="exit 0 when the backend cannot serve here and only its device-free "
+        "checks ran (a runner without the device)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the summary as JSON (pytest's output goes to stderr)"
+    )
 
 
 def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namespace) -> list[str]:
     ini = workdir / "pytest.ini"
     ini.write_text("[pytest]\n")
     cmd = [
-        sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.conformance",
-        "--lmcache-backend", name, "-c", str(ini), "--rootdir", str(workdir),
-        "-p", "no:cacheprovider", "-p", "lmcache_platform.conformance._report",
-        "--lmcache-report", str(report), "-q", "-rfEs",
+        sys.executable,
+        "-m",
+        "pytest",
+        "--pyargs",
+        "lmcache_platform.conformance",
+        "--lmcache-backend",
+        name,
+        "-c",
+        str(ini),
+        "--rootdir",
+        str(workdir),
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "lmcache_platform.conformance._report",
+        "--lmcache-report",
+        str(report),
+        "-q",
+        "-rfEs",
     ]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         cmd += ["-p", "lmcache_platform.conformance.plugin"]  # it carries --lmcache-backend
@@ -66,14 +86,19 @@ def run(args: argparse.Namespace) -> int:
     from ..conformance._target import installed_names
 
     if importlib.util.find_spec("pytest") is None:  # the suite is pytest tests: no verdict without it
-        print(f"lmcache-platform check: the conformance suite runs on pytest, which is not installed "
-              f"in this environment ({sys.prefix}); install it with: {INSTALL_CHECK}",
-              file=sys.stderr)
+        print(
+            f"lmcache-platform check: the conformance suite runs on pytest, which is not installed "
+            f"in this environment ({sys.prefix}); install it with: {INSTALL_CHECK}",
+            file=sys.stderr,
+        )
         return 2
     installed = installed_names()
     if args.name not in installed:
-        print(f"lmcache-platform check: no installed backend is named {args.name!r} "
-              f"(installed: {', '.join(installed) or 'none'})", file=sys.stderr)
+        print(
+            f"lmcache-platform check: no installed backend is named {args.name!r} "
+            f"(installed: {', '.join(installed) or 'none'})",
+            file=sys.stderr,
+        )
         return 2
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lmcache-check-") as tmp:
@@ -84,8 +109,13 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
         proc = subprocess.run(cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT, check=False)
         report = json.loads(report_path.read_text()) if report_path.exists() else None
-    summary = summarize(args.name, proc.returncode, report, time.perf_counter() - started,
-                        allow_unavailable=args.allow_unavailable)
+    summary = summarize(
+        args.name,
+        proc.returncode,
+        report,
+        time.perf_counter() - started,
+        allow_unavailable=args.allow_unavailable,
+    )
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -222,8 +222,18 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
     plan = _plan(args)
     report["config"] = {
         k: getattr(args, k)
-        for k in ("device", "layers", "kv_heads", "head_size", "block_size", "num_blocks",
-                  "chunk_tokens", "chunks", "format", "dtype")
+        for k in (
+            "device",
+            "layers",
+            "kv_heads",
+            "head_size",
+            "block_size",
+            "num_blocks",
+            "chunk_tokens",
+            "chunks",
+            "format",
+            "dtype",
+        )
     }
     fmt = KVFormat(args.format)
     if FORMATS[fmt].engine_views:
@@ -243,13 +253,19 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
     clock = _Clock(args.device)
     dtype = getattr(torch, args.dtype)
     # Allocated the way the format's engine does (current vLLM: one allocation, one view a layer).
-    layers = allocate_kv_caches(fmt, num_layers=args.layers, num_blocks=args.num_blocks,
-                                block_size=args.block_size, num_kv_heads=args.kv_heads,
-                                head_size=args.head_size, dtype=dtype, device=args.device,
-                                engine_layout=args.engine_layout)
+    layers = allocate_kv_caches(
+        fmt,
+        num_layers=args.layers,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        num_kv_heads=args.kv_heads,
+        head_size=args.head_size,
+        dtype=dtype,
+        device=args.device,
+        engine_layout=args.engine_layout,
+    )
     tensors = [t for t in layers if not isinstance(t, tuple)]
-    report["sizes"] = {"kv_cache_bytes": sum(t.nbytes for t in tensors),
-                       "layer_bytes": tensors[0].nbytes}
+    report["sizes"] = {"kv_cache_bytes": sum(t.nbytes for t in tensors), "layer_bytes": tensors[0].nbytes}
     _fill(tensors, plan.block_dim)
 
     server = ServerProcess()
@@ -354,8 +370,10 @@ def _format(r: dict[str, Any]) -> str:
     lines = ["lmcache-platform demo: engine -> reference server -> engine"]
     if "backend" in r:
         b = r["backend"]
-        lines.append(f"backend   {b['name']} ({b['distribution'] or 'manual'} {b['version'] or ''})"
-                     f" for device type {b['device_type']}")
+        lines.append(
+            f"backend   {b['name']} ({b['distribution'] or 'manual'} {b['version'] or ''})"
+            f" for device type {b['device_type']}"
+        )
     if "server_backend" in r:
         s = r["server_backend"]
         lines.append(f"server    {s['name']} ({s['distribution'] or 'manual'} {s['version'] or ''})")
@@ -375,8 +393,14 @@ def _format(r: dict[str, Any]) -> str:
             f"{_size(sizes['moved_bytes'])}; hand-off message "
             f"{_size(sizes['handoff_message_bytes'])}"
         )
-    labels = {"server_start": "server start", "wrap": "wrap", "handoff": "hand-off",
-              "store": "store", "retrieve": "retrieve", "verify": "verify"}
+    labels = {
+        "server_start": "server start",
+        "wrap": "wrap",
+        "handoff": "hand-off",
+        "store": "store",
+        "retrieve": "retrieve",
+        "verify": "verify",
+    }
     for key, label in labels.items():
         t = r.get("timings", {}).get(key)
         if t is None:

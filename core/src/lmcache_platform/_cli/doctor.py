@@ -47,8 +47,13 @@ def _python() -> dict[str, Any]:
 
 def _torch() -> dict[str, Any]:
     out: dict[str, Any] = {
-        "installed": False, "version": None, "cuda_build": None, "hip_build": None,
-        "cuda_available": False, "devices": [], "error": None,
+        "installed": False,
+        "version": None,
+        "cuda_build": None,
+        "hip_build": None,
+        "cuda_available": False,
+        "devices": [],
+        "error": None,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     try:
@@ -102,11 +107,15 @@ def _findings(backends: dict[str, Any] | None) -> list[dict[str, str]]:
             if bad:
                 raise TypeError(f"returned {bad[0]!r}, not a DoctorFinding")
         except Exception as exc:  # a backend's bug is a finding, never a crash
-            found = [DoctorFinding.warning(
-                f"its lmcache_platform_doctor hook failed: {type(exc).__name__}: {exc}".replace("\n", " ")
-            )]
-        out += [{"backend": name, "device_type": device_type, "level": f.level, "message": f.message}
-                for f in found]
+            found = [
+                DoctorFinding.warning(
+                    f"its lmcache_platform_doctor hook failed: {type(exc).__name__}: {exc}".replace("\n", " ")
+                )
+            ]
+        out += [
+            {"backend": name, "device_type": device_type, "level": f.level, "message": f.message}
+            for f in found
+        ]
     return out
 
 
@@ -132,11 +141,13 @@ def _hints(
 
     t = r["torch"]
     if not t["installed"]:
-        add("error", f"torch is not importable ({t['error']}); install the torch build your "
-                     "engine uses (CPU, CUDA or ROCm), e.g. `pip install torch`")
+        add(
+            "error",
+            f"torch is not importable ({t['error']}); install the torch build your "
+            "engine uses (CPU, CUDA or ROCm), e.g. `pip install torch`",
+        )
     elif t["error"]:
-        add("warning", f"{t['error']}; check the NVIDIA driver against torch's CUDA "
-                       f"{t['cuda_build']}")
+        add("warning", f"{t['error']}; check the NVIDIA driver against torch's CUDA {t['cuda_build']}")
     elif t["cuda_build"] and not t["cuda_available"]:
         visible = t["cuda_visible_devices"]
         why = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no device or driver"
@@ -147,36 +158,54 @@ def _hints(
     else:
         entries = backends["backends"]
         if not entries:
-            add("error", "no backend is installed: `pip install lmcache-platform-cpu` "
-                         "(and lmcache-platform-cuda on GPU hosts)")
+            add(
+                "error",
+                "no backend is installed: `pip install lmcache-platform-cpu` "
+                "(and lmcache-platform-cuda on GPU hosts)",
+            )
         for b in entries:
             if b["status"] == "failed":
-                add("warning", f"backend {b['name']} ({b['distribution']} {b['version']}) failed "
-                               f"to load: {b['reason']}; see `lmcache-platform list`")
+                add(
+                    "warning",
+                    f"backend {b['name']} ({b['distribution']} {b['version']}) failed "
+                    f"to load: {b['reason']}; see `lmcache-platform list`",
+                )
         for device_type, entry in backends["device_types"].items():
             # cpu is what every host must serve; other device types may be absent here.
             level = "error" if device_type == "cpu" else "warning"
             mine = [b for b in entries if b["device_type"] == device_type]
             if entry["ambiguous"]:
                 equals = [b["name"] for b in mine if b["status"] == "ok"]
-                add(level, f"{device_type} is ambiguous: {', '.join(equals)} can all serve it and "
-                           f"none is the primary backend {device_type!r}; choose one with "
-                           f"LMCACHE_PLATFORM_BACKEND={equals[0]} (the same for engine and "
-                           "server)")
+                add(
+                    level,
+                    f"{device_type} is ambiguous: {', '.join(equals)} can all serve it and "
+                    f"none is the primary backend {device_type!r}; choose one with "
+                    f"LMCACHE_PLATFORM_BACKEND={equals[0]} (the same for engine and "
+                    "server)",
+                )
             elif entry["selected"] is None and not any(b["status"] == "failed" for b in mine):
                 reasons = "; ".join(f"{b['name']}: {b['reason'] or b['status']}" for b in mine)
-                add("error" if device_type == "cpu" else "info",
-                    f"no usable backend serves {device_type} on this host ({reasons})")
+                add(
+                    "error" if device_type == "cpu" else "info",
+                    f"no usable backend serves {device_type} on this host ({reasons})",
+                )
             elif entry["selected"] is None and device_type == "cpu":
-                add("error", "no usable backend serves cpu: see the failures above and "
-                             "`lmcache-platform list`")
+                add(
+                    "error",
+                    "no usable backend serves cpu: see the failures above and `lmcache-platform list`",
+                )
         served = {b["device_type"] for b in entries}
         if t["cuda_available"] and "cuda" not in served:
-            add("info", "a GPU is visible but no cuda backend is installed: "
-                        "`pip install lmcache-platform-cuda`")
+            add(
+                "info",
+                "a GPU is visible but no cuda backend is installed: `pip install lmcache-platform-cuda`",
+            )
     for backend, resources in r["stale_resources"].items():
-        add("warning", f"{len(resources)} resource(s) of dead processes left by {backend}: "
-                       "reclaim them with `lmcache-platform gc --yes`")
+        add(
+            "warning",
+            f"{len(resources)} resource(s) of dead processes left by {backend}: "
+            "reclaim them with `lmcache-platform gc --yes`",
+        )
 
     for f in r["findings"]:
         if f["level"] != "info":
@@ -188,8 +217,13 @@ def format_text(r: dict[str, Any]) -> str:
     p, t = r["python"], r["torch"]
     lines = [f"python    {p['version']} ({p['implementation']}) {p['executable']}"]
     if t["installed"]:
-        build = (f"CUDA {t['cuda_build']}" if t["cuda_build"]
-                 else f"HIP {t['hip_build']}" if t["hip_build"] else "CPU-only")
+        build = (
+            f"CUDA {t['cuda_build']}"
+            if t["cuda_build"]
+            else f"HIP {t['hip_build']}"
+            if t["hip_build"]
+            else "CPU-only"
+        )
         devices = ", ".join(f"{d['index']}: {d['name']}" for d in t["devices"]) or "none visible"
         lines.append(f"torch     {t['version']} ({build}); GPUs: {devices}")
     else:

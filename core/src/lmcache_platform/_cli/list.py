@@ -55,20 +55,28 @@ def collect(*, load: bool = True) -> dict[str, Any]:
         }
         for i in infos
     ]
-    return {"schema": SCHEMA, "api_version": API_VERSION, "backends": backends,
-            "device_types": device_types}
+    return {"schema": SCHEMA, "api_version": API_VERSION, "backends": backends, "device_types": device_types}
 
 
 def format_table(report: dict[str, Any]) -> str:
     rows = [("BACKEND", "DEVICE", "DISTRIBUTION", "VERSION", "STATUS", "")]
     for b in report["backends"]:
-        rows.append((
-            b["name"] + (" *" if b["selected"] else ""), b["device_type"],
-            b["distribution"] or "(manual)", b["version"] or "-", b["status"], b["reason"],
-        ))
+        rows.append(
+            (
+                b["name"] + (" *" if b["selected"] else ""),
+                b["device_type"],
+                b["distribution"] or "(manual)",
+                b["version"] or "-",
+                b["status"],
+                b["reason"],
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)).rstrip()
-             + (f"  {r[5]}" if r[5] else "") for r in rows]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)).rstrip()
+        + (f"  {r[5]}" if r[5] else "")
+        for r in rows
+    ]
     if not report["backends"]:
         lines.append("(no backends installed: pip install lmcache-platform-cpu)")
     lines.append("")
@@ -85,11 +93,13 @@ def format_table(report: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the stable JSON report")
     parser.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="exit 1 if any backend failed to load or a device type is ambiguous",
     )
     parser.add_argument(
-        "--no-load", action="store_true",
+        "--no-load",
+        action="store_true",
         help="read installed metadata only; import no backend (statuses stay 'not loaded')",
     )
 

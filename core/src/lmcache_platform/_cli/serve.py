@@ -48,17 +48,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = _EPILOG
     parser.add_argument(
-        "--socket", metavar="PATH", default=os.environ.get(SOCKET_ENV),
+        "--socket",
+        metavar="PATH",
+        default=os.environ.get(SOCKET_ENV),
         help=f"UNIX socket to listen on (default: ${SOCKET_ENV})",
     )
     parser.add_argument(
-        "--max-host-bytes", metavar="N", type=parse_size,
+        "--max-host-bytes",
+        metavar="N",
+        type=parse_size,
         default=os.environ.get(MAX_HOST_BYTES_ENV, str(DEFAULT_MAX_HOST_BYTES)),
         help="host memory for stored chunks, e.g. 16G or 512MiB; the least recently used chunks "
-             f"are evicted beyond it (default: ${MAX_HOST_BYTES_ENV} or {DEFAULT_MAX_HOST_BYTES >> 30}G)",
+        f"are evicted beyond it (default: ${MAX_HOST_BYTES_ENV} or {DEFAULT_MAX_HOST_BYTES >> 30}G)",
     )
     parser.add_argument(
-        "--max-connections", metavar="N", type=_positive, default=DEFAULT_MAX_CONNECTIONS,
+        "--max-connections",
+        metavar="N",
+        type=_positive,
+        default=DEFAULT_MAX_CONNECTIONS,
         help=f"concurrent client connections; more are refused (default: {DEFAULT_MAX_CONNECTIONS})",
     )
     parser.add_argument("--json-log", action="store_true", help="log one JSON object per line")

@@ -145,8 +145,9 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
                 attempted += batch
                 got = cls.to_tensors(batch)
                 if len(got) != len(indices):
-                    raise LayoutError(f"{cls.__name__}.to_tensors returned {len(got)} tensors for "
-                                      f"{len(indices)} wrappers")
+                    raise LayoutError(
+                        f"{cls.__name__}.to_tensors returned {len(got)} tensors for {len(indices)} wrappers"
+                    )
                 tensors.update(zip(indices, got, strict=True))
             layers: list[LayerTensors] = []
             flat = 0

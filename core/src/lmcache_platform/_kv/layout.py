@@ -85,9 +85,12 @@ class FormatSpec:
     @property
     def shape_text(self) -> str:
         names = {
-            Axis.KV: "2", Axis.BLOCK: "num_blocks", Axis.TOKEN: "block_size",
+            Axis.KV: "2",
+            Axis.BLOCK: "num_blocks",
+            Axis.TOKEN: "block_size",
             Axis.HEAD: "num_kv_heads" if self.planes == 2 else "1",
-            Axis.DIM: "head_size" if self.planes == 2 else "latent", Axis.KV_DIM: "2*head_size",
+            Axis.DIM: "head_size" if self.planes == 2 else "latent",
+            Axis.KV_DIM: "2*head_size",
             Axis.SLOT: "slots",
         }
         one = "[" + ", ".join(names[a] for a in self.axes) + "]"
@@ -110,10 +113,15 @@ FORMATS: dict[KVFormat, FormatSpec] = {
 
 #: vLLM's ``KVCacheLayout`` names: the physical order of the logical ``[L, B, H, N, C]``.
 ENGINE_LAYOUTS: dict[str, str] = {
-    "LBHNC": "LBHNC", "LBNHC": "LBNHC", "LHBNC": "LHBNC",
-    "BLHNC": "BLHNC", "BLNHC": "BLNHC", "BHLNC": "BHLNC",
+    "LBHNC": "LBHNC",
+    "LBNHC": "LBNHC",
+    "LHBNC": "LHBNC",
+    "BLHNC": "BLHNC",
+    "BLNHC": "BLNHC",
+    "BHLNC": "BHLNC",
     # The older two-name vocabulary (vLLM's get_kv_cache_layout, upstream LMCache).
-    "NHD": "LBNHC", "HND": "LBHNC",
+    "NHD": "LBNHC",
+    "HND": "LBHNC",
 }
 
 SHAPES_HELP = "supported per-layer shapes: " + ", ".join(
@@ -131,8 +139,13 @@ def kv_cache_shape(
     spec = FORMATS[kv_format]
     heads = num_kv_heads if spec.planes == 2 else 1
     sizes = {
-        Axis.KV: 2, Axis.BLOCK: num_blocks, Axis.TOKEN: block_size, Axis.HEAD: heads,
-        Axis.DIM: head_size, Axis.KV_DIM: 2 * head_size, Axis.SLOT: num_blocks * block_size,
+        Axis.KV: 2,
+        Axis.BLOCK: num_blocks,
+        Axis.TOKEN: block_size,
+        Axis.HEAD: heads,
+        Axis.DIM: head_size,
+        Axis.KV_DIM: 2 * head_size,
+        Axis.SLOT: num_blocks * block_size,
     }
     return tuple(sizes[a] for a in spec.axes)
 
@@ -333,8 +346,7 @@ def _sizes(p: _Probe, fmt: KVFormat) -> tuple[int, int, int, int]:
     spec = FORMATS[fmt]
     if len(p.tensors) != spec.tensors:
         raise p.fail(
-            f"format {fmt.name} takes {spec.tensors} tensor(s) per layer, got {len(p.tensors)}; "
-            f"{SHAPES_HELP}"
+            f"format {fmt.name} takes {spec.tensors} tensor(s) per layer, got {len(p.tensors)}; {SHAPES_HELP}"
         )
     for t in p.tensors[1:]:
         if tuple(t.shape) != p.shape or t.dtype != p.tensors[0].dtype or t.device != p.tensors[0].device:
@@ -410,14 +422,26 @@ def discover_layout(
         )
     where = f"layer {layer}" + (f" ({name})" if name else "")
     p = _Probe(
-        tensors, where, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-        engine_layout=engine_layout, engine_type=engine_type,
+        tensors,
+        where,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        engine_layout=engine_layout,
+        engine_type=engine_type,
     )
     fmt = kv_format if kv_format is not None else _pick(p)
     blocks, bsz, heads, head = _sizes(p, fmt)
     _check_engine_layout(p, fmt)
     return LayerLayout(
-        fmt, blocks, bsz, heads, head, tensors[0].dtype, p.shape, p.stride,
+        fmt,
+        blocks,
+        bsz,
+        heads,
+        head,
+        tensors[0].dtype,
+        p.shape,
+        p.stride,
         ENGINE_LAYOUTS[engine_layout] if engine_layout is not None else None,
     )
 
@@ -518,7 +542,10 @@ def allocate_kv_caches(
 
     spec = FORMATS[kv_format]
     shape = kv_cache_shape(
-        kv_format, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+        kv_format,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
         head_size=head_size,
     )
     if Axis.SLOT in spec.axes:

@@ -53,9 +53,17 @@ def make_layers(fmt: KVFormat, engine_layout: str | None, device: torch.device) 
     dtype = FORMAT_DTYPES[fmt]
     if engine_layout is None:
         return [random_bits(layer_shape(fmt), dtype, seed=10 + i).to(device) for i in range(LAYERS)]
-    views = allocate_kv_caches(fmt, num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK_SIZE,
-                               num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=dtype, device=device,
-                               engine_layout=engine_layout)
+    views = allocate_kv_caches(
+        fmt,
+        num_layers=LAYERS,
+        num_blocks=BLOCKS,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=HEADS,
+        head_size=HEAD_SIZE,
+        dtype=dtype,
+        device=device,
+        engine_layout=engine_layout,
+    )
     layers = [v for v in views if not isinstance(v, tuple)]
     backing = torch.empty(0, dtype=torch.uint8, device=device).set_(layers[0].untyped_storage())
     backing.copy_(random_bits((backing.numel(),), torch.uint8, seed=10).to(device))
@@ -63,8 +71,9 @@ def make_layers(fmt: KVFormat, engine_layout: str | None, device: torch.device) 
 
 
 def layer_shape(fmt: KVFormat) -> tuple[int, ...]:
-    return kv_cache_shape(fmt, num_blocks=BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=HEADS,
-                          head_size=HEAD_SIZE)
+    return kv_cache_shape(
+        fmt, num_blocks=BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE
+    )
 
 
 def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int | torch.Generator) -> torch.Tensor:

@@ -71,9 +71,7 @@ class Peer:
             reply = _unpack(self._conn.recv_bytes())
         except EOFError:
             self._process.join(5)
-            raise RuntimeError(
-                f"the peer died during {op!r} (exit code {self._process.exitcode})"
-            ) from None
+            raise RuntimeError(f"the peer died during {op!r} (exit code {self._process.exitcode})") from None
         if "error" in reply:
             raise PeerError(op, reply["error"])
         return reply["ok"]
@@ -127,8 +125,12 @@ class _Server:
         from .._registry import selected_backend
 
         info = selected_backend(device_type)
-        return {"pid": os.getpid(), "backend": info.name, "distribution": info.distribution,
-                "version": info.version}
+        return {
+            "pid": os.getpid(),
+            "backend": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+        }
 
     def open(self, wire: bytes) -> dict[str, Any]:
         """Decode wrappers (default allow-list) and reopen each as a tensor."""
@@ -218,8 +220,14 @@ class _Server:
             index = kg["kernel_group_idx"]
             (kv, layers, kept, hidden), dtype = ctx.get_kernel_group_shape_dtype(num_tokens, index)
             staged = ctx.get_temp_kernel_group_buffer(slot, index)[:, :, :kept]
-            groups.append({"layers": kg["layer_indices"], "shape": [kv, layers, kept, hidden],
-                           "dtype": str(dtype).removeprefix("torch."), "data": to_bytes(staged)})
+            groups.append(
+                {
+                    "layers": kg["layer_indices"],
+                    "shape": [kv, layers, kept, hidden],
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "data": to_bytes(staged),
+                }
+            )
         return groups
 
     def retrieve(self, handle: int, ids: list[list[int]], slot: int, num_tokens: int) -> None:
@@ -239,15 +247,28 @@ class _Server:
             ctx.store_chunk([[0]], slot=0, num_tokens=1)
         except TransferError as exc:
             refused = str(exc)
-        return {"closed": ctx.closed, "wrappers_closed": [w.closed for w in ctx.kv_caches],
-                "store_after_close": refused}
+        return {
+            "closed": ctx.closed,
+            "wrappers_closed": [w.closed for w in ctx.kv_caches],
+            "store_after_close": refused,
+        }
 
 
 def serve(conn: Connection) -> None:
     """The peer's loop: one request, one answer, until ``exit`` or a closed pipe."""
     server = _Server()
-    names = ("hello", "open", "write", "read", "close", "reopen_fields", "context", "store", "retrieve",
-             "close_context")
+    names = (
+        "hello",
+        "open",
+        "write",
+        "read",
+        "close",
+        "reopen_fields",
+        "context",
+        "store",
+        "retrieve",
+        "close_context",
+    )
     ops: dict[str, Callable[..., Any]] = {name: getattr(server, name) for name in names}
     while True:
         try:
@@ -260,10 +281,12 @@ def serve(conn: Connection) -> None:
         try:
             reply: dict[str, Any] = {"ok": ops[op](**request)}
         except Exception as exc:
-            reply = {"error": {
-                "type": type(exc).__name__,
-                "mro": [c.__name__ for c in type(exc).__mro__],
-                "message": str(exc),
-                "traceback": traceback.format_exc(),
-            }}
+            reply = {
+                "error": {
+                    "type": type(exc).__name__,
+                    "mro": [c.__name__ for c in type(exc).__mro__],
+                    "message": str(exc),
+                    "traceback": traceback.format_exc(),
+                }
+            }
         conn.send_bytes(_pack(reply))

@@ -17,8 +17,9 @@ from .plugin import TARGET_KEY
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--lmcache-report", metavar="PATH", default=None,
-                     help="write the conformance results as JSON to PATH")
+    parser.addoption(
+        "--lmcache-report", metavar="PATH", default=None, help="write the conformance results as JSON to PATH"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,8 +35,9 @@ class _Collector:
         self.results: dict[str, dict[str, Any]] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        entry = self.results.setdefault(report.nodeid, {"test": report.nodeid, "outcome": "passed",
-                                                        "detail": "", "duration": 0.0})
+        entry = self.results.setdefault(
+            report.nodeid, {"test": report.nodeid, "outcome": "passed", "detail": "", "duration": 0.0}
+        )
         entry["duration"] += report.duration
         if report.skipped:
             entry["outcome"] = "skipped"
@@ -49,8 +51,16 @@ class _Collector:
         target = self.config.stash.get(TARGET_KEY, None)
         backend = None
         if target is not None:
-            backend = {"name": target.name, "device_type": target.device_type,
-                       "distribution": target.info.distribution, "version": target.info.version,
-                       "status": target.info.status.value, "unavailable": target.unavailable}
-        self.path.write_text(json.dumps({"backend": backend, "exitstatus": int(exitstatus),
-                                         "results": list(self.results.values())}))
+            backend = {
+                "name": target.name,
+                "device_type": target.device_type,
+                "distribution": target.info.distribution,
+                "version": target.info.version,
+                "status": target.info.status.value,
+                "unavailable": target.unavailable,
+            }
+        self.path.write_text(
+            json.dumps(
+                {"backend": backend, "exitstatus": int(exitstatus), "results": list(self.results.values())}
+            )
+        )

@@ -49,9 +49,13 @@ def lmcache_backend(pytestconfig: pytest.Config) -> Iterator[Target]:
     from ._target import TargetError, selected
 
     name = pytestconfig.getoption("lmcache_backend")
-    problem = "" if name else (
-        "the conformance suite checks one backend: pass --lmcache-backend NAME "
-        "(`lmcache-platform list` shows the installed names)"
+    problem = (
+        ""
+        if name
+        else (
+            "the conformance suite checks one backend: pass --lmcache-backend NAME "
+            "(`lmcache-platform list` shows the installed names)"
+        )
     )
     target: Target | None = None
     with ExitStack() as stack:

@@ -54,8 +54,12 @@ def register(
     layers = _kv.make_layers(fmt, engine_layout, device)
     wrappers = lp.wrap_kv_caches(layers)
     info = peer.call(
-        "context", wire=wire.encode(wrappers), kv_format=fmt.value, tokens_per_chunk=_kv.CHUNK,
-        block_size=_kv.BLOCK_SIZE, num_kv_heads=_kv.HEADS,
+        "context",
+        wire=wire.encode(wrappers),
+        kv_format=fmt.value,
+        tokens_per_chunk=_kv.CHUNK,
+        block_size=_kv.BLOCK_SIZE,
+        num_kv_heads=_kv.HEADS,
     )
     return Registered(fmt, layers, wrappers, info)
 

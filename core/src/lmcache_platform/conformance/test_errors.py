@@ -95,8 +95,9 @@ def test_every_backend_field_refuses_wrong_kinds_and_out_of_bounds_values(
 
 def refused_by_peer(peer: Peer, target: Target, wrapper: lp.DeviceIPCWrapper, fields: dict[str, Any]) -> str:
     """Offer ``fields`` to the peer; return the stage that refused them (fail if mapped)."""
-    error = peer.error("reopen_fields", device_type=target.device_type, wire_tag=type(wrapper).wire_tag,
-                       fields=fields)
+    error = peer.error(
+        "reopen_fields", device_type=target.device_type, wire_tag=type(wrapper).wire_tag, fields=fields
+    )
     assert error.is_a("DescriptorError"), f"expected DescriptorError, got {error}\n{error.detail}"
     return error.message
 

@@ -70,8 +70,11 @@ def test_every_hook_function_is_a_marked_implementation_of_a_known_spec(
 
 
 def test_the_required_hooks_are_implemented(plugin: object) -> None:
-    for name in ("lmcache_platform_api_version", "lmcache_platform_cache_context_class",
-                 "lmcache_platform_ipc_wrapper_class"):
+    for name in (
+        "lmcache_platform_api_version",
+        "lmcache_platform_cache_context_class",
+        "lmcache_platform_ipc_wrapper_class",
+    ):
         assert callable(getattr(plugin, name, None)), f"{name} is required"
 
 
@@ -166,9 +169,7 @@ def test_the_entry_point_module_imports_without_torch(lmcache_backend: Target) -
     assert result.returncode == 0, result.stderr
 
 
-def test_core_selects_it_in_this_and_in_a_spawned_process(
-    lmcache_backend: Target, lmcache_peer: Any
-) -> None:
+def test_core_selects_it_in_this_and_in_a_spawned_process(lmcache_backend: Target, lmcache_peer: Any) -> None:
     assert selected_backend(lmcache_backend.device_type).name == lmcache_backend.name
     hello = lmcache_peer.call("hello", device_type=lmcache_backend.device_type)
     assert hello["backend"] == lmcache_backend.name

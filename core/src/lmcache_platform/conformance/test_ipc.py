@@ -47,14 +47,20 @@ def test_a_spawned_process_aliases_the_engine_tensor_both_ways(
     assert type(wrapper) in lmcache_backend.wire_classes.values(), type(wrapper)
     assert to_bytes(tensor) == contents, "wrap() must keep the tensor's contents"
     assert (wrapper.dtype, wrapper.shape, wrapper.stride, wrapper.storage_offset) == (
-        tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        tensor.dtype,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.storage_offset(),
+    )
     whole = storage_image(tensor)  # everything the engine's storage holds, neighbours included
 
     opened = lmcache_peer.call("open", wire=wire.encode([wrapper]))
     handle, (layout,), (seen,) = opened["handle"], opened["layouts"], opened["data"]
     assert layout == {
-        "dtype": str(dtype).removeprefix("torch."), "shape": list(tensor.shape),
-        "stride": list(tensor.stride()), "storage_offset": tensor.storage_offset(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "stride": list(tensor.stride()),
+        "storage_offset": tensor.storage_offset(),
         "device_type": lmcache_device.type,
     }
     assert seen == contents, "to_tensor() in the peer must show the engine's bytes"

@@ -60,8 +60,13 @@ print(json.dumps(out))
 
 def probe(target: Target) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "LMCACHE_PLATFORM_BACKEND"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, target.device_type, target.name], env=env,
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, target.device_type, target.name],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, f"the probing process failed:\n{proc.stderr}"
     view: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return view

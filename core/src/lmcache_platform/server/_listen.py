@@ -106,7 +106,8 @@ def _clear_stale(socket_path: str) -> None:
             raise ServerError(f"a server is already listening on {socket_path}")
     os.unlink(socket_path)
     logger.warning(
-        "replaced the stale socket %s left by a server that is gone", socket_path,
+        "replaced the stale socket %s left by a server that is gone",
+        socket_path,
         extra={"event": "stale_socket", "fields": {"socket": socket_path}},
     )
 

@@ -319,8 +319,11 @@ def _decode_hints(value: object) -> LayoutHints | None:
 
 def _encode_groups(groups: Sequence[EngineGroupInfo]) -> list[dict[str, object]]:
     return [
-        {"layer_indices": list(g.layer_indices), "block_size": g.block_size,
-         "sliding_window": g.sliding_window}
+        {
+            "layer_indices": list(g.layer_indices),
+            "block_size": g.block_size,
+            "sliding_window": g.sliding_window,
+        }
         for g in groups
     ]
 
@@ -332,9 +335,15 @@ def _decode_groups(value: object) -> tuple[EngineGroupInfo, ...]:
         info = expect_map(g, where, keys=_GROUP_KEYS)
         groups.append(
             EngineGroupInfo(
-                layer_indices=tuple(expect_int_list(
-                    info["layer_indices"], f"{where} layer_indices", lo=0, hi=MAX_LAYERS, max_len=MAX_LAYERS
-                )),
+                layer_indices=tuple(
+                    expect_int_list(
+                        info["layer_indices"],
+                        f"{where} layer_indices",
+                        lo=0,
+                        hi=MAX_LAYERS,
+                        max_len=MAX_LAYERS,
+                    )
+                ),
                 block_size=_count(info["block_size"], f"{where} block_size"),
                 sliding_window=_optional(
                     info["sliding_window"], lambda v, w=where: _count(v, f"{w} sliding_window")
@@ -359,7 +368,8 @@ def _keep(value: Any) -> Any:
 #: config field -> (encode, decode): one entry per name in ENGINE_KEYWORDS.
 _CODEC: dict[str, tuple[Callable[[Any], object], Callable[[object], Any]]] = {
     "lmcache_tokens_per_chunk": (
-        _keep, lambda v: expect_int(v, "config lmcache_tokens_per_chunk", lo=1, hi=_MAX_TOKENS),
+        _keep,
+        lambda v: expect_int(v, "config lmcache_tokens_per_chunk", lo=1, hi=_MAX_TOKENS),
     ),
     "layout_hints": (_encode_hints, _decode_hints),
     "engine_group_infos": (_encode_groups, _decode_groups),
@@ -422,7 +432,9 @@ def decode_reply(payload: bytes) -> Reply:
     """Parse a reply. The server is trusted no more than the client: same limits."""
     msg = expect_map(
         _codec.unpack(MAGIC, VERSION, payload, _LIMITS, what="reply"),
-        "reply", keys={"id", "ok"}, optional={"result", "error"},
+        "reply",
+        keys={"id", "ok"},
+        optional={"result", "error"},
     )
     rid = expect_int(msg["id"], "reply id", lo=0, hi=MAX_ID)
     if expect_bool(msg["ok"], "reply ok"):
@@ -432,7 +444,9 @@ def decode_reply(payload: bytes) -> Reply:
         return Reply(rid, True, result)
     error = expect_map(msg.get("error"), "reply error", keys={"type", "message"})
     return Reply(
-        rid, False, {},
+        rid,
+        False,
+        {},
         expect_str(error["type"], "reply error type", max_len=128),
         expect_str(error["message"], "reply error message", max_len=8192),
     )

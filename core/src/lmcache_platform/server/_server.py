@@ -155,10 +155,13 @@ class ReferenceServer:
         self._listener = Listener(self.socket_path)
         self._listener.sock.settimeout(_ACCEPT_POLL_S)
         log_event(
-            logging.INFO, "listening",
+            logging.INFO,
+            "listening",
             f"listening on {self.socket_path} (pid {os.getpid()}, host memory cap "
             f"{self.max_host_bytes} bytes)",
-            socket=self.socket_path, pid=os.getpid(), max_host_bytes=self.max_host_bytes,
+            socket=self.socket_path,
+            pid=os.getpid(),
+            max_host_bytes=self.max_host_bytes,
         )
 
     def serve_forever(self) -> None:
@@ -185,13 +188,19 @@ class ReferenceServer:
             busy = len(self._connections) >= self.max_connections
         if busy:  # bound the memory clients can pin with announced frames
             log_event(
-                logging.WARNING, "refused_connection",
+                logging.WARNING,
+                "refused_connection",
                 f"refusing a client ({peer}): {self.max_connections} connections open",
-                peer=peer, limit=self.max_connections,
+                peer=peer,
+                limit=self.max_connections,
             )
             with contextlib.suppress(OSError):
-                _protocol.send_frame(client, _protocol.encode_error(
-                    0, "ServerError", f"too many connections (limit {self.max_connections})"))
+                _protocol.send_frame(
+                    client,
+                    _protocol.encode_error(
+                        0, "ServerError", f"too many connections (limit {self.max_connections})"
+                    ),
+                )
             client.close()
             return
         client.settimeout(None)
@@ -225,9 +234,11 @@ class ReferenceServer:
             self._close_entry(ctx_id, "server stopping")
         stats = self._index.stats()
         log_event(
-            logging.INFO, "stopped",
+            logging.INFO,
+            "stopped",
             f"stopped: {stats['chunks']} chunks ({stats['host_bytes']} bytes) released, socket removed",
-            socket=self.socket_path, **stats,
+            socket=self.socket_path,
+            **stats,
         )
 
     # -- per connection ----------------------------------------------------------------
@@ -292,9 +303,14 @@ class ReferenceServer:
     @staticmethod
     def _refused(conn: _Connection, op: str, request_id: int, exc: BaseException) -> None:
         log_event(
-            logging.WARNING, "refused",
+            logging.WARNING,
+            "refused",
             f"refused {op} request {request_id} from {conn.peer}: {type(exc).__name__}: {exc}",
-            op=op, request_id=request_id, peer=conn.peer, error_type=type(exc).__name__, error=str(exc),
+            op=op,
+            request_id=request_id,
+            peer=conn.peer,
+            error_type=type(exc).__name__,
+            error=str(exc),
         )
 
     # -- operations --------------------------------------------------------------------
@@ -335,12 +351,18 @@ class ReferenceServer:
             ctx.close()
             raise
         log_event(
-            logging.INFO, "register",
+            logging.INFO,
+            "register",
             f"registered context {ctx_id} for {conn.peer}: {len(wrappers)} {device_type} layers "
             f"({backend.name}), {chunk_bytes} bytes per chunk of {ctx.lmcache_tokens_per_chunk} tokens, "
             f"namespace {_show_namespace(req.namespace)}",
-            context=ctx_id, peer=conn.peer, device_type=device_type, backend=backend.name,
-            num_layers=len(wrappers), chunk_bytes=chunk_bytes, tokens_per_chunk=ctx.lmcache_tokens_per_chunk,
+            context=ctx_id,
+            peer=conn.peer,
+            device_type=device_type,
+            backend=backend.name,
+            num_layers=len(wrappers),
+            chunk_bytes=chunk_bytes,
+            tokens_per_chunk=ctx.lmcache_tokens_per_chunk,
             namespace=req.namespace.hex(),
         )
         return {
@@ -509,9 +531,12 @@ class ReferenceServer:
             except Exception:  # closing must not take the server down; say what happened
                 logger.exception("closing context %d failed", ctx_id)
         log_event(
-            logging.INFO, "close",
+            logging.INFO,
+            "close",
             f"closed context {ctx_id} ({reason}); {dropped} chunks of its own dropped",
-            context=ctx_id, reason=reason, dropped=dropped,
+            context=ctx_id,
+            reason=reason,
+            dropped=dropped,
         )
 
 
