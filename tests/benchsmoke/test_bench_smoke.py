@@ -20,7 +20,7 @@ import pytest
 from lmcache_platform import KVFormat
 from lmcache_platform._bench.peak import LABELS
 from lmcache_platform._bench.stats import Report, Result, SpeedTarget
-from lmcache_platform._bench.transfer import CASES, case_name
+from lmcache_platform._bench.transfer import CASES, SERVER_CASES, case_name
 from lmcache_platform._cli.bench import format_report, parse_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,8 +152,16 @@ def _check_other_sections(data: dict[str, Any]) -> None:
     for r in transfer:
         assert r["unit"] == "GB/s"
         assert r["params"]["layers"] == 32 and r["params"]["tokens"] == 256
-        if r["case"] in ("store_chunk", "retrieve_chunk"):
+        if r["case"].startswith(("store_chunk", "retrieve_chunk", "server")):
             assert r["ratio_of"].startswith("copy_")
+    # Both chunk formats for every layout; the server path for current vLLM's layouts.
+    by_case = {(r["params"]["format"], r["params"]["engine_layout"], r["case"]) for r in transfer}
+    for fmt, layout in CASES:
+        for case in ("store_chunk", "retrieve_chunk", "store_chunk (blocks)", "retrieve_chunk (blocks)"):
+            assert (fmt.value, layout, case) in by_case
+    for fmt, layout in SERVER_CASES:
+        for case in ("server put", "server get", "server put (blocks)", "server get (blocks)"):
+            assert (fmt.value, layout, case) in by_case
     dispatch = {r["case"]: r for r in by_section["dispatch"]}
     for case in (
         "dict lookup",
@@ -177,6 +185,8 @@ def _check_targets(data: dict[str, Any]) -> None:
         "handoff.flat",
         "migration.peak_memory",
         *(f"transfer.{case_name(*c)}" for c in CASES),
+        *(f"transfer.{case_name(*c)}.blocks" for c in CASES),
+        *(f"transfer.server.{case_name(*c)}{tag}" for c in SERVER_CASES for tag in ("", ".blocks")),
     }
     assert set(targets) == expected
     for t in targets.values():
@@ -271,20 +281,16 @@ def test_discovery_harness_shape(tmp_path: Path) -> None:
 
 
 def _args(**overrides: Any) -> Any:
+    """The command's own parse of ``--quick --json --runs 1``, with ``overrides`` set on top."""
     import argparse
 
-    defaults = dict(
-        device="cpu",
-        quick=True,
-        json=True,
-        save=None,
-        plot=None,
-        sections=None,
-        sizes=None,
-        runs=1,
-        threads=None,
+    from lmcache_platform._cli.bench import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return argparse.Namespace(
+        **{**vars(parser.parse_args(["--quick", "--json", "--runs", "1"])), **overrides}
     )
-    return argparse.Namespace(**{**defaults, **overrides})
 
 
 def test_a_failing_section_is_an_error_and_the_rest_still_run(

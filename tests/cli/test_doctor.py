@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lmcache_platform import format_bytes
 from lmcache_platform._cli import doctor as _doctor
 
 
@@ -49,7 +50,7 @@ def test_json_report_describes_this_host() -> None:
     st = os.statvfs("/dev/shm")  # the shm export kind's room, reported by the cpu backend's hook
     shm = next(f for f in report["findings"] if f["backend"] == "cpu" and f["level"] == "info")
     assert shm["device_type"] == "cpu"
-    assert f"free of {st.f_blocks * st.f_frsize / (1 << 30):.2f} GiB" in shm["message"]
+    assert f"free of {format_bytes(st.f_blocks * st.f_frsize)}" in shm["message"]
     assert all(h["level"] in ("error", "warning", "info") for h in report["hints"])
     assert not [h for h in report["hints"] if h["level"] == "error"]
 

@@ -66,6 +66,7 @@ def test_json_report_shape_and_statuses(installed, capsys):
         "ambiguous": False,
         "selected_by": "primary",
         "why": "the primary backend",
+        "explicit": [],
     }
     assert "no CUDA device visible" in report["device_types"]["cuda"]["error"]
 
@@ -107,3 +108,44 @@ def test_help_lists_commands_without_importing_torch():
     assert out.stdout.strip().endswith("False")
     for command in ("list", "demo", "doctor", "gc", "check", "bench"):
         assert command in out.stdout
+
+
+def test_an_unusable_explicit_choice_is_reported_as_that_choice(lmcache_registry, capsys):
+    lmcache_registry.install("cpu", backend("cpu"), distribution="lmcache-platform-cpu")
+    hugetlb = backend("cpu", probe=Availability.no("vm.nr_hugepages is 0"))
+    lmcache_registry.install("cpu.hugetlb", hugetlb, distribution="acme-hugetlb")
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "cpu: cpu (the primary backend; cpu.hugetlb is unavailable)" in lines  # not offered
+
+    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.hugetlb")
+    code, report = run_json(capsys)
+    entry = report["device_types"]["cpu"]
+    assert code == 0 and (entry["selected"], entry["explicit"]) == (None, ["cpu.hugetlb"])
+    assert entry["error"].startswith(
+        "LMCACHE_PLATFORM_BACKEND chooses 'cpu.hugetlb' for device type 'cpu', but it cannot serve: "
+        "'cpu.hugetlb' is registered but unavailable here: vm.nr_hugepages is 0."
+    )
+
+
+def test_python_dash_m_runs_the_command_line():
+    """``python -m lmcache_platform``, as ``python -m pip``: same parser, same commands."""
+    version = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform", "--version"], capture_output=True, text=True, check=True
+    )
+    assert version.stdout.startswith("lmcache-platform ") and "backend API" in version.stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform", "list", "--json", "--no-load"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(listing.stdout)
+    assert report["schema"] == 1 and "cpu" in {b["name"] for b in report["backends"]}
+    wrong = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform", "no-such-command"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert wrong.returncode == 2 and "invalid choice: 'no-such-command'" in wrong.stderr

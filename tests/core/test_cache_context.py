@@ -305,7 +305,7 @@ def test_concurrent_transfers_on_different_slots_stay_correct():
         ({"ids": [[0, 1, 2]]}, "engine group 0: 16 tokens with block size 4 need 4 block ids, got 3"),
         ({"ids": [[0, 1, 2, 3, 4]]}, "need 4 block ids, got 5"),
         ({"ids": [[0, 1, 2, 12]]}, r"block id 12 at position 3 is out of range 0..11"),
-        ({"ids": [[0, -1, 2, 3]]}, "block id -1 at position 1"),
+        ({"ids": [[0, -2, 2, 3]]}, "block id -2 at position 1"),
         ({"ids": [[0, 1.0, 2, 3]]}, "block ids must be ints"),
         ({"ids": [[0, 1, 2, 3], [4]]}, r"block ids for 1 engine group\(s\), got 2"),
         ({"ids": []}, "got 0"),

@@ -13,7 +13,7 @@ import pytest
 
 import lmcache_platform as lp
 from lmcache_platform import Status
-from lmcache_platform._discovery import collect
+from lmcache_platform._plugins.discovery import collect
 from lmcache_platform.testing import make_distribution
 from support.plugins import IMPORT_LOG_ENV, env_with_tests_on_path, imported, plugin_source
 

@@ -129,7 +129,7 @@ def test_cpu_shm_kind_reports_the_room_in_dev_shm(monkeypatch):
     monkeypatch.setenv("LMCACHE_PLATFORM_CPU_IPC", "shm")
     st = os.statvfs("/dev/shm")
     info = cpu_doctor.findings()[0]
-    assert info.level == "info" and f"free of {st.f_blocks * st.f_frsize / (1 << 30):.2f} GiB" in info.message
+    assert info.level == "info" and f"free of {lp.format_bytes(st.f_blocks * st.f_frsize)}" in info.message
 
 
 def test_cpu_shm_kind_says_how_to_fix_a_missing_dir(tmp_path):
@@ -167,3 +167,33 @@ def test_doctor_shows_cpu_file_lines_only_when_it_is_selected(tmp_path):
         )
         mine = [f["message"] for f in report["findings"] if f["backend"] == "cpu.file"]
         assert [m.startswith(f"KV files in {kv}: ") for m in mine] == ([True] if chosen else []), chosen
+
+
+def test_an_unusable_explicit_choice_is_reported_as_that_choice(lmcache_registry):
+    """Not "no usable backend serves cpu" while cpu is ok: what was chosen, its state, why, what to do."""
+    lmcache_registry.install("cpu", backend())
+    lmcache_registry.install("cpu.hugetlb", backend(probe=Availability.no("vm.nr_hugepages is 0")))
+    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.hugetlb")
+    report = doctor.collect()
+    messages = hint_messages(report)
+    assert not [m for m in messages if "no usable backend" in m]
+    (hint,) = [m for m in messages if "cpu.hugetlb" in m]
+    assert hint.startswith(
+        "error: LMCACHE_PLATFORM_BACKEND chooses 'cpu.hugetlb' for device type 'cpu', but it cannot serve: "
+        "'cpu.hugetlb' is registered but unavailable here: vm.nr_hugepages is 0. "
+    )
+    assert "take 'cpu.hugetlb' out of LMCACHE_PLATFORM_BACKEND" in hint and report["ok"] is False
+
+
+def test_the_text_report_sizes_its_columns_to_the_longest_name(lmcache_registry):
+    lmcache_registry.install("cpu", backend(probe=Availability.no("/dev/shm is missing")), distribution="d")
+    hook = lambda device_type: [DoctorFinding.info("keeps KV caches in huge pages")]  # noqa: E731
+    lmcache_registry.install("cpu.hugetlb", backend(doctor_hook=hook), distribution="acme-hugetlb")
+    lines = doctor.format_text(doctor.collect()).splitlines()
+    width = len("cpu.hugetlb") + 1
+    assert lines[0].startswith("python".ljust(width)) and lines[0][width] != " "
+    assert "cpu.hugetlb".ljust(width) + "keeps KV caches in huge pages" in lines
+    rows = [line[width:] for line in lines if line.startswith("backend ")]
+    assert [row.split()[0] for row in rows] == ["cpu", "cpu.hugetlb"]
+    assert len({row.index(row.split()[1]) for row in rows}) == 1  # the distributions line up
+    assert len({row.index(row.split()[3]) for row in rows}) == 1  # and the statuses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -178,3 +179,17 @@ def test_wrap_kv_caches_preflights_each_device_batch_before_wrapping(lmcache_reg
     with pytest.raises(OSError, match="not enough shared memory"):
         lp.wrap_kv_caches([torch.zeros(1), torch.zeros(2), torch.zeros(3)])
     assert len(wrapped) == 2  # nothing wrapped for the failing batch
+
+
+def test_default_backend_names_the_device_type_that_is_always_available():
+    """The seed's public sentinel: engines import it as the fall-back device type."""
+    code = (
+        "import torch, lmcache_platform as lp\n"
+        "from lmcache_platform import DEFAULT_BACKEND\n"
+        "info = lp.selected_backend(DEFAULT_BACKEND)\n"
+        "print(DEFAULT_BACKEND, torch.empty(0).device.type, info.name, info.status.value)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["cpu", "cpu", "cpu", "ok"]
+    assert "DEFAULT_BACKEND" in lp.__all__

@@ -23,7 +23,7 @@ def held(lmcache_registry):
 
 
 def vllm_layers(n: int = 3) -> list[torch.Tensor]:
-    return lp.allocate_kv_caches(
+    return lp.allocate_kv_caches(  # type: ignore[return-value]
         KVFormat.VLLM,
         num_layers=n,
         num_blocks=6,

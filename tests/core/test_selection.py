@@ -20,7 +20,7 @@ def backend(device: str, **kw):
 
 
 def owner(device: str) -> type:
-    return lp.get_kv_wrapper_factory(device).__self__
+    return lp.get_kv_wrapper_factory(device).__self__  # type: ignore[attr-defined]
 
 
 def test_single_candidate_is_used(lmcache_registry):
@@ -138,3 +138,47 @@ def test_wire_classes_allow_list(lmcache_registry):
     assert lmcache_registry.registry.wire_classes_for("cuda") == {"cuda.torch/1": default, "cuda.raw/1": raw}
     with pytest.raises(lp.BackendNotFoundError):
         lmcache_registry.registry.wire_classes_for("cpu")
+
+
+def test_an_unavailable_explicit_choice_says_what_is_true(lmcache_registry):
+    """A vendor's variant, chosen but declined by its probe: registered, unavailable, why, what to do."""
+    lmcache_registry.install("cpu", backend("cpu"))
+    lmcache_registry.install("cpu.hugetlb", backend("cpu", probe=Availability.no("vm.nr_hugepages is 0")))
+    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.hugetlb")
+    with pytest.raises(lp.BackendUnavailableError) as excinfo:
+        owner("cpu")
+    assert str(excinfo.value) == (
+        "LMCACHE_PLATFORM_BACKEND chooses 'cpu.hugetlb' for device type 'cpu', but it cannot serve: "
+        "'cpu.hugetlb' is registered but unavailable here: vm.nr_hugepages is 0. An explicit choice "
+        "never falls back: fix that, or take 'cpu.hugetlb' out of LMCACHE_PLATFORM_BACKEND to let the "
+        "selection rule choose among the other installed backends of this type: cpu."
+    )
+    assert excinfo.value.reasons == {"cpu.hugetlb": "vm.nr_hugepages is 0"}
+
+
+def test_nothing_usable_says_each_backend_is_registered_and_why_not(lmcache_registry):
+    lmcache_registry.install("cuda", backend("cuda", probe=Availability.no("no CUDA device visible")))
+    lmcache_registry.install("cuda.sim", fake_backend("cuda", api_version=0))
+    lmcache_registry.setenv("LMCACHE_PLATFORM_DISABLE", "cuda.off")
+    lmcache_registry.install("cuda.off", backend("cuda"))
+    with pytest.raises(lp.BackendUnavailableError) as excinfo:
+        owner("cuda")
+    message = str(excinfo.value)
+    assert message.startswith("No backend can serve device type 'cuda' here: ")
+    assert "'cuda' is registered but unavailable here: no CUDA device visible" in message
+    assert "'cuda.off' is registered but disabled by LMCACHE_PLATFORM_DISABLE" in message
+    assert "backend 'cuda.sim' from fake-backend 0.0 targets backend API 0" in message
+
+
+def test_the_primary_suggests_only_variants_that_may_serve(lmcache_registry):
+    lmcache_registry.install("cpu", backend("cpu"))
+    lmcache_registry.install("cpu.hugetlb", backend("cpu", probe=Availability.no("vm.nr_hugepages is 0")))
+    lmcache_registry.install("cpu.file", backend("cpu"))
+    assert lp.selected_backend("cpu").why_selected == (
+        "the primary backend; to use one of cpu.file, cpu.hugetlb instead, set LMCACHE_PLATFORM_BACKEND=<name>"
+    )  # nothing loaded yet: the variants' probes have not spoken
+    infos = {i.name: i for i in lp.list_backends()}  # loads every backend
+    assert infos["cpu"].why_selected == (
+        "the primary backend; to use cpu.file instead, set LMCACHE_PLATFORM_BACKEND=cpu.file; "
+        "cpu.hugetlb is unavailable"
+    )

@@ -19,7 +19,7 @@ def test_block_runs_merge_consecutive_ids_in_chunk_order() -> None:
 
 
 def _mover(order: str) -> tuple[GroupMover, list[list[torch.Tensor]], torch.Tensor]:
-    layers = allocate_kv_caches(
+    layers: list[torch.Tensor] = allocate_kv_caches(  # type: ignore[assignment]  # VLLM: one tensor a layer
         KVFormat.VLLM,
         num_layers=L,
         num_blocks=NB,

@@ -30,7 +30,7 @@ def backend(tag: str, **kw):
 
 
 def serving_tag() -> str:
-    return lp.get_kv_wrapper_factory("cpu").__self__.wire_tag
+    return lp.get_kv_wrapper_factory("cpu").__self__.wire_tag  # type: ignore[attr-defined]
 
 
 def choice_logs(caplog: pytest.LogCaptureFixture) -> list[str]:

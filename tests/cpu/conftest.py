@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 
-import lmcache_platform
 from lmcache_platform_cpu import _memfd, _shm
 from support.shm import no_segment_left
 
@@ -27,22 +26,6 @@ def child_pids() -> set[int]:
 def no_segment_left_in_dev_shm(child_pids: set[int]) -> Iterator[None]:
     with no_segment_left("the CPU tests", child_pids):
         yield
-
-
-@pytest.fixture
-def ipc_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Select the engine's IPC kind (``LMCACHE_PLATFORM_CPU_IPC``) for one test.
-
-    Parametrize it indirectly (``@pytest.mark.parametrize("ipc_kind", ["shm"], indirect=True)``);
-    without a parameter it selects ``shm``. The registry is refreshed on the way in and
-    out, so the facade's wrapper factory follows.
-    """
-    kind = getattr(request, "param", "shm")
-    monkeypatch.setenv("LMCACHE_PLATFORM_CPU_IPC", kind)
-    lmcache_platform.refresh()
-    yield kind
-    monkeypatch.delenv("LMCACHE_PLATFORM_CPU_IPC")
-    lmcache_platform.refresh()
 
 
 @pytest.fixture(autouse=True)

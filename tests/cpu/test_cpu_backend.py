@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import lmcache_platform
-from lmcache_platform import Availability, BackendLoadError, DescriptorError, EngineGroupInfo
-from lmcache_platform._registry import selected_backend, wire_classes_for
+from lmcache_platform import Availability, DescriptorError, EngineGroupInfo, EnvironmentValueError
+from lmcache_platform._plugins.registry import selected_backend, wire_classes_for
 from lmcache_platform_cpu import CPUCacheContext, CpuMemfdIPCWrapper, CpuShmIPCWrapper, _plugin, _shm
 
 
@@ -42,7 +42,7 @@ def test_hooks_serve_cpu_and_decline_other_device_types(monkeypatch: pytest.Monk
         assert _plugin.lmcache_platform_ipc_wrapper_class("cpu") is cls
         assert _plugin.lmcache_platform_probe("cpu") == Availability.yes()
     monkeypatch.setenv("LMCACHE_PLATFORM_CPU_IPC", "posix")
-    with pytest.raises(BackendLoadError, match="'posix' is not a CPU IPC kind; use one of: memfd, shm"):
+    with pytest.raises(EnvironmentValueError, match="'posix' is not a CPU IPC kind; use one of: memfd, shm"):
         _plugin.lmcache_platform_ipc_wrapper_class("cpu")
 
 

@@ -287,7 +287,8 @@ def test_out_of_range_retrieve_writes_nothing(peers: tuple[Peer, Peer]) -> None:
     server.ok("store", transfers=transfers)
     engine.ok("scramble", seed=3)
     last = transfers[-1]
-    for dst in ([[last["dst"][0][0], 48]], [[-1, last["dst"][0][1]]], [[last["dst"][0][0]]]):
+    # Past the end, negative (-1 would mean "skip": -2 is simply out of range), too few ids.
+    for dst in ([[last["dst"][0][0], 48]], [[-2, last["dst"][0][1]]], [[last["dst"][0][0]]]):
         reply = server.call("retrieve", transfers=[{**last, "dst": dst}], first_chunk=len(transfers) - 1)
         assert (reply["ok"], reply["type"]) == (False, "TransferError"), reply
     assert engine.ok("check_untouched")["mismatched_bytes"] == 0

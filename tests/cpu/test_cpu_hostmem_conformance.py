@@ -42,6 +42,20 @@ LEAKY = textwrap.dedent('''
                 KEPT.append(os.open(os.devnull, os.O_RDONLY))  # opened before the capacity check
             return super().create(nbytes)
 
+        def create_in_place(self, nbytes):
+            handle, fd = super().create_in_place(nbytes)
+            if "in_place_elsewhere" in FAULTS:  # the pages go to memory the handle does not name
+                os.close(fd)
+                fd = os.memfd_create("elsewhere")
+                os.ftruncate(fd, nbytes)
+            return handle, fd
+
+        def open_fd(self, handle, nbytes):
+            fd = super().open_fd(handle, nbytes)
+            if "open_fd_leaks" in FAULTS:
+                KEPT.append(os.dup(fd))
+            return fd
+
         def release(self, handle):
             if "child_releases" in FAULTS:  # forgets that only the creator may unlink
                 _shm.unlink_any(handle["shm_name"])
@@ -82,8 +96,12 @@ FAULT_CHECKS = {
         "test_views_of_one_allocation_share_one_export",
         "test_a_forked_child_never_releases_its_parents_memory",
         "test_closing_every_export_keeps_the_engine_tensor_and_a_new_export_works",
+        "test_a_large_allocation_is_shared_in_place_or_copied_whole",
+        "test_separate_exports_reopen_side_by_side_or_one_by_one",
     },
     "leaks_on_refusal": {"test_a_capacity_error_creates_nothing"},
+    "in_place_elsewhere": {"test_a_large_allocation_is_shared_in_place_or_copied_whole"},
+    "open_fd_leaks": {"test_separate_exports_reopen_side_by_side_or_one_by_one"},
 }
 CHECKS = set().union(*FAULT_CHECKS.values())
 
@@ -148,7 +166,7 @@ def test_each_fault_fails_exactly_the_host_memory_check_written_for_it(
     result = outcomes(leaky_site, tmp_path, ",".join(FAULT_CHECKS))
     failed = {name for name, kind in result.items() if kind != "passed"}
     assert failed == CHECKS, result
-    for fault in ("child_releases", "copies_views"):  # one at a time: each fails only its own
+    for fault in ("child_releases", "copies_views", "in_place_elsewhere", "open_fd_leaks"):  # one at a time
         alone = outcomes(leaky_site, tmp_path, fault)
         assert {name for name, kind in alone.items() if kind != "passed"} == FAULT_CHECKS[fault], alone
 

@@ -1,7 +1,7 @@
 """Wrapping an existing allocation in place: the memfd is mapped over the engine's own pages.
 
 Large blocks of torch's CPU allocator (glibc mmaps them) own whole pages, so the kit
-maps the export over them (``lmcache_platform._remap``): nothing moves, every tensor
+maps the export over them (``lmcache_platform.hostmem._remap``): nothing moves, every tensor
 and view the engine holds keeps its address and sees the shared bytes. Small blocks
 share their pages with other heap data and are copied as before. Peak memory is a
 benchmark figure (``bench --section migration``), not asserted here.
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import lmcache_platform
-from lmcache_platform import _remap, wire
+from lmcache_platform import wire
+from lmcache_platform.hostmem import _remap
 from lmcache_platform_cpu import CpuMemfdIPCWrapper, CpuShmIPCWrapper, _memfd
 from lmcache_platform_cpu._memfd import MemfdCapacityError
 
@@ -54,7 +55,7 @@ def test_a_large_allocation_is_shared_where_it_lies() -> None:
     try:
         name = wrappers[0].fields()["memfd_name"]
         assert flat.data_ptr() == address and layers[2].data_ptr() == address + BIG // 2
-        assert backing(address).startswith(f"/memfd:{name}")
+        assert backing(address).startswith(f"/memfd:{name}")  # type: ignore[str-bytes-safe]
         assert torch.equal(flat, expected)  # every byte moved with its page
         assert len({w.fields()["memfd_ino"] for w in wrappers}) == 1
         server = wire.decode(wire.encode(wrappers))
@@ -122,7 +123,7 @@ def test_a_full_store_midway_leaves_the_tensor_intact_and_nothing_exported(
     def second_fails(self: _memfd.MemfdStore, fd: int, offset: int, nbytes: int) -> None:
         calls.append(offset)
         if offset:
-            raise MemfdCapacityError(nbytes, _memfd.Headroom(0, "a test's limit"))
+            raise MemfdCapacityError(nbytes, _memfd.Headroom(0, "a test's limit"))  # type: ignore[attr-defined]
         reserve(self, fd, offset, nbytes)
 
     monkeypatch.setattr(_memfd.MemfdStore, "reserve", second_fails)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -28,7 +28,7 @@ from lmcache_platform import (
     create_cache_context,
     wire,
 )
-from lmcache_platform.hostmem import HostMemoryIPCWrapper
+from lmcache_platform.hostmem import HostMemoryIPCWrapper, SideBySideStore
 from lmcache_platform_cpu import CpuMemfdIPCWrapper, CpuShmIPCWrapper, _memfd, _shm
 from support.cache import slot_rows, token_rows
 
@@ -160,7 +160,7 @@ def test_memory_shrunk_under_the_range_is_refused_before_a_transfer() -> None:
     try:
         tensors = CpuShmIPCWrapper.to_tensors(server)
         assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
-        fd = _shm._posixshmem.shm_open("/" + wrappers[1].shm_name, os.O_RDWR, 0)
+        fd = _shm._posixshmem.shm_open("/" + wrappers[1].shm_name, os.O_RDWR, 0)  # type: ignore[attr-defined]
         try:
             os.ftruncate(fd, 4096)
         finally:
@@ -174,27 +174,26 @@ def test_memory_shrunk_under_the_range_is_refused_before_a_transfer() -> None:
             w.close()
 
 
-class _NoFdStore:
-    """The memfd store without its optional ``open_fd``."""
+class RequiredMembersOnly:
+    """The memfd store's six required members and nothing else: not a ``SideBySideStore``."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.handle_fields = inner.handle_fields
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "open_fd":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
+    handle_fields = _memfd.STORE.handle_fields
+    check_handle = _memfd.STORE.check_handle
+    check_capacity = _memfd.STORE.check_capacity
+    create = _memfd.STORE.create
+    open_existing = _memfd.STORE.open_existing
+    release = _memfd.STORE.release
 
 
 class _MemfdWithoutOpenFd(HostMemoryIPCWrapper):
     wire_tag: ClassVar[str] = "test.memfd-without-open-fd/1"
-    store = _NoFdStore(_memfd.STORE)
+    store = RequiredMembersOnly()
     nbytes_field: ClassVar[str] = CpuMemfdIPCWrapper.nbytes_field
-    wire_fields: ClassVar[Mapping[str, Any]] = CpuMemfdIPCWrapper.wire_fields
 
 
-def test_a_store_without_open_fd_maps_each_export_on_its_own() -> None:
+def test_a_store_that_is_not_a_side_by_side_store_maps_each_export_on_its_own() -> None:
+    assert not isinstance(_MemfdWithoutOpenFd.store, SideBySideStore)
+    assert isinstance(CpuMemfdIPCWrapper.store, SideBySideStore)
     layers = engine_layers()
     wrappers = [_MemfdWithoutOpenFd.wrap(t) for t in layers]
     try:
@@ -232,7 +231,7 @@ def test_a_server_context_stacks_per_layer_exports_and_moves_exact_bytes(kind: s
     layers = [
         tuple(fresh(t) for t in first) if isinstance(first, tuple) else fresh(first) for _ in range(LAYERS)
     ]
-    wrapped = lp.wrap_kv_caches(layers)
+    wrapped = lp.wrap_kv_caches(layers)  # type: ignore[arg-type]
     flat = [w for e in wrapped for w in (e if isinstance(e, tuple) else (e,))]
     decoded = iter(received(flat))
     server = [(next(decoded), next(decoded)) if isinstance(e, tuple) else next(decoded) for e in wrapped]

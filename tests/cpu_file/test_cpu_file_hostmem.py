@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from lmcache_platform import DescriptorError, WireField, hostmem
-from lmcache_platform.hostmem import HostMemoryIPCWrapper, SegmentNames, find_stale, producer_alive
+from lmcache_platform.hostmem import (
+    HostMemoryIPCWrapper,
+    InPlaceStore,
+    SegmentNames,
+    SideBySideStore,
+    find_stale,
+    producer_alive,
+)
 from lmcache_platform_cpu_file import CpuFileIPCWrapper, FileStore, _store
 
 
@@ -74,6 +81,41 @@ def test_a_store_missing_members_is_refused_when_the_class_is_made_listing_them(
         class Half(HostMemoryIPCWrapper):
             wire_tag = "vendor.half/1"
             store = HalfStore()  # type: ignore[assignment]
+
+
+class OnlyCreateInPlace(FileStore):
+    """Half of ``InPlaceStore``: without ``reserve`` the kit could never share in place."""
+
+    def create_in_place(self, nbytes: int) -> tuple[dict[str, str], int]:
+        raise AssertionError("never called")
+
+
+class OpenFdNotAMethod(FileStore):
+    open_fd = "yes"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("store", "match"),
+    [
+        (OnlyCreateInPlace(), r"InPlaceStore needs the methods create_in_place, reserve: reserve missing"),
+        (OpenFdNotAMethod(), r"SideBySideStore needs the methods open_fd: open_fd missing"),
+    ],
+)
+def test_a_store_with_part_of_an_optional_protocol_is_refused_naming_it(store: object, match: str) -> None:
+    """Half an ability would be silently unused; the class is refused when it is made."""
+    with pytest.raises(
+        TypeError, match=r"Partial.store \(\w+\) implements part of an optional store protocol: " + match
+    ):
+        type("Partial", (HostMemoryIPCWrapper,), {"wire_tag": "vendor.partial/1", "store": store})
+
+
+def test_the_optional_abilities_are_the_protocols_a_store_satisfies() -> None:
+    """``cpu.file`` maps side by side but copies rather than sharing in place; the kit uses what is there."""
+    assert isinstance(CpuFileIPCWrapper.store, SideBySideStore)
+    assert not isinstance(CpuFileIPCWrapper.store, InPlaceStore)
+    assert isinstance(HalfStore(), SideBySideStore) is False
+    tracker = CpuFileIPCWrapper._memory()
+    assert tracker.side_by_side is CpuFileIPCWrapper.store and tracker.in_place is None
 
 
 def test_declared_wire_fields_that_disagree_with_the_store_are_refused() -> None:
@@ -190,7 +232,7 @@ def fake_cgroups(root: Path, limit: int, usage: int, inactive: int) -> str:
 def test_memory_headroom_is_the_tightest_cgroup_limit_less_usage_with_cache_counted_free(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(hostmem, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(hostmem._headroom, "CGROUP_ROOT", str(tmp_path))
     leaf = fake_cgroups(tmp_path, limit=64 << 20, usage=60 << 20, inactive=8 << 20)
     room = hostmem.memory_headroom()
     assert room is not None and room.free == 12 << 20, room

@@ -160,7 +160,10 @@ def test_a_consumer_with_another_directory_cannot_reach_the_file(
 def test_a_capacity_shortfall_creates_nothing(kv_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = _store.directory()
     monkeypatch.setattr(_store.Directory, "free_bytes", lambda self: 1000)
-    with pytest.raises(FileCapacityError, match=r"1000 bytes free but 4096 are needed .*nothing was created"):
+    with pytest.raises(
+        FileCapacityError,
+        match=r"1000 B free but 4\.0 KiB are needed \(short by 3\.0 KiB\).*nothing was created",
+    ):
         create(4096)
     assert os.listdir(d.path) == []
     with pytest.raises(FileCapacityError) as info:
@@ -176,9 +179,7 @@ def test_running_out_of_space_while_reserving_leaves_nothing(
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     owned = _store.owned()
-    with pytest.raises(
-        FileCapacityError, match=r"refused to reserve 1048576 bytes although .* are reported free"
-    ):
+    with pytest.raises(FileCapacityError, match=r"refused to reserve 1\.0 MiB although .* are reported free"):
         create(1 << 20)
     assert os.listdir(_store.directory().path) == [] and _store.owned() == owned
 

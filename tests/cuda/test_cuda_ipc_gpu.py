@@ -87,7 +87,7 @@ def test_close_is_refcounted_idempotent_and_reimport_works(
         assert wa.ipc_handle == wb.ipc_handle
         data = payload(wa, wb)
     else:  # one share decoded twice in the peer: one storage, one ref-counter slot
-        wa = kind.wrap(a)
+        wa = kind.wrap(a)  # type: ignore[assignment]
         data = payload(wa, wa)
     opened = peer.call("open", "rc", data)
     assert [o["refs"] for o in opened] == [2, 2]

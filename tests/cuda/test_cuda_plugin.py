@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from lmcache_platform import (
-    BackendLoadError,
     BackendUnavailableError,
     BaseCacheContext,
+    EnvironmentValueError,
     get_kv_wrapper_factory,
 )
 from lmcache_platform_cuda import (
@@ -30,7 +30,7 @@ from lmcache_platform_cuda import (
     _plugin,
     _probe,
 )
-from lmcache_platform_cuda._config import ipc_mode
+from lmcache_platform_cuda._config import ipc_kind
 
 HOOKS = (
     _plugin.lmcache_platform_probe,
@@ -77,10 +77,14 @@ def test_env_selects_the_wrapper_kind_at_call_time(
 
 def test_invalid_ipc_kind_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(IPC_ENV, "cuda-ipc")
-    with pytest.raises(BackendLoadError) as info:
-        ipc_mode()
+    with pytest.raises(EnvironmentValueError) as info:
+        ipc_kind()
     assert str(info.value) == f"{IPC_ENV}='cuda-ipc' is not a CUDA IPC kind; use one of: torch, raw"
-    assert info.value.backend == "cuda"
+    assert (info.value.variable, info.value.value, info.value.choices) == (
+        IPC_ENV,
+        "cuda-ipc",
+        ("torch", "raw"),
+    )
 
 
 def test_probe_on_this_cpu_build_of_torch() -> None:
@@ -142,7 +146,7 @@ def test_registry_follows_the_env_and_reports_a_bad_value(
     lmcache_registry: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Probe faked available (no GPU here); the rest is the real resolution path."""
-    monkeypatch.setattr(_probe, "probe", lambda: _probe.Availability.yes())
+    monkeypatch.setattr(_probe, "probe", lambda: _probe.Availability.yes())  # type: ignore[attr-defined]
     monkeypatch.setenv(IPC_ENV, "raw")
     lmcache_registry.install("cuda", _plugin, distribution="lmcache-platform-cuda")
     factory = get_kv_wrapper_factory("cuda")

@@ -163,7 +163,7 @@ def test_receiver_accepts_either_kind_whatever_it_exports(
 
     The probe is faked available (no GPU here); the plugin module is the real one.
     """
-    monkeypatch.setattr(_probe, "probe", lambda: _probe.Availability.yes())
+    monkeypatch.setattr(_probe, "probe", lambda: _probe.Availability.yes())  # type: ignore[attr-defined]
     monkeypatch.setenv(IPC_ENV, mode)
     lmcache_registry.install("cuda", _plugin, distribution="lmcache-platform-cuda")
     wrappers = [RawCudaIPCWrapper.from_fields(raw_fields()), CudaIPCWrapper.from_fields(torch_fields())]

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from support.venvs import add_site
+
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "backend-authors.md"
 WALK_MARKER = "<!-- tests/packaging/test_author_guide.py runs the next block, command by command -->"
@@ -132,15 +134,7 @@ def engine_site(mirror: Path) -> Path:
 def fresh_venv(root: Path) -> Path:
     """A venv with pip and the engine's torch, without this project or the test tools."""
     venv.EnvBuilder(with_pip=True).create(root / "venv")
-    python = root / "venv" / "bin" / "python"
-    site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    mirror = engine_site(root / "engine-site")
-    (Path(site) / "_engine_torch.pth").write_text(f"import site; site.addsitedir({str(mirror)!r})\n")
+    add_site(root / "venv" / "bin" / "python", engine_site(root / "engine-site"), "_engine_torch")
     return root / "venv" / "bin"
 
 

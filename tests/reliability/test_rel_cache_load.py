@@ -20,7 +20,6 @@ CI sizes are small; ``LMCACHE_SOAK=1`` runs ten times the requests.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,9 +28,8 @@ import pytest
 
 from lmcache_platform.server import ServerClient, ServerProcess, cache_namespace
 from support.cache_workers import Model, mixed_client, reader_client, store_then_load_client
-from support.reliability import emit, segments_of, sized
+from support.reliability import Workers, emit, segments_of, sized
 
-SPAWN = multiprocessing.get_context("spawn")
 SMALL = dict(layers=4, heads=2, head=32, block=4, chunk=8, blocks=64)  # 16 KiB chunks, 16 slots
 BIG = dict(layers=8, heads=8, head=128, block=16, chunk=64, blocks=64)  # 2 MiB chunks, 16 slots
 SMALL_CHUNK_BYTES, BIG_CHUNK_BYTES = Model(**SMALL).chunk_bytes, Model(**BIG).chunk_bytes
@@ -45,63 +43,6 @@ def ns(name: str, model: dict[str, int]) -> str:
         block_size=model["block"],
         chunk_size=model["chunk"],
     ).hex()
-
-
-class Clients:
-    """Spawned engine processes, each driven through its pipe with JSON messages."""
-
-    def __init__(self, target: Any, socket_path: Any, specs: list[dict[str, Any]], pids: set[int]) -> None:
-        self.procs, self.conns = [], []
-        for spec in specs:
-            conn, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=target, args=(child, socket_path, spec), daemon=True)
-            p.start()
-            child.close()
-            assert p.pid is not None
-            pids.add(p.pid)
-            self.procs.append(p)
-            self.conns.append(conn)
-
-    def gather(self, timeout: float = 600) -> list[Any]:
-        out = []
-        for conn in self.conns:
-            assert conn.poll(timeout), "a client did not answer"
-            out.append(json.loads(conn.recv_bytes()))
-        return out
-
-    def go(self, command: Any = "go") -> float:
-        for conn in self.conns:
-            conn.send_bytes(json.dumps(command).encode())
-        return time.perf_counter()
-
-    def join(self) -> None:
-        for p in self.procs:
-            p.join(60)
-            assert p.exitcode == 0
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for conn in self.conns:
-            conn.close()
-
-
-def run(
-    target: Any, server: ServerProcess, specs: list[dict[str, Any]], pids: set[int]
-) -> tuple[list[Any], float]:
-    """Start the clients, release them together, return their reports and the wall time."""
-    clients = Clients(target, server.socket_path, specs, pids)
-    try:
-        assert all(r == {"ready": True} for r in clients.gather())
-        started = clients.go()
-        reports = clients.gather()
-        wall = time.perf_counter() - started
-        clients.join()
-        return reports, wall
-    finally:
-        clients.kill()
 
 
 def server_counters(server: ServerProcess) -> dict[str, Any]:
@@ -133,7 +74,8 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
         for i in range(CLIENTS)
     ]
     with ServerProcess(max_host_bytes=cap) as server:
-        reports, wall = run(mixed_client, server, specs, rel_child_pids)
+        with Workers(mixed_client, [(server.socket_path, spec) for spec in specs], rel_child_pids) as clients:
+            reports, wall = clients.release()
         status = server_counters(server)
     errors = [e for r in reports for e in r["errors"]]
     assert errors == [], errors[:5]
@@ -182,8 +124,8 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
         for i in range(CLIENTS)
     ]
     with ServerProcess(max_host_bytes=2 * len(everyone) * chunk_bytes) as server:
-        clients = Clients(store_then_load_client, server.socket_path, specs, rel_child_pids)
-        try:
+        args = [(server.socket_path, spec) for spec in specs]
+        with Workers(store_then_load_client, args, rel_child_pids) as clients:
             assert all(r == {"ready": True} for r in clients.gather())
             started = clients.go()
             assert all(r == {"stored": True} for r in clients.gather())
@@ -191,8 +133,6 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
             clients.go()
             reports = clients.gather()
             clients.join()
-        finally:
-            clients.kill()
         status = server_counters(server)
     errors = [e for r in reports for e in r["errors"]]
     assert errors == [], errors[:5]
@@ -244,8 +184,8 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
         ServerProcess(max_host_bytes=cap) as par,
         ServerProcess(max_host_bytes=cap, parallel_transfers=False) as ser,
     ):
-        clients = Clients(reader_client, [par.socket_path, ser.socket_path], specs, rel_child_pids)
-        try:
+        args = [([par.socket_path, ser.socket_path], spec) for spec in specs]
+        with Workers(reader_client, args, rel_child_pids) as clients:
             assert all(r == {"ready": True} for r in clients.gather())
             for _ in range(ROUNDS):  # alternate, so a busy moment of the machine hits both
                 for i, mode in enumerate(modes):
@@ -259,8 +199,6 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
                     assert sum(r["bytes"] for r in reports) == READERS * READS * PER_REQUEST * chunk_bytes
             clients.go("exit")
             clients.join()
-        finally:
-            clients.kill()
         status = [server_counters(s) for s in (par, ser)]
     assert [s["parallel_transfers"] for s in status] == [True, False]
     assert [s["evictions"] for s in status] == [0, 0]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import gc
 import json
-import multiprocessing
 import os
 import sys
 import threading
@@ -32,11 +31,10 @@ import torch
 
 import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, TransferError, wire
-from lmcache_platform._registry import REGISTRY, selected_backend, wire_classes_for
+from lmcache_platform._plugins.registry import REGISTRY, selected_backend, wire_classes_for
 from lmcache_platform_cpu import CpuShmIPCWrapper
-from support.reliability import SHM_DIR, emit
+from support.reliability import SHM_DIR, Workers, emit
 
-SPAWN = multiprocessing.get_context("spawn")
 WORKERS = 2
 
 
@@ -285,31 +283,14 @@ def test_spawned_workers_each_resolve_on_their_own(
         ),
         "relworker",
     )
-    procs, conns = [], []
     try:
-        for _ in range(WORKERS):
-            parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(
-                target=resolve_worker, args=(child, wire.encode(wrappers), checksum), daemon=True
-            )
-            p.start()
-            child.close()
-            assert p.pid is not None
-            rel_child_pids.add(p.pid)
-            procs.append(p)
-            conns.append(parent)
-        reports = []
-        for conn in conns:
-            assert conn.poll(120), "a worker did not answer"
-            reports.append(json.loads(conn.recv_bytes()))
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
+        with Workers(
+            resolve_worker, [(wire.encode(wrappers), checksum)] * WORKERS, rel_child_pids
+        ) as workers:
+            reports = workers.gather(120)
+            workers.join()
     finally:
         lp.unregister_backend("relworker")
-        for p in procs:
-            if p.is_alive():
-                p.kill()
         for w in wrappers:
             w.close()
     assert len({r["pid"] for r in reports}) == WORKERS and os.getpid() not in {r["pid"] for r in reports}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -30,9 +29,8 @@ import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, ServerError, wire
 from lmcache_platform.server import ServerClient, ServerProcess
 from lmcache_platform_cpu import CpuShmIPCWrapper
-from support.reliability import SHM_DIR, Resources, describe, emit, mappings_of, sized
+from support.reliability import SHM_DIR, Resources, Workers, describe, emit, mappings_of, sized
 
-SPAWN = multiprocessing.get_context("spawn")
 RSS_SLACK = 16 << 20
 WRAP_CYCLES = sized(10_000, 100_000)
 CONSUMER_CYCLES = sized(300, 3_000)
@@ -98,28 +96,25 @@ def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
     """The consumer is another process, as in production; both sides' figures are checked."""
     from support.reliability_workers import reopen_consumer
 
-    conn, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=reopen_consumer, args=(child,), daemon=True)
-    proc.start()
-    child.close()
-    assert proc.pid is not None
-    rel_child_pids.add(proc.pid)
+    with Workers(reopen_consumer, [()], rel_child_pids) as consumer:
+        (conn,) = consumer.conns
 
-    def ask(data: bytes) -> Any:
-        conn.send_bytes(data)
-        assert conn.poll(120), "the consumer stopped answering"
-        return json.loads(conn.recv_bytes())
+        def ask(data: bytes) -> Any:
+            conn.send_bytes(data)
+            assert conn.poll(120), "the consumer stopped answering"
+            return json.loads(conn.recv_bytes())
 
-    def one(i: int) -> None:
-        tensors = [torch.full((2, 16, 4, 2, 8), float(i + layer), dtype=torch.float16) for layer in range(2)]
-        wrappers = lp.wrap_kv_caches(tensors)
-        got = ask(wire.encode(wrappers))["checksum"]
-        assert got == float(sum(t.double().sum().item() for t in tensors))
-        for w in wrappers:
-            w.close()
+        def one(i: int) -> None:
+            tensors = [
+                torch.full((2, 16, 4, 2, 8), float(i + layer), dtype=torch.float16) for layer in range(2)
+            ]
+            wrappers = lp.wrap_kv_caches(tensors)
+            got = ask(wire.encode(wrappers))["checksum"]
+            assert got == float(sum(t.double().sum().item() for t in tensors))
+            for w in wrappers:
+                w.close()
 
-    try:
-        assert json.loads(conn.recv_bytes()) == {"ready": True}
+        assert consumer.gather() == [{"ready": True}]
         for i in range(20):
             one(i)
         ask(b"mark")
@@ -128,15 +123,8 @@ def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
             one(i)
         ask(b"mark")
         after = settled()
-        conn.send_bytes(b"exit")
-        report = json.loads(conn.recv_bytes())
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        conn.close()
+        report = ask(b"exit")
+        consumer.join()
     flat(before, after)  # the producer: this process
     c_before, c_after = (Resources(**report["marks"][k]) for k in sorted(report["marks"], key=int))
     flat(c_before, c_after)  # the consumer

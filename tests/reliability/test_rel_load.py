@@ -13,8 +13,6 @@ CI runs 8 x 1,000 requests of 8 KiB chunks; ``LMCACHE_SOAK=1`` runs 8 x 10,000 o
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,9 +20,8 @@ from typing import Any
 import pytest
 
 from lmcache_platform.server import ServerClient, ServerProcess
-from support.reliability import Resources, describe, emit, segments_of, sized
+from support.reliability import Resources, Workers, describe, emit, segments_of, sized
 
-SPAWN = multiprocessing.get_context("spawn")
 CLIENTS = 8
 REQUESTS = sized(1_000, 10_000)
 #: Model per client: CI 4 layers with head size 16 (8 KiB chunks); soak 8 x 64 (64 KiB chunks).
@@ -49,43 +46,9 @@ def run_clients(
     """Start ``n`` clients, release them together, collect their reports; return them and the wall time."""
     from support.reliability_workers import load_client
 
-    procs, conns = [], []
-    try:
-        for i in range(n):
-            conn, child = SPAWN.Pipe()
-            p = SPAWN.Process(
-                target=load_client,
-                args=(child, server.socket_path, i, requests, 1000 + i, LAYERS, HEAD),
-                daemon=True,
-            )
-            p.start()
-            child.close()
-            assert p.pid is not None
-            pids.add(p.pid)
-            procs.append(p)
-            conns.append(conn)
-        for conn in conns:
-            assert conn.poll(120), "a client did not start"
-            assert json.loads(conn.recv_bytes()) == {"ready": True}
-        started = time.perf_counter()
-        for conn in conns:
-            conn.send_bytes(b'"go"')
-        reports = []
-        for conn in conns:
-            assert conn.poll(1800), "a client did not finish"
-            reports.append(json.loads(conn.recv_bytes()))
-        wall = time.perf_counter() - started
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
-        return reports, wall
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for conn in conns:
-            conn.close()
+    args = [(server.socket_path, i, requests, 1000 + i, LAYERS, HEAD) for i in range(n)]
+    with Workers(load_client, args, pids) as clients:
+        return clients.release(timeout=1800)
 
 
 def settle(

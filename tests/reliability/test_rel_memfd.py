@@ -151,6 +151,8 @@ def workers(rel_child_pids: set[int]) -> Iterator[list[Worker]]:
         if w.proc.poll() is None:
             w.proc.kill()
         w.proc.wait(timeout=60)
+        with w.proc:  # closes its pipes (an unclosed pipe is a ResourceWarning, an error here)
+            pass
 
 
 def punch_hole(fd: int, nbytes: int) -> int:
@@ -379,14 +381,14 @@ def test_hostile_values_in_every_handle_field_are_refused_by_the_named_check(
     int_fields = ["memfd_pidns", "memfd_pid", "memfd_fd", "memfd_dev", "memfd_ino", "memfd_nbytes"]
     spec = CpuMemfdIPCWrapper.wire_fields
     reference = CpuMemfdIPCWrapper.from_fields(real).to_tensor()  # the real memory, to compare
-    before, checks = footprint()[:2], {}
+    before, checks = footprint()[:2], {}  # type: ignore[var-annotated]
     for i in range(N_LIVE):
-        fields = dict(real)
+        fields: dict[str, Any] = dict(real)
         for name in rng.sample([*int_fields, "memfd_name"], rng.randint(1, 3)):
             if name == "memfd_name":
                 fields[name] = _memfd.PREFIX + "".join(rng.choice("0123456789abcdef") for _ in range(32))
             else:
-                fields[name] = rng.choice(hostile_values(rng, real[name]))
+                fields[name] = rng.choice(hostile_values(rng, real[name]))  # type: ignore[arg-type]
         if fields == real:
             continue
         try:

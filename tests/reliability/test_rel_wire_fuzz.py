@@ -507,7 +507,7 @@ def export_records(draw: st.DrawFn, ws: list[DeviceIPCWrapper]) -> list[object]:
     """A version-2 record near a valid one: its export fields and views partly replaced."""
     valid = draw(st.sampled_from(ws))
     export: dict[object, object] = dict(valid.export_fields().items())
-    for key in draw(st.lists(st.sampled_from(sorted(export)), max_size=2, unique=True)):
+    for key in draw(st.lists(st.sampled_from(sorted(export)), max_size=2, unique=True)):  # type: ignore[type-var]
         if draw(st.booleans()):
             del export[key]
         else:

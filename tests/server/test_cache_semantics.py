@@ -27,6 +27,12 @@ def tokens(n_chunks: int, start: int = 0) -> list[int]:
     return list(range(start, start + n_chunks * CHUNK))
 
 
+def registered(client: ServerClient, engine: TinyEngine, n_chunks: int) -> tuple[bytes, list[bytes], int]:
+    """A fresh namespace, the keys of ``n_chunks`` chunks in it, and ``engine``'s context there."""
+    ns = fresh_namespace()
+    return ns, chunk_keys(tokens(n_chunks), CHUNK, ns), engine.register(client, ns)
+
+
 def serve_holding(tmp_path_factory: pytest.TempPathFactory, chunks: int) -> Iterator[Serve]:
     """A ``serve`` process whose memory cap holds exactly ``chunks`` chunks; it must stop cleanly."""
     sock = private_dir(tmp_path_factory.mktemp(f"cap{chunks}")) / "kv.sock"
@@ -108,9 +114,7 @@ def test_keyed_chunks_survive_the_context_that_stored_them(serve: Serve, engine:
 
 
 def test_lookup_counts_leading_present_keys(client: ServerClient, engine: TinyEngine) -> None:
-    ns = fresh_namespace()
-    keys = chunk_keys(tokens(5), CHUNK, ns)
-    ctx = engine.register(client, ns)
+    ns, keys, ctx = registered(client, engine, 5)
     client.put(ctx, [(keys[i], [engine.blocks(i)]) for i in (0, 1, 3)])  # a hole at 2
     before = counters(client)
     assert client.lookup(ns, keys) == 2
@@ -124,9 +128,7 @@ def test_lookup_counts_leading_present_keys(client: ServerClient, engine: TinyEn
 
 
 def test_storing_a_present_key_copies_nothing(client: ServerClient, engine: TinyEngine) -> None:
-    ns = fresh_namespace()
-    keys = chunk_keys(tokens(2), CHUNK, ns)
-    ctx = engine.register(client, ns)
+    _, keys, ctx = registered(client, engine, 2)
     engine.fill(0, seed=1)
     assert client.put(ctx, [(keys[0], [engine.blocks(0)])]).stored == 1
     engine.fill(0, seed=2)  # the engine's blocks change: a copy would be visible
@@ -142,9 +144,7 @@ def test_storing_a_present_key_copies_nothing(client: ServerClient, engine: Tiny
 def test_get_writes_the_leading_present_chunks_and_nothing_after(
     client: ServerClient, engine: TinyEngine
 ) -> None:
-    ns = fresh_namespace()
-    keys = chunk_keys(tokens(4), CHUNK, ns)
-    ctx = engine.register(client, ns)
+    _, keys, ctx = registered(client, engine, 4)
     for i in range(4):
         engine.fill(i, seed=20 + i)
     client.put(ctx, [(keys[i], [engine.blocks(i)]) for i in (0, 1, 3)])
@@ -156,9 +156,7 @@ def test_get_writes_the_leading_present_chunks_and_nothing_after(
 
 
 def test_a_bad_block_id_anywhere_means_nothing_moves(client: ServerClient, engine: TinyEngine) -> None:
-    ns = fresh_namespace()
-    keys = chunk_keys(tokens(2), CHUNK, ns)
-    ctx = engine.register(client, ns)
+    ns, keys, ctx = registered(client, engine, 2)
     engine.fill(0, seed=5)
     with pytest.raises(ServerError, match=r"chunk 1 \(key [0-9a-f]{16}\.\.\.\).*out of range") as info:
         client.put(ctx, [(keys[0], [engine.blocks(0)]), (keys[1], [[0, BLOCKS]])])
@@ -268,9 +266,7 @@ def test_within_one_request_the_prefix_tail_is_evicted_first(
     small_client: ServerClient, engine: TinyEngine
 ) -> None:
     c = small_client
-    ns = fresh_namespace()
-    keys = chunk_keys(tokens(4), CHUNK, ns)
-    ctx = engine.register(c, ns)
+    ns, keys, ctx = registered(c, engine, 4)
     c.put(ctx, [(k, [engine.blocks(i)]) for i, k in enumerate(keys)])  # one request fills the cap
     (extra,) = chunk_keys(tokens(1, start=10_000), CHUNK, ns)
     assert c.put(ctx, [(extra, [engine.blocks(5)])]).evicted == 1
@@ -282,9 +278,7 @@ def test_a_put_beyond_the_cap_keeps_its_leading_chunks(
     small_client: ServerClient, engine: TinyEngine
 ) -> None:
     c = small_client
-    ns = fresh_namespace()
-    keys = chunk_keys(tokens(6), CHUNK, ns)
-    ctx = engine.register(c, ns)
+    ns, keys, ctx = registered(c, engine, 6)
     r = c.put(ctx, [(k, [engine.blocks(i)]) for i, k in enumerate(keys)])
     assert (r.stored, r.dropped, r.bytes) == (CAP_CHUNKS, 2, CAP_CHUNKS * CHUNK_BYTES)
     assert c.lookup(ns, keys) == CAP_CHUNKS

@@ -137,7 +137,7 @@ def test_namespaces_and_chunk_sizes_never_share_keys() -> None:
 
 def test_token_arrays_work_like_lists() -> None:
     keys = chunk_keys(TOKENS, 16, NS)
-    assert chunk_keys(torch.tensor(TOKENS), 16, NS) == keys
+    assert chunk_keys(torch.tensor(TOKENS), 16, NS) == keys  # type: ignore[arg-type]
     assert chunk_keys(tuple(TOKENS), 16, NS) == keys
 
 

@@ -97,7 +97,7 @@ def test_another_contexts_transfers_proceed_while_one_is_in_flight(
         ctx_a, ctx_b = a.register(ca, ns), b.register(cb, ns)
         a.fill(0, seed=1)
         b.fill(0, seed=2)
-        held = server.hold(ctx_a, "store_chunk")
+        held = server.hold(ctx_a, "read_chunk")
         thread, out = in_thread(lambda: ca.put(ctx_a, [(b"A" * 32, [a.blocks(0)])]))
         assert held.entered.wait(WAIT_S)  # A's put is inside its transfer now
         assert cb.lookup(ns, [b"A" * 32]) == 0  # being written: not visible yet
@@ -123,7 +123,7 @@ def test_a_chunk_being_read_is_not_evicted(server: InProcess, engines: tuple[Tin
         ctx_a, ctx_b = a.register(ca, ns), b.register(cb, ns)
         a.fill(0, seed=11)
         ca.put(ctx_a, [(b"old" * 8, [a.blocks(0)])])  # fills the cap
-        held = server.hold(ctx_a, "retrieve_chunk")
+        held = server.hold(ctx_a, "write_chunk")
         thread, out = in_thread(lambda: ca.get(ctx_a, [(b"old" * 8, [a.blocks(7)])]))
         assert held.entered.wait(WAIT_S)  # A is mid-read of the only chunk
         assert cb.status()["server"]["pinned"] == 1

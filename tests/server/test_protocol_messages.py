@@ -38,7 +38,7 @@ def raw(msg: object) -> bytes:
 def test_frames_round_trip_in_order(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     payloads = [b"", b"x", bytes(range(256)) * 300]
-    sender = threading.Thread(target=lambda: [P.send_frame(a, p) for p in payloads])
+    sender = threading.Thread(target=lambda: [P.send_frame(a, p) for p in payloads])  # type: ignore[func-returns-value]
     sender.start()
     got = [P.recv_frame(b) for _ in payloads]
     sender.join()
@@ -94,6 +94,7 @@ CONFIG: dict[str, Any] = dict(
     separate_object_groups=False,
     full_sw_kv=True,
     layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(4)),
+    chunk_format="blocks",
 )
 
 
@@ -107,6 +108,9 @@ def test_every_op_round_trips() -> None:
         ("retrieve", {"context": 7, "chunks": chunks}),
         ("put", {"context": 7, "chunks": keyed}),
         ("get", {"context": 7, "chunks": keyed}),
+        ("put", {"context": 7, "chunks": keyed, "event": b"\x01" * 64}),
+        ("get", {"context": 7, "chunks": keyed, "lease": 3, "event": b"h"}),
+        ("store", {"context": 7, "chunks": chunks, "event": b"h"}),
         ("lookup", {"namespace": b"n", "keys": (b"a", b"b" * 64)}),
         ("lookup", {"namespace": b"n", "keys": ()}),
         ("unregister", {"context": 7}),
@@ -131,8 +135,12 @@ def test_config_round_trip_rebuilds_the_types() -> None:
 def test_the_config_map_carries_exactly_the_engine_fields() -> None:
     from lmcache_platform._types import ENGINE_KEYWORDS
 
-    assert list(P.encode_config()) == list(ENGINE_KEYWORDS)
+    assert list(P.encode_config(chunk_format="blocks")) == list(ENGINE_KEYWORDS)
     assert set(P.decode_config(P.encode_config())) == set(ENGINE_KEYWORDS)
+    # Fields added after version 1 travel only when they differ from their default, so a
+    # server of version 1 still takes a default registration, and this one takes theirs.
+    assert "chunk_format" not in P.encode_config()
+    assert P.decode_config(P.encode_config())["chunk_format"] == "tokens"
     with pytest.raises(TypeError, match="unknown keywords \\['max_batch_size'\\]"):
         P.encode_config(max_batch_size=2)
 
@@ -188,9 +196,13 @@ def good_lookup(**over: Any) -> dict[str, Any]:
         (good_put(chunks=[[b"", [[1, 2]]]]), "put chunk 0 key: must not be empty"),
         (good_put(chunks=[[b"k" * 65, [[1, 2]]]]), "put chunk 0 key: length 65 exceeds the limit of 64"),
         (good_put(chunks=[[b"k"]]), "expected \\[key, block_ids_per_group\\]"),
-        (good_put(op="get", chunks=[[b"k", [[1, -1]]]]), "get chunk 0 group 0\\[1\\]: -1 is outside"),
+        (good_put(op="get", chunks=[[b"k", [[1, -2]]]]), "get chunk 0 group 0\\[1\\]: -2 is outside"),
         (good_store(chunks=[[b"k", [[1]]]]), "store chunk 0 id: expected str, got bytes"),
         (good_put(namespace=b"n"), "put request: .*unknown keys \\[\"'namespace'\"\\]"),
+        (good_put(event=b""), "put event: must not be empty"),
+        (good_put(event="e"), "put event: expected bytes, got str"),
+        (good_put(event=b"e" * 257), "put event: length 257 exceeds the limit of 256"),
+        (good_lookup(event=b"e"), "unknown keys"),
         (good_lookup(keys=b"k"), "lookup keys: expected a list"),
         (good_lookup(keys=[b"a", "b"]), "lookup key 1: expected bytes, got str"),
         (good_lookup(keys=[b"a", b""]), "lookup key 1: must not be empty"),
@@ -198,7 +210,7 @@ def good_lookup(**over: Any) -> dict[str, Any]:
         (good_lookup(namespace=b""), "lookup namespace: must not be empty"),
         (good_lookup(namespace=b"n" * 65), "lookup namespace: length 65 exceeds"),
         (good_lookup(namespace="n"), "lookup namespace: expected bytes"),
-        ({"op": "lookup", "id": 1, "keys": [b"k"]}, "missing keys \\['namespace'\\]"),
+        ({"op": "lookup", "id": 1, "keys": [b"k"]}, "exactly one of 'namespace' and 'namespaces'"),
         (good_lookup(context=1), "unknown keys"),
         (
             {"op": "register", "id": 1, "wrappers": b"", "config": P.encode_config(), "namespace": 7},
@@ -250,6 +262,8 @@ def test_bad_requests_name_the_culprit(msg: object, match: str) -> None:
         ({"engine_group_infos": [{"layer_indices": [0]}]}, "missing keys"),
         ({"layer_names": ["x" * 257]}, r"layer_names\[0\]: length 257"),
         ({"layer_names": [7]}, r"layer_names\[0\]: expected str"),
+        ({"chunk_format": "pages"}, "config chunk_format: unknown value 'pages' \\(known: tokens, blocks\\)"),
+        ({"chunk_format": 1}, "config chunk_format: expected str"),
     ],
 )
 def test_bad_config_names_the_culprit(override: dict[str, Any], match: str) -> None:

@@ -289,6 +289,10 @@ def test_contexts_are_private_to_their_connection(
         ([("a", [[0, 1, 2]])], "need 2 block ids, got 3"),
         ([("a", [[0, 1], [2, 3]])], "expected block ids for 1 engine group"),
         ([("a", [[0, 1]]), ("a", [[2, 3]])], "appears twice"),
+        (
+            [("a", [[0, -1]])],
+            "engine group 0: block id -1 \\(skip\\) at position 1 is allowed only in a retrieve",
+        ),
     ],
 )
 def test_bad_store_writes_nothing(
@@ -305,7 +309,7 @@ def test_bad_store_writes_nothing(
     ("chunks", "match"),
     [
         ([("a", [[20, 21]]), ("missing", [[22, 23]])], "unknown chunk ids \\['missing'\\]"),
-        ([("a", [[20, 21]]), ("a", [[22, -1]])], "is outside|out of range"),
+        ([("a", [[20, 21]]), ("a", [[22, -2]])], "is outside|out of range"),
         ([("a", [[20, 21]]), ("a", [[22, BLOCKS + 5]])], "chunk 1 \\('a'\\).*out of range"),
         ([("a", [[20, 21]]), ("a", [[22]])], "need 2 block ids"),
         ([("a", [[20, 20]])], "repeat"),
@@ -463,7 +467,7 @@ def test_connections_beyond_the_cap_are_refused_with_an_error_reply() -> None:
         with socket.socket(socket.AF_UNIX) as extra:
             extra.settimeout(30)
             extra.connect(server.socket_path)
-            reply = P.decode_reply(P.recv_frame(extra))
+            reply = P.decode_reply(P.recv_frame(extra))  # type: ignore[arg-type]
             assert not reply.ok and "too many connections (limit 2)" in reply.error_message
             assert P.recv_frame(extra) is None  # and the server hung up
         held.pop().close()

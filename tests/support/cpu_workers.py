@@ -216,7 +216,7 @@ class Server:
     def op_register(self, wrappers: list[Json], config: Json) -> Json:
         import lmcache_platform
         from lmcache_platform import EngineGroupInfo, KVFormat, LayoutHints
-        from lmcache_platform._registry import wire_classes_for
+        from lmcache_platform._plugins.registry import wire_classes_for
 
         self.op_close()
         allowed = wire_classes_for("cpu")
@@ -274,7 +274,7 @@ class Server:
 
     def op_open(self, tag: str, fields: Json) -> Json:
         """Reopen one wrapper and drop it again (error paths)."""
-        from lmcache_platform._registry import wire_classes_for
+        from lmcache_platform._plugins.registry import wire_classes_for
 
         wrapper = wire_classes_for("cpu")[tag].from_fields(fields)
         shape = list(wrapper.to_tensor().shape)

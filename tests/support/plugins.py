@@ -19,14 +19,9 @@ from lmcache_platform import API_VERSION, Availability, hookimpl
 from support.fakes import context_class, wrapper_class
 """
 
-GOOD = (
-    _HEADER
-    + """
-DEVICE = {device!r}
-Wrapper = wrapper_class(DEVICE, {tag!r})
-Context = context_class(DEVICE)
-Wrapper.__module__ = Context.__module__ = __name__
-
+#: The required hooks of a backend module whose classes are named ``Wrapper`` and ``Context``
+#: (and that imports ``API_VERSION`` and ``hookimpl``): fake and vendor projects alike.
+REQUIRED_HOOKS = """
 @hookimpl
 def lmcache_platform_api_version():
     return API_VERSION
@@ -38,7 +33,18 @@ def lmcache_platform_cache_context_class(device_type):
 @hookimpl
 def lmcache_platform_ipc_wrapper_class(device_type):
     return Wrapper
+"""
 
+GOOD = (
+    _HEADER
+    + """
+DEVICE = {device!r}
+Wrapper = wrapper_class(DEVICE, {tag!r})
+Context = context_class(DEVICE)
+Wrapper.__module__ = Context.__module__ = __name__
+"""
+    + REQUIRED_HOOKS
+    + """
 @hookimpl
 def lmcache_platform_probe(device_type):
     reason = os.environ.get("FAKE_UNAVAILABLE_" + {module!r}.upper())

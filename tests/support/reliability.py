@@ -9,12 +9,18 @@ names are ``lmcache_platform_<pidns>_<pid>_<32 hex digits>`` in ``/dev/shm``.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import secrets
+import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 SHM_DIR = "/dev/shm"
@@ -31,6 +37,79 @@ FIGURES_FILE_ENV = "LMCACHE_REL_FIGURES"
 def sized(ci: int, soak: int) -> int:
     """The CI size, or the soak size under ``LMCACHE_SOAK=1``."""
     return soak if SOAK else ci
+
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+class Workers:
+    """Spawned processes, each on a pipe, started with its own ``args`` after its end of the pipe.
+
+    Their pids go into ``pids`` (the ``rel_child_pids`` fixture), so the session's leak
+    check also looks for their segments. On leaving the ``with`` block, any still alive
+    is killed: a failed test leaves no process behind.
+    """
+
+    def __init__(self, target: Callable[..., None], args: Iterable[tuple[Any, ...]], pids: set[int]) -> None:
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        try:
+            for extra in args:
+                conn, child = SPAWN.Pipe()
+                p = SPAWN.Process(target=target, args=(child, *extra), daemon=True)
+                p.start()
+                child.close()
+                assert p.pid is not None
+                pids.add(p.pid)
+                self.procs.append(p)
+                self.conns.append(conn)
+        except BaseException:
+            self.kill()
+            raise
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.kill()
+
+    def gather(self, timeout: float = 600) -> list[Any]:
+        """One JSON message from each worker, in order."""
+        out = []
+        for conn in self.conns:
+            assert conn.poll(timeout), f"a worker did not answer within {timeout:g} s"
+            out.append(json.loads(conn.recv_bytes()))
+        return out
+
+    def go(self, command: Any = "go") -> float:
+        """Send ``command`` to every worker; return the time it was sent."""
+        for conn in self.conns:
+            conn.send_bytes(json.dumps(command).encode())
+        return time.perf_counter()
+
+    def release(self, timeout: float = 600) -> tuple[list[Any], float]:
+        """Wait until every worker is ready, start them together, collect their reports and
+        their exits; return the reports and the wall time."""
+        assert all(r == {"ready": True} for r in self.gather(timeout))
+        started = self.go()
+        reports = self.gather(timeout)
+        wall = time.perf_counter() - started
+        self.join()
+        return reports, wall
+
+    def join(self) -> None:
+        """Wait for every worker to exit; each must exit with 0."""
+        for p in self.procs:
+            p.join(60)
+            assert p.exitcode == 0
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
 
 
 def pid_namespace() -> int:

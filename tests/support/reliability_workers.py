@@ -45,7 +45,7 @@ def resolve_worker(conn: Connection, wrappers: bytes, checksum: float) -> None:
 
     import lmcache_platform as lp
     from lmcache_platform import wire
-    from lmcache_platform._registry import selected_backend
+    from lmcache_platform._plugins.registry import selected_backend
 
     factory = lp.get_kv_wrapper_factory("cpu")
     decoded = wire.decode(wrappers)  # the default allow-list: this process's own resolution

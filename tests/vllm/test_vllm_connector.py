@@ -43,12 +43,13 @@ class Serve:
         directory.mkdir(mode=0o700)
         self.socket = str(directory / "server.sock")
         self.log = tmp / "serve.log"
-        self.proc = subprocess.Popen(
-            [str(python), "-m", "lmcache_platform._cli", "serve", "--socket", self.socket],
-            stdout=subprocess.DEVNULL,
-            stderr=self.log.open("w"),
-            cwd=ROOT,
-        )
+        with self.log.open("w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [str(python), "-m", "lmcache_platform._cli", "serve", "--socket", self.socket],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                cwd=ROOT,
+            )
         deadline = time.monotonic() + 60
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -116,13 +117,14 @@ def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(pyt
         assert a_cold["stats"]["stored_chunks"] == 3
         a_proc.kill()  # SIGKILL: no unregister, no goodbye
         a_proc.wait(30)
+        a_proc.stdout.close()
 
         # Engine B, a fresh process: Q loads only the two chunks it shares with P; P then
         # hits Q's blocks locally and loads its third chunk from the server.
         (b_q, b_p), _ = engine(python, socket=server.socket, prompts=[Q, P])
         assert b_q["cached"] == 2 * CHUNK and b_q["stats"]["loaded_chunks"] == 2
         assert b_p["cached"] == 3 * CHUNK and b_p["stats"]["loaded_chunks"] == 3
-        assert b_p["stats"]["load_errors"] == 0
+        assert b_p["stats"]["load_failures"] == 0
         # B computed only the remainder, and the result is A's to the last bit.
         assert same(b_p, a_hit), "engine B's output differs from engine A's with the same KV prefix"
 

@@ -1,5 +1,6 @@
 """lmcache-platform: the device-platform plugin layer for LLM KV caches."""
 
+from ._env import env_choice
 from ._errors import (
     AmbiguousBackendError,
     ApiVersionError,
@@ -8,6 +9,7 @@ from ._errors import (
     BackendSelectionError,
     BackendUnavailableError,
     DescriptorError,
+    EnvironmentValueError,
     LayoutError,
     LMCachePlatformError,
     ServerError,
@@ -15,9 +17,13 @@ from ._errors import (
     WireFormatError,
     WrapError,
 )
+from ._events import DeviceEvent
 from ._facade import (
+    DEFAULT_BACKEND,
     create_cache_context,
+    device_event_class,
     get_kv_wrapper_factory,
+    record_event,
     refresh,
     register_backend,
     register_kv_wrapper,
@@ -43,8 +49,9 @@ from ._kv.context import BaseCacheContext, NullStream
 from ._kv.groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
 from ._kv.layout import allocate_kv_caches, kv_cache_shape
 from ._kv.transfer import ChunkTransfer, GroupTransfer
-from ._registry import BackendInfo, Status, TableState, list_backends, selected_backend
+from ._plugins.registry import BackendInfo, Status, TableState, list_backends, selected_backend
 from ._types import (
+    CHUNK_FORMATS,
     Availability,
     CacheContextConfig,
     DoctorFinding,
@@ -53,12 +60,15 @@ from ._types import (
     KVFormat,
     LayoutHints,
 )
+from ._units import format_bytes, parse_bytes
 from ._version import API_VERSION, __version__
 from .hookspecs import hookimpl
 
 __all__ = [
     "ALLOWED_DTYPES",
     "API_VERSION",
+    "CHUNK_FORMATS",
+    "DEFAULT_BACKEND",
     "MAX_EXTENT",
     "VIEW_FIELDS",
     "AmbiguousBackendError",
@@ -73,10 +83,12 @@ __all__ = [
     "CacheContextConfig",
     "ChunkTransfer",
     "DescriptorError",
+    "DeviceEvent",
     "DeviceIPCWrapper",
     "DoctorFinding",
     "EngineGroupInfo",
     "EngineType",
+    "EnvironmentValueError",
     "GroupTransfer",
     "KVFormat",
     "KVLayerGroupsManager",
@@ -96,12 +108,17 @@ __all__ = [
     "__version__",
     "allocate_kv_caches",
     "create_cache_context",
+    "device_event_class",
     "dtype_from_name",
     "dtype_name",
+    "env_choice",
+    "format_bytes",
     "get_kv_wrapper_factory",
     "hookimpl",
     "kv_cache_shape",
     "list_backends",
+    "parse_bytes",
+    "record_event",
     "refresh",
     "register_backend",
     "register_kv_wrapper",

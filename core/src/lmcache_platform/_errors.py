@@ -83,6 +83,19 @@ class BackendUnavailableError(BackendSelectionError):
         self.errors = tuple(errors)
 
 
+class EnvironmentValueError(LMCachePlatformError, ValueError):
+    """An environment variable holds a value outside its choices (see :func:`env_choice`).
+
+    ``variable`` is its name, ``value`` what it holds, ``choices`` what it may hold.
+    """
+
+    def __init__(self, message: str, *, variable: str, value: str, choices: Sequence[str]) -> None:
+        super().__init__(message)
+        self.variable = variable
+        self.value = value
+        self.choices = tuple(choices)
+
+
 class WrapError(LMCachePlatformError, RuntimeError):
     """Wrapping one layer of a batch failed: ``layer`` is its index, ``layer_name`` the
     engine's name for it (None when the layers came as a sequence)."""
@@ -119,3 +132,11 @@ class ServerError(LMCachePlatformError, RuntimeError):
     def __init__(self, message: str, *, remote_type: str | None = None) -> None:
         super().__init__(message)
         self.remote_type = remote_type
+
+
+class ServerUnavailable(ServerError):
+    """No answer from the reference server in time: it is down, hung, or the deadline passed.
+
+    Raised locally (``remote_type`` is ``None``) by the clients of
+    :mod:`lmcache_platform.server`; the request may or may not have reached the server.
+    """

@@ -11,13 +11,18 @@ from typing import TYPE_CHECKING, Any, Union, overload
 
 from ._errors import WrapError
 from ._ipc_wrapper import DeviceIPCWrapper
-from ._registry import REGISTRY, TableState, WrapperFactory
+from ._plugins.registry import REGISTRY, TableState, WrapperFactory
 from ._types import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
 
 if TYPE_CHECKING:
     import torch
 
+    from ._events import DeviceEvent
     from ._kv.context import BaseCacheContext, KVCacheEntry
+
+#: The device type that is always available: every host has CPU memory, and the ``cpu``
+#: backend serves it. Engines fall back to it when they know no better (upstream's name).
+DEFAULT_BACKEND = "cpu"
 
 # The hot path reads this dict directly; the registry mutates it in place, never rebinds it.
 _WRAPPER_FACTORIES: dict[str, WrapperFactory] = REGISTRY.wrappers.entries
@@ -118,6 +123,7 @@ def create_cache_context(
     separate_object_groups: bool = True,
     full_sw_kv: bool = False,
     layer_names: Sequence[str] = (),
+    chunk_format: str = "tokens",
 ) -> BaseCacheContext:
     """Build the cache context for one engine's per-layer wrappers (server side).
 
@@ -125,6 +131,8 @@ def create_cache_context(
     layer name (the names become ``layer_names``), or a list. The device type comes
     from the wrappers' classes; every wrapper must share it. The backend's class
     receives ``(kv_caches, config)`` with a frozen :class:`CacheContextConfig`.
+    ``chunk_format`` ``"blocks"`` keeps chunks in the engine's own block order (see
+    :class:`CacheContextConfig`).
     """
     if isinstance(kv_caches, Mapping):
         if layer_names:
@@ -147,8 +155,34 @@ def create_cache_context(
         separate_object_groups=separate_object_groups,
         full_sw_kv=full_sw_kv,
         layer_names=tuple(layer_names),
+        chunk_format=chunk_format,
     )
     return cls(kv_caches, config)
+
+
+def device_event_class(device_type: str) -> type[DeviceEvent] | None:
+    """The :class:`DeviceEvent` class of the backend serving ``device_type``, or None.
+
+    None means the device's copies complete before they return (the host): there is
+    nothing to order, and no event to send.
+    """
+    return REGISTRY.device_event_class(device_type)
+
+
+def record_event(device: torch.device | str) -> bytes | None:
+    """Engine side: record an event on ``device``'s current stream; return its handle.
+
+    Call it after the kernels a transfer depends on (a put: those that wrote its blocks;
+    a get: those that last read the blocks it will overwrite) and send the handle with
+    the request (``event=`` of ``ServerClient.put``/``get``): the server's copies wait on
+    the device for it, and neither process synchronizes the device. Returns None for a
+    device with no event class (the host): send nothing then.
+    """
+    import torch
+
+    dev = torch.device(device)
+    cls = REGISTRY.device_event_class(dev.type)
+    return None if cls is None else cls.record(dev)
 
 
 def register_backend(
@@ -159,6 +193,12 @@ def register_backend(
 
 
 def unregister_backend(name: str) -> None:
+    """Remove backend ``name`` from this process (``KeyError`` if there is none).
+
+    Its hooks are unregistered and its device type's selection is forgotten, so the
+    next lookup selects again among the backends left. One read from installed
+    metadata comes back with :func:`refresh`.
+    """
     REGISTRY.unregister_backend(name)
 
 

@@ -62,7 +62,7 @@ class WireField:
     def check(self, cls_name: str, name: str, value: object) -> Primitive:
         """Return ``value`` if it matches this declaration, else raise ``DescriptorError``.
 
-        The checks are the wire format's own (:mod:`._checks`), raising the descriptor error.
+        The checks are the ones the wire messages' schemas make, raising the descriptor error.
         """
         if self._fits(value):  # the common case, without building an error context
             return list(value) if isinstance(value, tuple) else value  # type: ignore[return-value]
@@ -163,7 +163,8 @@ class DeviceIPCWrapper(abc.ABC):
     device_type: ClassVar[str] = ""
     #: Stable name on the wire, e.g. ``"cpu.shm/1"``. Never reuse one for another layout.
     wire_tag: ClassVar[str] = ""
-    #: Extra primitive fields of this class, beyond :data:`BASE_FIELDS`.
+    #: Extra primitive fields of this class, beyond the base fields every wrapper has
+    #: (``dtype``, ``shape``, ``stride``, ``storage_offset``, ``device_uuid``).
     wire_fields: ClassVar[Mapping[str, WireField]] = {}
 
     def __init__(
@@ -254,6 +255,7 @@ class DeviceIPCWrapper(abc.ABC):
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
         return self._closed
 
     @property

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field, fields
 class EngineType(enum.Enum):
     """The serving engine that allocated the KV caches (it decides layout conventions)."""
 
+    #: vLLM.
     VLLM = "vllm"
+    #: SGLang.
     SGLANG = "sglang"
 
 
@@ -21,25 +23,25 @@ class KVFormat(enum.Enum):
     Shapes are given for one layer; ``H`` = num_kv_heads, ``D`` = head_size.
     """
 
-    #: Current vLLM: ``[num_blocks, H, block_size, 2 * D]`` (K then V in the last
+    #: Current vLLM, ``[num_blocks, H, block_size, 2 * D]`` (K then V in the last
     #: dim), in any of vLLM's six physical ``KVCacheLayout`` orders.
     VLLM = "vllm"
-    #: Current vLLM multi-head latent attention: ``[num_blocks, 1, block_size, latent]``
+    #: Current vLLM multi-head latent attention, ``[num_blocks, 1, block_size, latent]``.
     VLLM_MLA = "vllm_mla"
-    #: Older vLLM flash-attention: ``[2, num_blocks, block_size, H, D]``
+    #: Older vLLM flash-attention, ``[2, num_blocks, block_size, H, D]``.
     FLASH_ATTN = "flash_attn"
-    #: flash-attention, heads before tokens: ``[2, num_blocks, H, block_size, D]``
+    #: Flash-attention with heads before tokens, ``[2, num_blocks, H, block_size, D]``.
     FLASH_ATTN_HND = "flash_attn_hnd"
-    #: FlashInfer-style: ``[num_blocks, 2, block_size, H, D]``
+    #: FlashInfer-style, ``[num_blocks, 2, block_size, H, D]``.
     FLASHINFER = "flashinfer"
-    #: FlashInfer-style, heads before tokens: ``[num_blocks, 2, H, block_size, D]``
+    #: FlashInfer-style with heads before tokens, ``[num_blocks, 2, H, block_size, D]``.
     FLASHINFER_HND = "flashinfer_hnd"
-    #: Older vLLM multi-head latent attention: ``[num_blocks, block_size, latent]``
+    #: Older vLLM multi-head latent attention, ``[num_blocks, block_size, latent]``.
     MLA = "mla"
-    #: SGLang's MHA pool: a pair of tensors per layer, K and V, each ``[slots, H, D]``
-    #: (pages of ``block_size`` token slots)
+    #: SGLang's MHA pool, a pair of tensors per layer (K and V), each ``[slots, H, D]``
+    #: (pages of ``block_size`` token slots).
     SGLANG = "sglang"
-    #: SGLang's MLA pool: ``[slots, 1, latent]``
+    #: SGLang's MLA pool, ``[slots, 1, latent]``.
     SGLANG_MLA = "sglang_mla"
 
 
@@ -73,6 +75,10 @@ class EngineGroupInfo:
     sliding_window: int | None = None
 
 
+#: The chunk formats a cache context can use (``CacheContextConfig.chunk_format``).
+CHUNK_FORMATS: tuple[str, ...] = ("tokens", "blocks")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheContextConfig:
     """Everything ``create_cache_context`` passes to a backend's cache-context class.
@@ -94,8 +100,15 @@ class CacheContextConfig:
     #: The engine's layer names in layer order (``model.layers.3.self_attn.attn``), so
     #: that every error names the engine's layer; empty means "use the index".
     layer_names: tuple[str, ...] = ()
+    #: How a chunk's bytes are ordered: ``"tokens"`` (token-major, readable by any
+    #: layout) or ``"blocks"`` (the engine's own blocks, copied whole: the fast path when
+    #: every reader has this layout, as in one cache namespace). See :data:`CHUNK_FORMATS`.
+    chunk_format: str = "tokens"
 
     def __post_init__(self) -> None:
+        if self.chunk_format not in CHUNK_FORMATS:
+            known = ", ".join(map(repr, CHUNK_FORMATS))
+            raise ValueError(f"chunk_format must be one of {known}, got {self.chunk_format!r}")
         if self.lmcache_tokens_per_chunk <= 0:
             raise ValueError(
                 f"lmcache_tokens_per_chunk must be positive, got {self.lmcache_tokens_per_chunk}"
@@ -120,10 +133,12 @@ class Availability:
 
     @classmethod
     def yes(cls) -> Availability:
+        """The backend can serve its device type here."""
         return cls(True)
 
     @classmethod
     def no(cls, reason: str) -> Availability:
+        """The backend cannot serve here; ``reason`` (not empty) says why, for an operator."""
         if not reason:
             raise ValueError("an unavailable backend must say why")
         return cls(False, reason)
@@ -153,12 +168,15 @@ class DoctorFinding:
 
     @classmethod
     def info(cls, message: str) -> DoctorFinding:
+        """A finding of level ``info``: a fact."""
         return cls("info", message)
 
     @classmethod
     def warning(cls, message: str) -> DoctorFinding:
+        """A finding of level ``warning``: something to fix; the message says how."""
         return cls("warning", message)
 
     @classmethod
     def error(cls, message: str) -> DoctorFinding:
+        """A finding of level ``error``: the backend cannot serve here as it stands."""
         return cls("error", message)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from ._events import DeviceEvent
     from ._ipc_wrapper import DeviceIPCWrapper
     from ._kv.context import BaseCacheContext
     from ._types import Availability, DoctorFinding
@@ -194,6 +195,32 @@ def lmcache_platform_doctor(device_type: str) -> Sequence[DoctorFinding] | None:
     naming the backend and the problem; doctor itself never fails because of it. The
     hook must be cheap, must not change anything, and must not import torch unless the
     backend's classes already do.
+
+    Required: no. Since backend API 1 (an optional hook added without a major bump).
+    """
+
+
+@hookspec(firstresult=True)
+def lmcache_platform_device_event_class(device_type: str) -> type[DeviceEvent] | None:
+    """Return the class that orders a server's copies after an engine's kernels.
+
+    Engines record an event after the kernels a transfer depends on
+    (:func:`lmcache_platform.record_event`) and send its inter-process handle with the
+    request; the server's context waits on it on its stream before it touches the
+    engine's blocks (:meth:`BaseCacheContext.wait_event
+    <lmcache_platform.BaseCacheContext.wait_event>`), so neither side synchronizes the
+    whole device. See :class:`~lmcache_platform.DeviceEvent` for the contract.
+
+    Args:
+        device_type: the device type being resolved.
+
+    Returns:
+        A subclass of :class:`~lmcache_platform.DeviceEvent`, or ``None``: a device
+        type this backend does not serve, or one whose copies complete before they
+        return (the host), which needs no events.
+
+    Enforcement: the class subclasses ``DeviceEvent`` and its ``device_type`` equals
+    the entry-point name's device type, else the backend fails.
 
     Required: no. Since backend API 1 (an optional hook added without a major bump).
     """

@@ -6,7 +6,7 @@ hacks. Importing this module is cheap (no torch); it is loaded by every pytest r
 in an environment where lmcache-platform is installed.
 
 The conformance suite's option and fixtures are a separate plugin,
-:mod:`lmcache_platform.conformance.plugin`.
+``lmcache_platform.conformance.plugin`` (see :mod:`lmcache_platform.conformance`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from . import _config
-from ._registry import REGISTRY, Registry
+from . import _env
+from ._plugins.registry import REGISTRY, Registry
 from ._types import Availability
 from ._version import API_VERSION
 from .hookspecs import hookimpl
@@ -34,8 +34,12 @@ def fake_backend(
     wire_classes: list[type] | None = None,
     probe: Availability | Callable[[], Availability] | None = None,
     api_version: int = API_VERSION,
+    event_class: type | None = None,
 ) -> types.SimpleNamespace:
-    """Build a plugin object implementing the hooks for ``device_type`` with fixed answers."""
+    """Build a plugin object implementing the hooks for ``device_type`` with fixed answers.
+
+    ``event_class`` adds the optional ``lmcache_platform_device_event_class`` hook.
+    """
 
     @hookimpl
     def lmcache_platform_api_version() -> int:
@@ -57,19 +61,21 @@ def fake_backend(
     def lmcache_platform_probe(device_type: str) -> Availability | None:
         return probe() if callable(probe) else probe
 
+    @hookimpl
+    def lmcache_platform_device_event_class(device_type: str) -> type | None:
+        return event_class if device_type == served else None
+
     served = device_type
-    return types.SimpleNamespace(
-        **{
-            f.__name__: f
-            for f in (
-                lmcache_platform_api_version,
-                lmcache_platform_cache_context_class,
-                lmcache_platform_ipc_wrapper_class,
-                lmcache_platform_wire_classes,
-                lmcache_platform_probe,
-            )
-        }
-    )
+    hooks = [
+        lmcache_platform_api_version,
+        lmcache_platform_cache_context_class,
+        lmcache_platform_ipc_wrapper_class,
+        lmcache_platform_wire_classes,
+        lmcache_platform_probe,
+    ]
+    if event_class is not None:
+        hooks.append(lmcache_platform_device_event_class)
+    return types.SimpleNamespace(**{f.__name__: f for f in hooks})
 
 
 def make_distribution(
@@ -140,7 +146,7 @@ def lmcache_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[RegistryFixtur
     Installed entry points are not read unless the test calls ``rescan()`` or
     ``add_site_dir()``; backend-selection environment variables are cleared.
     """
-    for var in (_config.ENV_BACKEND, _config.ENV_DISABLE, _config.ENV_AUTOLOAD):
+    for var in (_env.BACKEND_ENV, _env.DISABLE_ENV, _env.AUTOLOAD_ENV):
         monkeypatch.delenv(var, raising=False)
     state = REGISTRY.snapshot_all()
     REGISTRY.clear(scanned=True)

@@ -13,15 +13,15 @@ only, and a backend's own wrapper classes travel too::
     view               = [dtype, shape, stride, storage_offset]
 
 A record is one *export* (the memory: device, handle, size; every field of
-:meth:`DeviceIPCWrapper.export_fields`) and the views of it that follow each other in
+:meth:`~lmcache_platform.DeviceIPCWrapper.export_fields`) and the views of it that follow each other in
 the list, so current vLLM's 32 layer views of one allocation travel as one record
 with the handle once. Version 1 records (``[device_type, wire_tag, {field:
 primitive}]``, one wrapper each) are still accepted. The decoder checks the
 device-type string, looks the tag up in an allow-list (by default the wire classes of
 the backend this process resolved for that device type) and rebuilds the wrappers
-with :meth:`DeviceIPCWrapper.from_views`, which validates the export's fields once
+with :meth:`~lmcache_platform.DeviceIPCWrapper.from_views`, which validates the export's fields once
 and every view's fields. Nothing is mapped while decoding;
-:meth:`~DeviceIPCWrapper.to_tensor` does that later.
+:meth:`~lmcache_platform.DeviceIPCWrapper.to_tensor` does that later.
 
 Every malformed, unknown, truncated or oversized input raises
 :class:`~lmcache_platform.WireFormatError` and nothing else; the original error,
@@ -34,6 +34,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from . import _checks, _codec
+from ._env import BACKEND_ENV
 from ._errors import LMCachePlatformError, WireFormatError
 from ._ipc_wrapper import VIEW_FIELDS, DeviceIPCWrapper, Primitive
 
@@ -68,8 +69,9 @@ _WHAT = "wrapper message"
 def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
     """Encode ``wrappers`` (in order) to bytes that :func:`decode` accepts.
 
-    Consecutive wrappers of one class with equal :meth:`~DeviceIPCWrapper.export_fields`
-    share one record. Raises :class:`WireFormatError` if an item is not a wrapper, its
+    Consecutive wrappers of one class with equal
+    :meth:`~lmcache_platform.DeviceIPCWrapper.export_fields` share one record. Raises
+    :class:`~lmcache_platform.WireFormatError` if an item is not a wrapper, its
     class has no valid ``device_type``/``wire_tag``, or the message would exceed the limits.
     """
     if len(wrappers) > MAX_WRAPPERS:
@@ -106,9 +108,8 @@ def decode(
     """Decode bytes from :func:`encode`, instantiating only allow-listed classes.
 
     ``allowed`` maps wire tags to classes. By default each record's device type is
-    resolved in this process (:func:`lmcache_platform._registry.wire_classes_for`)
-    and only that backend's wire classes are accepted. Raises
-    :class:`WireFormatError` on any bad input.
+    resolved in this process and only the wire classes of the backend selected for it
+    are accepted. Raises :class:`~lmcache_platform.WireFormatError` on any bad input.
     """
     body = _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT, older=OLDER_VERSIONS)
     version = bytes(data[4:5])[0]  # unpack checked the header
@@ -184,26 +185,26 @@ def _decode_record(
 
 def _remedy(device_type: str, tag: str) -> str:
     """What to do about a tag this process refuses: both sides must select one backend."""
-    from . import _registry
+    from ._plugins import registry
 
     try:
-        info = _registry.selected_backend(device_type)
+        info = registry.selected_backend(device_type)
         mine = f"this process selected backend {info.name!r}"
         mine += f" ({info.distribution} {info.version})" if info.distribution else ""
     except LMCachePlatformError:
         mine = "this process's allow-list was registered in-process"
     return (
         f"; {mine} for {device_type!r}. The sending and the receiving process must select the "
-        f"same backend: set the same LMCACHE_PLATFORM_BACKEND for both, or install here the "
+        f"same backend: set the same {BACKEND_ENV} for both, or install here the "
         f"backend whose wire tag is {tag!r}"
     )
 
 
 def _classes_for(where: str, device_type: str) -> Mapping[str, type[DeviceIPCWrapper]]:
-    from . import _registry
+    from ._plugins import registry
 
     try:
-        return _registry.wire_classes_for(device_type)
+        return registry.wire_classes_for(device_type)
     except LMCachePlatformError as exc:
         raise WireFormatError(
             f"{where}: device type {device_type!r} is not served in this process: {exc}"

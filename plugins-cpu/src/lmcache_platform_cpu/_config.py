@@ -9,10 +9,9 @@ launcher can set it late. The receiving side accepts both kinds whatever it says
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
-from lmcache_platform import BackendLoadError
+from lmcache_platform import env_choice
 
 IPC_ENV = "LMCACHE_PLATFORM_CPU_IPC"
 IpcKind = Literal["memfd", "shm"]
@@ -20,14 +19,8 @@ _KINDS: tuple[IpcKind, ...] = ("memfd", "shm")
 
 
 def ipc_kind() -> IpcKind:
-    """The IPC kind selected by :data:`IPC_ENV` (``memfd`` when unset or empty)."""
-    raw = os.environ.get(IPC_ENV, "")
-    value = raw.strip().lower() or "memfd"
-    for kind in _KINDS:
-        if value == kind:
-            return kind
-    raise BackendLoadError(
-        f"{IPC_ENV}={raw!r} is not a CPU IPC kind; use one of: {', '.join(_KINDS)}",
-        backend="cpu",
-        distribution="lmcache-platform-cpu",
-    )
+    """The IPC kind selected by :data:`IPC_ENV` (``memfd`` when unset or empty).
+
+    Any other value raises :class:`lmcache_platform.EnvironmentValueError`.
+    """
+    return env_choice(IPC_ENV, _KINDS, "memfd", what="a CPU IPC kind")

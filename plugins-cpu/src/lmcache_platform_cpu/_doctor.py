@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from lmcache_platform import DoctorFinding
+from lmcache_platform import DoctorFinding, format_bytes
 
 #: Below this, a real model's KV cache does not fit (Docker's default /dev/shm is 64 MiB).
 MIN_BYTES = 1 << 30
@@ -42,19 +42,10 @@ def shm_findings(path: str) -> list[DoctorFinding]:
     except OSError as exc:
         return [DoctorFinding.warning(f"{path} is not usable ({exc.strerror or exc}): {SHM_FIX}")]
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    out = [
-        DoctorFinding.info(f"exports CPU KV caches as {path} segments: {_gib(free)} free of {_gib(total)}")
-    ]
+    size, room = format_bytes(total), f"{format_bytes(free)} free of {format_bytes(total)}"
+    out = [DoctorFinding.info(f"exports CPU KV caches as {path} segments: {room}")]
     if total < MIN_BYTES:
-        out.append(
-            DoctorFinding.warning(f"{path} is only {_gib(total)} (CPU KV caches live there): {SHM_FIX}")
-        )
+        out.append(DoctorFinding.warning(f"{path} is only {size} (CPU KV caches live there): {SHM_FIX}"))
     elif free < MIN_BYTES:
-        out.append(
-            DoctorFinding.warning(f"{path} has only {_gib(free)} free of {_gib(total)}: free it or {SHM_FIX}")
-        )
+        out.append(DoctorFinding.warning(f"{path} has only {room}: free it or {SHM_FIX}"))
     return out
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"

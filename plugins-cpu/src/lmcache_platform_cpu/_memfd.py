@@ -26,7 +26,7 @@ import stat
 import threading
 from collections.abc import Callable, Mapping
 
-from lmcache_platform import DescriptorError, LMCachePlatformError, WireField
+from lmcache_platform import DescriptorError, LMCachePlatformError, WireField, format_bytes
 from lmcache_platform.hostmem import Handle, Headroom, memory_headroom, pid_namespace
 
 PREFIX = "lmcache_platform_"
@@ -52,13 +52,13 @@ class MemfdCapacityError(LMCachePlatformError, OSError):
     def __init__(self, needed: int, headroom: Headroom) -> None:
         if needed > headroom.free:
             what = (
-                f"a memfd of {_size(needed)} does not fit: {headroom.limit} leaves "
-                f"{_size(headroom.free)} (short by {_size(needed - headroom.free)})"
+                f"a memfd of {format_bytes(needed)} does not fit: {headroom.limit} leaves "
+                f"{format_bytes(headroom.free)} (short by {format_bytes(needed - headroom.free)})"
             )
         else:  # the kernel refused although the limit said it fits: a race, or a limit we cannot see
             what = (
-                f"the kernel refused to reserve {_size(needed)} for a memfd although {headroom.limit} "
-                f"leaves {_size(headroom.free)} (another process took the memory meanwhile)"
+                f"the kernel refused to reserve {format_bytes(needed)} for a memfd although {headroom.limit} "
+                f"leaves {format_bytes(headroom.free)} (another process took the memory meanwhile)"
             )
         super().__init__(
             errno.ENOMEM,
@@ -68,12 +68,12 @@ class MemfdCapacityError(LMCachePlatformError, OSError):
         self.needed, self.free, self.limit = needed, headroom.free, headroom.limit
 
 
-def _size(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} B"
-
-
 class MemfdStore:
-    """Sealed memfds as a :class:`lmcache_platform.hostmem.HostMemoryStore`."""
+    """Sealed memfds as a :class:`lmcache_platform.hostmem.HostMemoryStore`.
+
+    Also an ``InPlaceStore`` (``create_in_place``, ``reserve``) and a ``SideBySideStore``
+    (``open_fd``): memfds are on the system's pages, so the kit can do both.
+    """
 
     handle_fields: Mapping[str, WireField] = {
         "memfd_pidns": WireField(int, lo=0, hi=_U64),

@@ -34,7 +34,7 @@ import stat
 import threading
 from collections.abc import Mapping
 
-from lmcache_platform import DescriptorError, LMCachePlatformError, WireField
+from lmcache_platform import DescriptorError, LMCachePlatformError, WireField, format_bytes
 from lmcache_platform import hostmem as _hostmem
 from lmcache_platform.hostmem import Handle, SegmentNames
 
@@ -57,14 +57,14 @@ class ShmCapacityError(LMCachePlatformError, OSError):
     def __init__(self, needed: int, free: int) -> None:
         if needed > free:
             what = (
-                f"{SHM_DIR} has {_size(free)} free but a segment of {_size(needed)} is needed "
-                f"(short by {_size(needed - free)})"
+                f"{SHM_DIR} has {format_bytes(free)} free but a segment of {format_bytes(needed)} is needed "
+                f"(short by {format_bytes(needed - free)})"
             )
         else:  # the kernel refused although statvfs said it fits: a cgroup limit, or a race
             what = (
-                f"the kernel refused to reserve {_size(needed)} in {SHM_DIR} although {_size(free)} "
-                "are reported free (a memory-cgroup limit on tmpfs pages, or another process "
-                "took the space)"
+                f"the kernel refused to reserve {format_bytes(needed)} in {SHM_DIR} although "
+                f"{format_bytes(free)} are reported free (a memory-cgroup limit on tmpfs pages, or "
+                "another process took the space)"
             )
         super().__init__(
             errno.ENOSPC,
@@ -74,13 +74,6 @@ class ShmCapacityError(LMCachePlatformError, OSError):
         )
         self.needed = needed
         self.free = free
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
 
 
 # -- names ------------------------------------------------------------------------
@@ -289,6 +282,8 @@ def _after_fork_in_child() -> None:
 
 class ShmStore:
     """/dev/shm as a :class:`lmcache_platform.hostmem.HostMemoryStore`: the handle is the name.
+
+    Also an ``InPlaceStore`` and a ``SideBySideStore``, like the memfd store.
 
     Each method looks its module function up when called, so the module stays the
     one place (and the one thing tests patch) for the shared-memory rules.

@@ -10,15 +10,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._cache_context import GPUCacheContext
     from ._config import IPC_ENV
+    from ._event import CudaEvent
     from ._raw_ipc import RawCudaIPCWrapper
     from ._torch_ipc import CudaIPCWrapper
 
-__all__ = ["IPC_ENV", "CudaIPCWrapper", "GPUCacheContext", "RawCudaIPCWrapper"]
+__all__ = ["IPC_ENV", "CudaEvent", "CudaIPCWrapper", "GPUCacheContext", "RawCudaIPCWrapper"]
 
 _LAZY = {
     "CudaIPCWrapper": "._torch_ipc",
     "RawCudaIPCWrapper": "._raw_ipc",
     "GPUCacheContext": "._cache_context",
+    "CudaEvent": "._event",
     "IPC_ENV": "._config",
 }
 

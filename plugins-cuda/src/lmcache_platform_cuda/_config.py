@@ -9,25 +9,18 @@ receiving side accepts both kinds whatever the variable says.
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
-from lmcache_platform import BackendLoadError
+from lmcache_platform import env_choice
 
 IPC_ENV = "LMCACHE_PLATFORM_CUDA_IPC"
-IpcMode = Literal["torch", "raw"]
-_MODES: tuple[IpcMode, ...] = ("torch", "raw")
+IpcKind = Literal["torch", "raw"]
+_KINDS: tuple[IpcKind, ...] = ("torch", "raw")
 
 
-def ipc_mode() -> IpcMode:
-    """The IPC kind selected by :data:`IPC_ENV` (``torch`` when unset or empty)."""
-    raw = os.environ.get(IPC_ENV, "")
-    value = raw.strip().lower() or "torch"
-    for mode in _MODES:
-        if value == mode:
-            return mode
-    raise BackendLoadError(
-        f"{IPC_ENV}={raw!r} is not a CUDA IPC kind; use one of: {', '.join(_MODES)}",
-        backend="cuda",
-        distribution="lmcache-platform-cuda",
-    )
+def ipc_kind() -> IpcKind:
+    """The IPC kind selected by :data:`IPC_ENV` (``torch`` when unset or empty).
+
+    Any other value raises :class:`lmcache_platform.EnvironmentValueError`.
+    """
+    return env_choice(IPC_ENV, _KINDS, "torch", what="a CUDA IPC kind")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lmcache_platform import hookimpl
 
 if TYPE_CHECKING:
-    from lmcache_platform import Availability, BaseCacheContext, DeviceIPCWrapper
+    from lmcache_platform import Availability, BaseCacheContext, DeviceEvent, DeviceIPCWrapper
 
 DEVICE_TYPE = "cuda"
 #: The backend-API major this code was written against: a literal, never
@@ -48,9 +48,9 @@ def lmcache_platform_ipc_wrapper_class(device_type: str) -> type[DeviceIPCWrappe
     """``CudaIPCWrapper``, or ``RawCudaIPCWrapper`` when ``LMCACHE_PLATFORM_CUDA_IPC=raw``."""
     if device_type != DEVICE_TYPE:
         return None
-    from ._config import ipc_mode
+    from ._config import ipc_kind
 
-    if ipc_mode() == "raw":
+    if ipc_kind() == "raw":
         from ._raw_ipc import RawCudaIPCWrapper
 
         return RawCudaIPCWrapper
@@ -68,3 +68,13 @@ def lmcache_platform_wire_classes(device_type: str) -> Sequence[type[DeviceIPCWr
     from ._torch_ipc import CudaIPCWrapper
 
     return (CudaIPCWrapper, RawCudaIPCWrapper)
+
+
+@hookimpl
+def lmcache_platform_device_event_class(device_type: str) -> type[DeviceEvent] | None:
+    """``CudaEvent``: servers order their copies after the engine's kernels without a device sync."""
+    if device_type != DEVICE_TYPE:
+        return None
+    from ._event import CudaEvent
+
+    return CudaEvent

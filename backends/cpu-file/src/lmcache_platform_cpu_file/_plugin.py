@@ -77,13 +77,13 @@ def lmcache_platform_doctor(device_type: str) -> list[DoctorFinding] | None:
     """Where the KV files live and how much room is left there (``lmcache-platform doctor``)."""
     if device_type != DEVICE_TYPE:
         return None
-    from lmcache_platform import DoctorFinding
+    from lmcache_platform import DoctorFinding, format_bytes
 
     from . import _store
 
     d = _store.directory()  # doctor asks only when the probe said yes: it is configured
     free = d.free_bytes()
-    found = [DoctorFinding.info(f"KV files in {d.path}: {free / (1 << 30):.2f} GiB free")]
+    found = [DoctorFinding.info(f"KV files in {d.path}: {format_bytes(free)} free")]
     if free < 1 << 30:
         found.append(
             DoctorFinding.warning(

@@ -1,5 +1,8 @@
 """KV files in one operator-chosen directory: a :class:`~lmcache_platform.hostmem.HostMemoryStore`.
 
+It is also a :class:`~lmcache_platform.hostmem.SideBySideStore` (``open_fd``), so a
+server maps the separate files of an engine's layers side by side in one range.
+
 The directory (``LMCACHE_PLATFORM_CPU_FILE_DIR``) is where the KV caches live: a large
 tmpfs, a hugetlbfs mount or local NVMe, for containers whose /dev/shm is tiny.
 
@@ -16,7 +19,9 @@ Security, all enforced here:
 
 A file is exactly as large as the storage it holds, except where the file
 system's block is larger than a page (hugetlbfs maps whole huge pages only): there
-sizes are rounded up to the block, and the size check compares rounded sizes.
+sizes are rounded up to the block, and the size check compares rounded sizes. The
+kit reads the page size from the open file, so side-by-side places start on huge
+page boundaries there.
 This process unlinks only the files it created: when their last tensor or wrapper
 goes, and at exit. No torch here.
 """
@@ -34,7 +39,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lmcache_platform import DescriptorError, LMCachePlatformError, WireField
+from lmcache_platform import DescriptorError, LMCachePlatformError, WireField, format_bytes
 from lmcache_platform.hostmem import Handle, SegmentNames
 
 #: The environment variable naming the directory; both processes must agree on it.
@@ -56,11 +61,14 @@ class FileCapacityError(LMCachePlatformError, OSError):
 
     def __init__(self, path: str, needed: int, free: int) -> None:
         if needed > free:
-            what = f"{path} has {free} bytes free but {needed} are needed (short by {needed - free})"
+            what = (
+                f"{path} has {format_bytes(free)} free but {format_bytes(needed)} are needed "
+                f"(short by {format_bytes(needed - free)})"
+            )
         else:  # the file system refused although statvfs said it fits: a quota, or a race
             what = (
-                f"{path} refused to reserve {needed} bytes although {free} are reported free "
-                "(a quota, a memory-cgroup limit on tmpfs pages, or a race)"
+                f"{path} refused to reserve {format_bytes(needed)} although {format_bytes(free)} are "
+                "reported free (a quota, a memory-cgroup limit on tmpfs pages, or a race)"
             )
         super().__init__(
             errno.ENOSPC,
@@ -198,6 +206,15 @@ class FileStore:
             os.close(fd)
 
     def open_existing(self, handle: Handle, nbytes: int) -> mmap.mmap:
+        fd = self.open_fd(handle, nbytes)
+        try:
+            size = directory().file_size(nbytes)
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def open_fd(self, handle: Handle, nbytes: int) -> int:
+        """The checks of :meth:`open_existing`, then the open file (``SideBySideStore``)."""
         name: str = handle["file_name"]
         NAMES.parse(name)
         d = directory()
@@ -212,11 +229,11 @@ class FileStore:
             what = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
             raise DescriptorError(f"KV file {name!r} in {d.path} {what}") from exc
         try:
-            size = d.file_size(nbytes)
-            _verify(d, name, os.fstat(fd), size)
-            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            _verify(d, name, os.fstat(fd), d.file_size(nbytes))
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def release(self, handle: Handle) -> bool:
         name: str = handle["file_name"]

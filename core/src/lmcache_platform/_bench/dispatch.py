@@ -122,7 +122,7 @@ def bench_create_dispatch(report: Report, settings: Settings, *, layers: int = 3
     import torch
 
     from .. import create_cache_context
-    from .._registry import REGISTRY
+    from .._plugins.registry import REGISTRY
     from .._types import CacheContextConfig
 
     ctx_cls, wrapper_cls, plugin = _null_backend()

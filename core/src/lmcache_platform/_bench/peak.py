@@ -25,6 +25,7 @@ import subprocess
 import sys
 from typing import Any
 
+from .kvsets import kv_set, no_room, size_params, sizes_of
 from .stats import Report, Result, Settings, Skip, SpeedTarget
 
 METHODS = ("wrap", "empty", "share_memory_")
@@ -60,14 +61,12 @@ LABELS = {
 
 def bench_peak(report: Report, settings: Settings) -> None:
     """Peak memory added by sharing the hand-off set, per method and size (fresh processes)."""
-    from .handoff import _params, _room_for, sizes_of
-
     for size in sizes_of(settings):
-        params = _params(size, "cpu", settings.layout)
+        params = size_params(size, "cpu", settings.layout)
         for method in METHODS:
             if method == "empty" and settings.layout != "vllm":
                 continue  # born shared means one allocation: the views-of-one-allocation set
-            why = _room_for(2 * size if method == "share_memory_" else size, size, "cpu")
+            why = no_room(2 * size if method == "share_memory_" else size, size, "cpu")
             if why:
                 report.skipped.append(Skip("migration memory", LABELS[method], why, params))
                 continue
@@ -133,7 +132,6 @@ def _born_shared(size: int, layout: str) -> list[Any]:
     import torch
 
     from .. import get_kv_wrapper_factory
-    from .handoff import kv_set
 
     owner = getattr(get_kv_wrapper_factory("cpu"), "__self__", None)
     if owner is None or not hasattr(owner, "empty"):
@@ -154,7 +152,6 @@ def main(argv: list[str]) -> None:
     import torch
 
     from .. import wrap_kv_caches
-    from .handoff import kv_set
 
     tensors = _born_shared(size, layout) if method == "empty" else kv_set(size, "cpu", layout)
     reset = _reset_peak()

@@ -7,36 +7,59 @@ allocation, one view per layer), then its MLA, SGLang's pools and the older form
 
 A 32-layer model's paged KV caches are wrapped through the facade and a context is
 built with :func:`create_cache_context` (in this process: the context reopens the
-same memory through the wrappers, as a server would). Each run moves every chunk of
-the cache once, 256 tokens per chunk, through the staging slots in turn, with the
+same memory through the wrappers, as a server would), once per chunk format: the
+token-major ``"tokens"`` and the engine's own ``"blocks"``. Each run moves every chunk
+of the cache once, 256 tokens per chunk, through the staging slots in turn, with the
 blocks of each chunk scattered over the cache as a paged allocator leaves them.
 
 The ceiling is a plain ``copy_`` of the same bytes per chunk in the same run, with
 the same traffic shape: store reads chunk ``i`` from a pool as large as the cache
 and writes a slot-sized buffer; retrieve the reverse. Copying one small buffer over
 and over would run from the CPU cache and overstate the ceiling.
+
+The server path, for current vLLM's layouts: the same chunks through a reference
+server in its own process (with the run's torch thread count), over its socket. One
+``put`` of every chunk of the cache under fresh keys (so each is copied: the server reads
+the engine's blocks into fresh host memory), then one ``get`` of them back into the
+blocks, each timed from the request to its reply, against the same ``copy_`` ceiling.
+The server's cache holds two such puts, and warm-up puts fill it first: each timed put
+evicts what it stores, the steady state of a serving cache. (A cache still growing
+into memory the host never touched measures the host's first touch instead: about
+0.25 GB/s on the development VM.)
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._errors import LMCachePlatformError
-from .._kv.layout import FORMATS, allocate_kv_caches
+from .._kv.layout import FORMATS
 from .._types import KVFormat, LayoutHints
+from .kvsets import BLOCK_SIZE, HEAD_SIZE, HEADS, LAYERS, engine_layers
 from .stats import Report, Result, Settings, Skip, SpeedTarget
 
 if TYPE_CHECKING:
     import torch
 
+    from .._kv.context import BaseCacheContext
+    from ..server import ServerClient
+
 #: store and retrieve must reach this share of copy_ bandwidth.
 BANDWIDTH_SHARE = 0.8
-BLOCK_SIZE = 16
+#: The connector's loads and stores through the server must reach this share (issue 21).
+SERVER_SHARE = 0.5
 TOKENS_PER_CHUNK = 256
-#: A Llama-3-8B-like model; MLA layers hold DeepSeek's 576-wide latent instead of heads.
-LAYERS, HEADS, HEAD_SIZE, MLA_HEAD_SIZE = 32, 8, 128, 576
+#: MLA layers hold DeepSeek's 576-wide latent instead of the model's heads.
+MLA_HEAD_SIZE = 576
+CHUNK_FORMATS = ("tokens", "blocks")
+#: Untimed puts before the server path's timed ones: enough to fill its cache.
+_SERVER_WARMUP = 3
+_OMP_ENV = "OMP_NUM_THREADS"
 
 
 #: (format, engine layout): what the section measures, in this order. The layout name is
@@ -48,44 +71,21 @@ CASES: tuple[tuple[KVFormat, str | None], ...] = (
     (KVFormat.VLLM_MLA, "LBNHC"),
     *((f, None) for f in KVFormat if not FORMATS[f].engine_views),
 )
+#: The cases also measured through a server process.
+SERVER_CASES: tuple[tuple[KVFormat, str | None], ...] = CASES[:3]
 
 
 def case_name(fmt: KVFormat, engine_layout: str | None) -> str:
     return fmt.value + (f"-{engine_layout}" if engine_layout else "")
 
 
-def _allocate(
-    fmt: KVFormat, engine_layout: str | None, num_blocks: int, heads: int, head_size: int, device: str
-) -> list[Any]:
-    """The layers as the engine of ``fmt`` allocates them, every page written once."""
-    import torch
-
-    layers = allocate_kv_caches(
-        fmt,
-        num_layers=1 if engine_layout is None else LAYERS,
-        num_blocks=num_blocks,
-        block_size=BLOCK_SIZE,
-        num_kv_heads=heads,
-        head_size=head_size,
-        dtype=torch.float16,
-        device=device,
-        engine_layout=engine_layout,
-    )
-    if engine_layout is None:  # one allocation per layer (per tensor, for a pair)
-        first = layers[0]
-        layers = [
-            (first[0].clone(), first[1].clone()) if isinstance(first, tuple) else first.clone()
-            for _ in range(LAYERS)
-        ]
-    # Contents do not matter for bandwidth; writing them does (every page is touched).
-    for entry in layers:
-        for t in entry if isinstance(entry, tuple) else (entry,):
-            t.fill_(1)
-    return layers
+def suffix(chunk_format: str) -> str:
+    """What a case name gains for a chunk format: nothing for the token-major default."""
+    return "" if chunk_format == "tokens" else f" ({chunk_format})"
 
 
 def bench_transfer(report: Report, settings: Settings) -> None:
-    """Store/retrieve GB/s per format next to the ``copy_`` ceiling of the same bytes."""
+    """Store/retrieve GB/s per format and chunk format next to the ``copy_`` ceiling."""
     import torch
 
     device = settings.device
@@ -95,39 +95,104 @@ def bench_transfer(report: Report, settings: Settings) -> None:
     num_blocks = chunks * blocks_per_chunk
     sync = _synchronizer(device)
     gen = torch.Generator().manual_seed(0)
-    for fmt, engine_layout in CASES:
-        mla = FORMATS[fmt].planes == 1
-        d = MLA_HEAD_SIZE if mla else HEAD_SIZE
-        name = case_name(fmt, engine_layout)
-        params = {
-            "format": fmt.value,
-            "engine_layout": engine_layout,
-            "layers": LAYERS,
-            "tokens": TOKENS_PER_CHUNK,
-            "heads": 1 if mla else HEADS,
-            "head_size": d,
-        }
-        try:
-            measured = _one_format(fmt, engine_layout, device, num_blocks, HEADS, d, runs, sync, gen)
-        except LMCachePlatformError as exc:
-            report.skipped.append(Skip("transfer", name, str(exc).splitlines()[0], params))
-            continue
-        chunk_bytes, rows = measured
-        params["chunk_bytes"] = chunk_bytes
-        out = {name: Result("transfer", name, "GB/s", tuple(v), params) for name, v in rows.items()}
-        store = out["store_chunk"].relative_to(out["copy_ (store-shaped)"])
-        retrieve = out["retrieve_chunk"].relative_to(out["copy_ (retrieve-shaped)"])
-        report.results += [out["copy_ (store-shaped)"], store, out["copy_ (retrieve-shaped)"], retrieve]
-        worst = min(store.ratio or 0.0, retrieve.ratio or 0.0)
+    with _Server(chunks, report) as server:
+        for fmt, engine_layout in CASES:
+            mla = FORMATS[fmt].planes == 1
+            d = MLA_HEAD_SIZE if mla else HEAD_SIZE
+            name = case_name(fmt, engine_layout)
+            params: dict[str, Any] = {
+                "format": fmt.value,
+                "engine_layout": engine_layout,
+                "layers": LAYERS,
+                "tokens": TOKENS_PER_CHUNK,
+                "heads": 1 if mla else HEADS,
+                "head_size": d,
+            }
+            on_server = server if (fmt, engine_layout) in SERVER_CASES else None
+            try:
+                measured = _one_format(
+                    fmt, engine_layout, device, num_blocks, HEADS, d, runs, sync, gen, on_server
+                )
+            except LMCachePlatformError as exc:
+                report.skipped.append(Skip("transfer", name, str(exc).splitlines()[0], params))
+                continue
+            chunk_bytes, rows = measured
+            params["chunk_bytes"] = chunk_bytes
+            _report_rows(report, name, params, rows)
+
+
+def _report_rows(report: Report, name: str, params: dict[str, Any], rows: dict[str, list[float]]) -> None:
+    """Results with their ratios to the ``copy_`` ceilings, and the section's targets."""
+
+    def result(case: str, **extra: Any) -> Result:
+        return Result("transfer", case, "GB/s", tuple(rows[case]), {**params, **extra})
+
+    store_copy, retrieve_copy = result("copy_ (store-shaped)"), result("copy_ (retrieve-shaped)")
+    report.results += [store_copy, retrieve_copy]
+    for chunk_format in CHUNK_FORMATS:
+        tag = suffix(chunk_format)
+        store = result(f"store_chunk{tag}", chunk_format=chunk_format).relative_to(store_copy)
+        retrieve = result(f"retrieve_chunk{tag}", chunk_format=chunk_format).relative_to(retrieve_copy)
+        report.results += [store, retrieve]
         report.targets.append(
             SpeedTarget.at_least(
-                f"transfer.{name}",
-                f"{name}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
-                worst,
+                f"transfer.{name}" + ("" if chunk_format == "tokens" else f".{chunk_format}"),
+                f"{name}{tag}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
+                min(store.ratio or 0.0, retrieve.ratio or 0.0),
                 BANDWIDTH_SHARE,
                 note=f"store {store.ratio:.2f}, retrieve {retrieve.ratio:.2f} of copy_",
             )
         )
+        if f"server put{tag}" not in rows:
+            continue
+        put = result(f"server put{tag}", chunk_format=chunk_format, path="server").relative_to(store_copy)
+        get = result(f"server get{tag}", chunk_format=chunk_format, path="server").relative_to(retrieve_copy)
+        report.results += [put, get]
+        report.targets.append(
+            SpeedTarget.at_least(
+                f"transfer.server.{name}" + ("" if chunk_format == "tokens" else f".{chunk_format}"),
+                f"{name}{tag} through the server: put and get >= {SERVER_SHARE:.0%} of copy_ bandwidth",
+                min(put.ratio or 0.0, get.ratio or 0.0),
+                SERVER_SHARE,
+                note=f"put {put.ratio:.2f}, get {get.ratio:.2f} of copy_",
+            )
+        )
+
+
+class _Server:
+    """A reference server process for the section, started on first use."""
+
+    def __init__(self, chunks: int, report: Report) -> None:
+        self.chunks = chunks
+        self.report = report
+        self.process: Any = None
+        self.keys = itertools.count()
+
+    def client(self) -> ServerClient:
+        import torch
+
+        from ..server import ServerClient, ServerProcess
+
+        if self.process is None:
+            # Room for two puts of the largest case: from the third on, a put evicts as much
+            # as it stores. The spawned process takes this run's thread count from the env.
+            saved = os.environ.get(_OMP_ENV)
+            os.environ[_OMP_ENV] = str(torch.get_num_threads())
+            try:
+                self.process = ServerProcess(max_host_bytes=2 * self.chunks * (32 << 20)).start()
+            finally:
+                if saved is None:
+                    del os.environ[_OMP_ENV]
+                else:
+                    os.environ[_OMP_ENV] = saved
+        return ServerClient(self.process.socket_path, timeout=600)
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.stop()
 
 
 def _one_format(
@@ -140,36 +205,44 @@ def _one_format(
     runs: int,
     sync: Callable[[], None],
     gen: torch.Generator,
+    server: _Server | None = None,
 ) -> tuple[int, dict[str, list[float]]]:
     import torch
 
     from .. import create_cache_context, wire, wrap_kv_caches
 
-    tensors = _allocate(fmt, engine_layout, num_blocks, heads, head_size, device)
+    tensors = engine_layers(fmt, engine_layout, num_blocks, heads, head_size, device)
     hints = LayoutHints(
         kv_format=fmt,
         block_size=BLOCK_SIZE,
         engine_layout=engine_layout,
         num_kv_heads=None if FORMATS[fmt].planes == 1 else heads,
     )
+    per_chunk = TOKENS_PER_CHUNK // BLOCK_SIZE
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    chunk_ids = [[order[i : i + per_chunk]] for i in range(0, num_blocks, per_chunk)]
     wrapped = wrap_kv_caches(tensors)
+    rows: dict[str, list[float]] = {}
     try:  # as a server gets them: through the wire (views of one export share one mapping)
         flat = [w for entry in wrapped for w in (entry if isinstance(entry, tuple) else (entry,))]
-        received = iter(wire.decode(wire.encode(flat)))
-        layers = [
-            (next(received), next(received)) if isinstance(e, tuple) else next(received) for e in wrapped
-        ]
-        ctx = create_cache_context(layers, TOKENS_PER_CHUNK, layout_hints=hints)
+        contexts = {}
+        for chunk_format in CHUNK_FORMATS:
+            received = iter(wire.decode(wire.encode(flat)))
+            layers = [
+                (next(received), next(received)) if isinstance(e, tuple) else next(received) for e in wrapped
+            ]
+            contexts[chunk_format] = create_cache_context(
+                layers, TOKENS_PER_CHUNK, layout_hints=hints, chunk_format=chunk_format
+            )
+        if server is not None:
+            rows.update(_server_rows(server, wrapped, hints, chunk_ids, runs))
     finally:
         for entry in wrapped:
             for w in entry if isinstance(entry, tuple) else (entry,):
                 w.close()
-    with ctx:
+    with contexts["tokens"] as ctx, contexts["blocks"] as blocks_ctx:
         slots = ctx.max_batch_size
         chunk_bytes = ctx.cache_size_per_token() * TOKENS_PER_CHUNK
-        per_chunk = TOKENS_PER_CHUNK // BLOCK_SIZE
-        order = torch.randperm(num_blocks, generator=gen).tolist()
-        chunk_ids = [[order[i : i + per_chunk]] for i in range(0, num_blocks, per_chunk)]
         moved = chunk_bytes * len(chunk_ids)
 
         pool = torch.empty(moved, dtype=torch.uint8, device=device)
@@ -188,11 +261,13 @@ def _one_format(
 
         cases: dict[str, Callable[[], None]] = {
             "copy_ (store-shaped)": each(lambda i: slot_bufs[i % slots].copy_(pool_chunks[i])),
-            "store_chunk": each(lambda i: ctx.store_chunk(chunk_ids[i], slot=i % slots)),
             "copy_ (retrieve-shaped)": each(lambda i: pool_chunks[i].copy_(slot_bufs[i % slots])),
-            "retrieve_chunk": each(lambda i: ctx.retrieve_chunk(chunk_ids[i], slot=i % slots)),
         }
-        rows: dict[str, list[float]] = {name: [] for name in cases}
+        for chunk_format, c in (("tokens", ctx), ("blocks", blocks_ctx)):
+            tag = suffix(chunk_format)
+            cases[f"store_chunk{tag}"] = each(functools.partial(_store, c, chunk_ids, slots))
+            cases[f"retrieve_chunk{tag}"] = each(functools.partial(_retrieve, c, chunk_ids, slots))
+        rows.update({name: [] for name in cases})
         for fn in cases.values():  # warm up: fault in every page of every mapping once
             fn()
         for _ in range(runs):  # interleaved, so drift on a shared machine hits all alike
@@ -201,6 +276,58 @@ def _one_format(
                 fn()
                 rows[name].append(moved / (time.perf_counter() - t0) / 1e9)
     return chunk_bytes, rows
+
+
+def _store(ctx: BaseCacheContext, chunk_ids: list[list[list[int]]], slots: int, i: int) -> None:
+    ctx.store_chunk(chunk_ids[i], slot=i % slots)
+
+
+def _retrieve(ctx: BaseCacheContext, chunk_ids: list[list[list[int]]], slots: int, i: int) -> None:
+    ctx.retrieve_chunk(chunk_ids[i], slot=i % slots)
+
+
+def _server_rows(
+    server: _Server, wrapped: Any, hints: LayoutHints, chunk_ids: list[list[list[int]]], runs: int
+) -> dict[str, list[float]]:
+    """GB/s of a put of every chunk under fresh keys, and of a get of them back, per format."""
+    from ..server import cache_namespace
+
+    rows: dict[str, list[float]] = {}
+    with server.client() as client:
+        for chunk_format in CHUNK_FORMATS:
+            ns = cache_namespace(
+                model=f"bench-{chunk_format}-{next(server.keys)}",  # one per registration
+                kv_layout=str(hints),
+                dtype="float16",
+                block_size=BLOCK_SIZE,
+                chunk_size=TOKENS_PER_CHUNK,
+            )
+            reg = client.register(
+                wrapped,
+                namespace=ns,
+                lmcache_tokens_per_chunk=TOKENS_PER_CHUNK,
+                layout_hints=hints,
+                chunk_format=chunk_format,
+            )
+            tag = suffix(chunk_format)
+            puts, gets = rows.setdefault(f"server put{tag}", []), rows.setdefault(f"server get{tag}", [])
+            moved = reg.chunk_bytes * len(chunk_ids)
+            for trial in range(runs + _SERVER_WARMUP):  # the first fill the cache
+                keys = [next(server.keys).to_bytes(8, "big").ljust(32, b"b") for _ in chunk_ids]
+                t0 = time.perf_counter()
+                stored = client.put(reg.context, list(zip(keys, chunk_ids, strict=True))).stored
+                t1 = time.perf_counter()
+                got = client.get(reg.context, list(zip(keys, chunk_ids, strict=True))).retrieved
+                t2 = time.perf_counter()
+                if stored != len(keys) or got != len(keys):
+                    raise LMCachePlatformError(
+                        f"the server stored {stored} and gave back {got} of {len(keys)}"
+                    )
+                if trial >= _SERVER_WARMUP:
+                    puts.append(moved / (t1 - t0) / 1e9)
+                    gets.append(moved / (t2 - t1) / 1e9)
+            client.unregister(reg.context)
+    return rows
 
 
 def _synchronizer(device: str) -> Callable[[], None]:

@@ -2,7 +2,8 @@
 
 Subcommand modules are imported only when their command runs, so ``--help`` and
 ``list`` stay fast and never import torch. Each exposes ``add_arguments(parser)``
-and ``run(args) -> int``. ``python -m lmcache_platform._cli`` runs it too (``__main__``).
+and ``run(args) -> int``. ``python -m lmcache_platform`` runs it too (the package's
+``__main__``; ``python -m lmcache_platform._cli`` still works).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check": ("lmcache_platform._cli.check", "run the conformance suite against a backend"),
     "bench": ("lmcache_platform._cli.bench", "benchmark hand-off, transfers and dispatch"),
     "serve": ("lmcache_platform._cli.serve", "run the reference KV-cache server in the foreground"),
+    "status": ("lmcache_platform._cli.status", "print a running reference server's counters"),
 }
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from .._bench.stats import NOISY_SPREAD, Report, Result, Settings, Skip, figure
 from .._errors import LMCachePlatformError
+from .._units import parse_bytes
 from . import positive_int as _positive
 
 #: section -> (title, parameter columns, what ratios compare with)
@@ -111,17 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
 def parse_sizes(text: str) -> tuple[int, ...]:
-    """``"64M,1G"`` -> bytes; K, M and G are binary units (an optional ``iB``/``B`` is allowed)."""
+    """``"64M,1G"`` -> bytes: a comma-separated list in :func:`~lmcache_platform.parse_bytes`'s grammar."""
     sizes = []
     for item in text.split(","):
-        raw = item.strip().lower().removesuffix("ib").removesuffix("b")
-        unit = raw[-1] if raw and raw[-1] in "kmg" else ""
         try:
-            value = int(float(raw.removesuffix(unit) if unit else raw) * _UNITS[unit])
+            value = parse_bytes(item)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a size: {item!r} (use e.g. 64M or 1G)") from None
         if value < 1 << 20:
@@ -222,8 +218,10 @@ def _sections(settings: Settings, report: Report) -> dict[str, Callable[[], None
 
     def migration() -> None:
         from .._bench.handoff import bench_migration
+        from .._bench.peak import bench_peak
 
         bench_migration(report, settings)
+        bench_peak(report, settings)
 
     def transfer() -> None:
         from .._bench.transfer import bench_transfer
@@ -255,7 +253,7 @@ def _loadavg() -> list[float] | None:
 def _meta(settings: Settings) -> dict[str, Any]:
     import torch
 
-    from .._bench.handoff import memory_available
+    from .._bench.kvsets import memory_available
     from .._version import __version__
 
     mem, shm = memory_available()
@@ -275,7 +273,7 @@ def _meta(settings: Settings) -> dict[str, Any]:
         "loadavg_start": _loadavg(),
     }
     try:
-        from .._registry import selected_backend
+        from .._plugins.registry import selected_backend
 
         b = selected_backend(settings.device)
         meta["backend"] = {"name": b.name, "distribution": b.distribution, "version": b.version}

@@ -1,5 +1,8 @@
 """``lmcache-platform check NAME``: run the conformance suite against an installed backend.
 
+``lmcache-platform check --remote URL`` runs the remote-store conformance suite
+(``lmcache_platform.remote.conformance``) against a live store instead, the same way.
+
 It runs ``pytest --pyargs lmcache_platform.conformance --lmcache-backend NAME`` in a
 subprocess, isolated from any pytest configuration of the current directory (a
 vendor's own ``addopts`` or plugins must not change the verdict), then prints a
@@ -27,8 +30,23 @@ from .._version import API_VERSION
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "name", metavar="NAME", help="backend to check: its entry-point name (cpu, cuda, cpu.file, ...)"
+        "name",
+        metavar="NAME",
+        nargs="?",
+        help="backend to check: its entry-point name (cpu, cuda, cpu.file, ...)",
     )
+    remote = parser.add_argument_group("remote stores (instead of NAME)")
+    remote.add_argument(
+        "--remote", metavar="URL", help="check the remote store URL names (valkey://host:6379/0, ...)"
+    )
+    remote.add_argument(
+        "--remote-option", metavar="KEY=VALUE", action="append", default=[], help="a store setting"
+    )
+    remote.add_argument("--remote-password-env", metavar="NAME", help="the variable holding its password")
+    remote.add_argument("--remote-password-file", metavar="PATH", help="the file holding its password")
+    remote.add_argument("--remote-tls-ca", metavar="PATH", help="CA certificates to trust")
+    remote.add_argument("--remote-tls-cert", metavar="PATH", help="client certificate (mutual TLS)")
+    remote.add_argument("--remote-tls-key", metavar="PATH", help="the client certificate's key")
     parser.add_argument("-k", metavar="EXPR", dest="keyword", help="only checks matching EXPR (pytest -k)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     parser.add_argument("--junitxml", metavar="PATH", help="also write a JUnit XML report (for CI)")
@@ -46,14 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namespace) -> list[str]:
     ini = workdir / "pytest.ini"
     ini.write_text("[pytest]\n")
+    remote = getattr(args, "remote", None)
+    suite = ["lmcache_platform.remote.conformance", "--lmcache-remote", remote] if remote else None
     cmd = [
         sys.executable,
         "-m",
         "pytest",
         "--pyargs",
-        "lmcache_platform.conformance",
-        "--lmcache-backend",
-        name,
+        *(suite or ["lmcache_platform.conformance", "--lmcache-backend", name]),
         "-c",
         str(ini),
         "--rootdir",
@@ -65,10 +83,21 @@ def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namesp
         "--lmcache-report",
         str(report),
         "-q",
-        "-rfEs",
+        "-rfE",  # no "s": pytest repeats a skip reason per test location; the summary counts them
     ]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         cmd += ["-p", "lmcache_platform.conformance.plugin"]  # it carries --lmcache-backend
+        if remote:
+            cmd += ["-p", "lmcache_platform.remote.conformance.plugin"]
+    if remote:
+        for item in args.remote_option:
+            cmd += ["--lmcache-remote-option", item]
+        if args.remote_password_env:
+            cmd += ["--lmcache-remote-password-env", args.remote_password_env]
+        for flag in ("password_file", "tls_ca", "tls_cert", "tls_key"):  # paths: pytest runs elsewhere
+            path = getattr(args, f"remote_{flag}")
+            if path:
+                cmd += [f"--lmcache-remote-{flag.replace('_', '-')}", os.path.abspath(path)]
     if args.keyword:
         cmd += ["-k", args.keyword]
     if args.exitfirst:
@@ -92,8 +121,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.remote or not args.name:
+        if bool(args.remote) == bool(args.name):
+            print("lmcache-platform check: give a backend NAME or --remote URL", file=sys.stderr)
+            return 2
+        args.name = args.remote
     installed = installed_names()
-    if args.name not in installed:
+    if not args.remote and args.name not in installed:
         print(
             f"lmcache-platform check: no installed backend is named {args.name!r} "
             f"(installed: {', '.join(installed) or 'none'})",
@@ -116,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
         time.perf_counter() - started,
         allow_unavailable=args.allow_unavailable,
     )
+    if args.remote:
+        from ..remote import REMOTE_API_VERSION
+
+        summary["backend"]["kind"] = "remote store"
+        summary["api_version"] = REMOTE_API_VERSION
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -130,7 +169,11 @@ def summarize(
     counts = {k: 0 for k in ("passed", "failed", "error", "skipped")}
     for r in results:
         counts[r["outcome"]] += 1
-    skipped = [r for r in results if r["outcome"] == "skipped"]
+    skips: dict[str, int] = {}
+    for r in results:
+        if r["outcome"] == "skipped":
+            reason = r.get("detail", "").removeprefix("Skipped: ")
+            skips[reason] = skips.get(reason, 0) + 1
     backend = (report or {}).get("backend") or {"name": name}
     unavailable = backend.get("unavailable") or ""
     passed = returncode == 0 and counts["passed"] > 0
@@ -144,7 +187,8 @@ def summarize(
         "seconds": round(seconds, 2),
         "results": [{"test": r["test"], "outcome": r["outcome"]} for r in results],
         "failures": [r for r in results if r["outcome"] in ("failed", "error")],
-        "skips": sorted({r.get("detail", "").removeprefix("Skipped: ") for r in skipped}),
+        "skips": sorted(skips),
+        "skip_counts": dict(sorted(skips.items())),
     }
 
 
@@ -157,7 +201,8 @@ def format_summary(s: dict[str, Any]) -> str:
         "",
         f"lmcache-platform check {b['name']}: {s['verdict'].upper()}"
         + (f" (it cannot serve on this host: {b['unavailable']})" if s["verdict"] == "not verified" else ""),
-        f"  backend {b['name']}{where}; core backend API {s['api_version']}",
+        f"  {b.get('kind', 'backend')} {b['name']}{where}; core "
+        f"{'remote-store' if 'kind' in b else 'backend'} API {s['api_version']}",
         f"  {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped "
         f"in {s['seconds']:.1f} s",
     ]
@@ -165,7 +210,8 @@ def format_summary(s: dict[str, Any]) -> str:
         detail = r["detail"].splitlines() or [""]
         first = next((ln for ln in detail if ln.startswith("E ")), detail[0])
         lines.append(f"  {r['outcome'].upper():6} {r['test']}: {first.removeprefix('E').strip()}")
-    lines += [f"  SKIP   {reason}" for reason in s["skips"]]
+    for reason, count in s["skip_counts"].items():
+        lines.append(f"  SKIP   {count} {'check' if count == 1 else 'checks'}: {reason}")
     if s["verdict"] == "fail" and not s["failures"]:
         lines.append(f"  pytest exited with status {s['pytest_exit_status']} (see its output above)")
     return "\n".join(lines)

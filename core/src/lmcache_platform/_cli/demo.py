@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._kv.layout import ENGINE_LAYOUTS, FORMATS, Axis, allocate_kv_caches
 from .._types import KVFormat, LayoutHints
+from .._units import format_bytes
 from . import positive_int as _positive
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Set up both sides, run :func:`_exchange`, verify, and always clean up."""
     import torch
 
-    from .. import _registry
+    from .._plugins import registry
     from ..server._server import ServerProcess
 
     plan = _plan(args)
@@ -243,7 +244,7 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
         raise ValueError(f"--engine-layout applies to the vllm formats, not {fmt.value}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device (see lmcache-platform doctor)")
-    info = _registry.selected_backend(args.device)
+    info = registry.selected_backend(args.device)
     report["backend"] = {
         "name": info.name,
         "device_type": info.device_type,
@@ -358,14 +359,6 @@ def run(args: argparse.Namespace) -> int:
 # -- text output ---------------------------------------------------------------------------
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _format(r: dict[str, Any]) -> str:
     lines = ["lmcache-platform demo: engine -> reference server -> engine"]
     if "backend" in r:
@@ -388,10 +381,11 @@ def _format(r: dict[str, Any]) -> str:
     if "chunk_bytes" in sizes:
         c = r["config"]
         lines.append(
-            f"sizes     KV cache {_size(sizes['kv_cache_bytes'])} ({_size(sizes['layer_bytes'])}"
+            f"sizes     KV cache {format_bytes(sizes['kv_cache_bytes'])} "
+            f"({format_bytes(sizes['layer_bytes'])}"
             f"/layer); {c['chunks']} chunks of {c['chunk_tokens']} tokens = "
-            f"{_size(sizes['moved_bytes'])}; hand-off message "
-            f"{_size(sizes['handoff_message_bytes'])}"
+            f"{format_bytes(sizes['moved_bytes'])}; hand-off message "
+            f"{format_bytes(sizes['handoff_message_bytes'])}"
         )
     labels = {
         "server_start": "server start",

@@ -29,6 +29,8 @@ import platform
 import sys
 from typing import Any
 
+from .._env import BACKEND_ENV
+
 SCHEMA = 2
 
 
@@ -92,7 +94,7 @@ def _backends() -> tuple[dict[str, Any] | None, dict[str, list[str]], str | None
 
 def _findings(backends: dict[str, Any] | None) -> list[dict[str, str]]:
     """Each selected backend's own lines, from its optional ``lmcache_platform_doctor`` hook."""
-    from .._registry import REGISTRY
+    from .._plugins.registry import REGISTRY
     from .._types import DoctorFinding
 
     out: list[dict[str, str]] = []
@@ -180,8 +182,13 @@ def _hints(
                     level,
                     f"{device_type} is ambiguous: {', '.join(equals)} can all serve it and "
                     f"none is the primary backend {device_type!r}; choose one with "
-                    f"LMCACHE_PLATFORM_BACKEND={equals[0]} (the same for engine and "
-                    "server)",
+                    f"{BACKEND_ENV}={equals[0]} (the same for engine and server)",
+                )
+            elif entry["selected"] is None and entry.get("explicit"):
+                # The selection error says it all: what was chosen, its state, why, what to do.
+                add(
+                    level,
+                    (entry["error"] or f"{BACKEND_ENV} chooses a backend that cannot serve").splitlines()[0],
                 )
             elif entry["selected"] is None and not any(b["status"] == "failed" for b in mine):
                 reasons = "; ".join(f"{b['name']}: {b['reason'] or b['status']}" for b in mine)
@@ -214,8 +221,11 @@ def _hints(
 
 
 def format_text(r: dict[str, Any]) -> str:
-    p, t = r["python"], r["torch"]
-    lines = [f"python    {p['version']} ({p['implementation']}) {p['executable']}"]
+    p, t, backends = r["python"], r["torch"], r["backends"]
+    infos = [f for f in r["findings"] if f["level"] == "info"]
+    # Columns fit their longest entry, so long backend names (cpu.hugetlb) stay aligned.
+    width = max([9, *(len(f["backend"]) for f in infos)]) + 1
+    lines = [f"{'python':<{width}}{p['version']} ({p['implementation']}) {p['executable']}"]
     if t["installed"]:
         build = (
             f"CUDA {t['cuda_build']}"
@@ -225,25 +235,27 @@ def format_text(r: dict[str, Any]) -> str:
             else "CPU-only"
         )
         devices = ", ".join(f"{d['index']}: {d['name']}" for d in t["devices"]) or "none visible"
-        lines.append(f"torch     {t['version']} ({build}); GPUs: {devices}")
+        lines.append(f"{'torch':<{width}}{t['version']} ({build}); GPUs: {devices}")
     else:
-        lines.append("torch     not installed")
-    backends = r["backends"]
+        lines.append(f"{'torch':<{width}}not installed")
     if "error" in backends:
-        lines.append(f"backends  registry failed: {backends['error']}")
+        lines.append(f"{'backends':<{width}}registry failed: {backends['error']}")
     else:
-        for b in backends["backends"]:
+        rows = [
+            (b["name"], b["distribution"] or "(manual)", b["version"] or "-", b) for b in backends["backends"]
+        ]
+        cols = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
+        for name, dist, version, b in rows:
             chosen = " (selected)" if b["selected"] else ""
             reason = f": {b['reason']}" if b["reason"] else ""
             lines.append(
-                f"backend   {b['name']:<10} {b['distribution'] or '(manual)'} "
-                f"{b['version'] or ''} {b['status']}{chosen}{reason}"
+                f"{'backend':<{width}}{name:<{cols[0]}}  {dist:<{cols[1]}}  {version:<{cols[2]}}  "
+                f"{b['status']}{chosen}{reason}"
             )
-        if not backends["backends"]:
-            lines.append("backends  none installed")
-    lines += [f"{f['backend']:<9} {f['message']}" for f in r["findings"] if f["level"] == "info"]
-    for h in r["hints"]:
-        lines.append(f"{h['level']:<9} {h['message']}")
+        if not rows:
+            lines.append(f"{'backends':<{width}}none installed")
+    lines += [f"{f['backend']:<{width}}{f['message']}" for f in infos]
+    lines += [f"{h['level']:<{width}}{h['message']}" for h in r["hints"]]
     lines.append("ok" if r["ok"] else "problems found")
     return "\n".join(lines)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._registry import REGISTRY
+from .._plugins.registry import REGISTRY
 
 
 def reclaim(*, dry_run: bool) -> tuple[dict[str, list[str]], dict[str, BaseException]]:

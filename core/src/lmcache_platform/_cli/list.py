@@ -7,9 +7,11 @@ The JSON shape (``--json``) is stable; fields are only ever added:
                    "status", "reason", "selected"}],
      "device_types": {"<type>": {"selected": "<backend>" | null, "error": "<message>" | null,
                                  "ambiguous": bool, "selected_by": "explicit" | "primary" | "only" | null,
-                                 "why": "<one line>" | null}}}
+                                 "why": "<one line>" | null, "explicit": ["<backend>", ...]}}}
 
 ``status`` is one of ``ok``, ``failed``, ``disabled``, ``unavailable``, ``not loaded``.
+``explicit`` lists the backends of the type that ``LMCACHE_PLATFORM_BACKEND`` chooses, in
+its order (empty when it names none): with ``selected`` null, the choice cannot be served.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import argparse
 import json
 from typing import Any
 
+from .._env import preferred_backends
 from .._errors import AmbiguousBackendError
-from .._registry import REGISTRY, Status
+from .._plugins.registry import REGISTRY, Status
+from .._plugins.selection import belongs_to
 from .._version import API_VERSION
 
 SCHEMA = 1
@@ -31,6 +35,7 @@ def collect(*, load: bool = True) -> dict[str, Any]:
     ``load=False`` reads metadata only and imports no backend.
     """
     infos, errors = REGISTRY.survey(load=load)
+    preferred = preferred_backends()
     device_types: dict[str, dict[str, Any]] = {}
     for device_type in sorted({i.device_type for i in infos}):
         chosen = next((i for i in infos if i.device_type == device_type and i.selected), None)
@@ -41,6 +46,7 @@ def collect(*, load: bool = True) -> dict[str, Any]:
             "ambiguous": isinstance(error, AmbiguousBackendError),
             "selected_by": chosen.selected_by if chosen else None,
             "why": chosen.why_selected if chosen else None,
+            "explicit": [n for n in preferred if belongs_to(n, device_type)],
         }
     backends = [
         {

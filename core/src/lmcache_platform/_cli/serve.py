@@ -2,7 +2,9 @@
 
 It runs :class:`lmcache_platform.server.ReferenceServer` on one UNIX socket until
 SIGINT or SIGTERM, then closes every context and removes its socket. Logs go to
-stderr, one line per event (``--json-log``: one JSON object per line).
+stderr, one line per event (``--json-log``: one JSON object per line). With
+``--remote URL`` the server puts a store every node shares behind its own chunks (the
+flags are in ``_cli._remote``; see docs/multi-node.md).
 """
 
 from __future__ import annotations
@@ -12,30 +14,34 @@ import datetime
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from types import FrameType
 from typing import Any
 
+from .._env import BACKEND_ENV, DISABLE_ENV, MAX_HOST_BYTES_ENV, SOCKET_ENV
+from .._units import parse_bytes
 from ..server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HOST_BYTES
+from . import _remote
 from . import positive_int as _positive
-
-SOCKET_ENV = "LMCACHE_PLATFORM_SOCKET"
-MAX_HOST_BYTES_ENV = "LMCACHE_PLATFORM_MAX_HOST_BYTES"
 
 _EPILOG = f"""\
 environment variables:
   {SOCKET_ENV}            socket path when --socket is not given
   {MAX_HOST_BYTES_ENV}    host memory cap when --max-host-bytes is not given
-  LMCACHE_PLATFORM_BACKEND           backends to use, e.g. cpu.file,cuda (see `lmcache-platform list`)
-  LMCACHE_PLATFORM_DISABLE           backends never to load
+  {BACKEND_ENV}           backends to use, e.g. cpu.file,cuda (see `lmcache-platform list`)
+  {DISABLE_ENV}           backends never to load
   LMCACHE_PLATFORM_CPU_FILE_DIR      directory backing CPU KV tensors for the cpu.file backend
   (each backend's own variables: see the operator guide)
 
 The socket's directory must belong to you with mode 0700; a missing one is created
 so. A socket left by a server that died is replaced; a live server's is refused.
 Stop with SIGINT (Ctrl-C) or SIGTERM: every context is closed and the socket removed.
+With --metrics-port, GET http://HOST:PORT/metrics serves the server's counters in the
+Prometheus text format; `lmcache-platform status` prints them for a person.
+With --remote, chunks stored here are also written to a store every node shares, and
+chunks found there are loaded from it; a password is never given on the command line
+(--remote-password-env or --remote-password-file).
 Exit status: 0 after a clean stop, 2 when the server could not start.
 """
 
@@ -69,18 +75,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"concurrent client connections; more are refused (default: {DEFAULT_MAX_CONNECTIONS})",
     )
     parser.add_argument("--json-log", action="store_true", help="log one JSON object per line")
+    parser.add_argument(
+        "--metrics-port",
+        metavar="N",
+        type=_port,
+        default=None,
+        help="serve Prometheus metrics on GET /metrics at this TCP port (0: any free port, logged); "
+        "off by default",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        metavar="HOST",
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (default: 127.0.0.1, this host only)",
+    )
+    _remote.add_arguments(parser, parse_size)
 
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"(\d+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+def _port(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0..65535, got {text!r}")
+    return value
 
 
 def parse_size(text: str) -> int:
-    """``"16G"`` -> bytes: an integer with an optional binary unit K, M, G or T (``iB``/``B`` allowed)."""
-    m = _SIZE.fullmatch(text.strip())
-    if m is None or int(m.group(1)) < 1:
-        raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (use e.g. 16G, 512MiB or 1048576)")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    """``"16G"`` -> bytes, in :func:`~lmcache_platform.parse_bytes`'s grammar; at least one byte."""
+    refusal = f"not a positive size: {text!r} (use e.g. 16G, 512MiB or 1048576)"
+    try:
+        value = parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(refusal) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(refusal)
+    return value
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -113,6 +141,7 @@ def _configure_logging(json_log: bool, verbose: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..remote import RemoteConfigError, RemoteStoreLoadError
     from ..server import ReferenceServer, ServerError
     from ..server._server import log_event
 
@@ -121,13 +150,33 @@ def run(args: argparse.Namespace) -> int:
         log_event(logging.ERROR, "error", f"no socket path: pass --socket PATH or set {SOCKET_ENV}")
         return 2
     path = os.path.abspath(args.socket)
-    server = ReferenceServer(path, max_host_bytes=args.max_host_bytes, max_connections=args.max_connections)
+    try:
+        tier = _remote.open_tier(args)
+    except (RemoteConfigError, RemoteStoreLoadError) as exc:
+        log_event(logging.ERROR, "error", f"cannot start: remote tier: {exc}", socket=path)
+        return 2
+    server = ReferenceServer(
+        path, max_host_bytes=args.max_host_bytes, max_connections=args.max_connections, tier=tier
+    )
     try:
         _make_private_dir(os.path.dirname(path))
         server.bind()
     except (OSError, ServerError) as exc:
         log_event(logging.ERROR, "error", f"cannot start: {type(exc).__name__}: {exc}", socket=path)
+        if tier is not None:
+            tier.close()
         return 2
+    if tier is not None:
+        log_event(
+            logging.INFO,
+            "remote",
+            f"remote tier: {tier.name}, prefix {tier.prefix.decode()}, write-behind queue "
+            f"{tier.queue_bytes} bytes{', keyed checksums' if tier.keyed else ''}",
+            store=tier.name,
+            prefix=tier.prefix.decode(),
+            queue_bytes=tier.queue_bytes,
+            keyed=tier.keyed,
+        )
     try:  # after bind, so a taken socket fails fast; clients wait in the backlog meanwhile
         import torch  # noqa: F401 - pay the import now, not in the first registration
     except ImportError as exc:
@@ -143,9 +192,37 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         server.stop()
 
+    metrics = None
+    if args.metrics_port is not None:
+        from ..server._metrics import MetricsServer
+
+        try:
+            metrics = MetricsServer(server.counters, args.metrics_host, args.metrics_port)
+        except OSError as exc:
+            log_event(
+                logging.ERROR,
+                "error",
+                f"cannot start: metrics endpoint {args.metrics_host}:{args.metrics_port}: {exc}",
+                socket=path,
+            )
+            server.stop()
+            server.serve_forever()  # returns at once: removes the socket
+            return 2
+        log_event(
+            logging.INFO,
+            "metrics",
+            f"serving metrics on {metrics.url}",
+            host=metrics.host,
+            port=metrics.port,
+            url=metrics.url,
+        )
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
 
 

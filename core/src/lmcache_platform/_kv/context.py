@@ -2,10 +2,10 @@
 
 The base does everything that does not depend on the device: it reopens the
 wrappers (``to_tensors()``, one call per wrapper class), discovers each layer's
-layout (:mod:`._layout`), groups layers (:mod:`._groups`), builds per-kernel-group
-pointer tensors and the staging buffer (:mod:`._staging`), validates transfer
-requests and moves chunks with generic torch ops (:mod:`._transfer`). A backend
-subclass only says how its device differs.
+layout (``layout.py``), groups layers (``groups.py``), builds per-kernel-group
+pointer tensors and the staging buffer (``staging.py``), validates transfer
+requests and moves chunks with generic torch ops (``transfer.py``, ``blocks.py``).
+A backend subclass only says how its device differs.
 
 Contract with backends (stable within an API major):
 
@@ -23,8 +23,18 @@ Contract with backends (stable within an API major):
   - :meth:`stream_context` -- a context manager that makes work issued inside it
     run on :attr:`stream` (default: does nothing).
   - :meth:`store` / :meth:`retrieve` -- move one validated
-    :class:`~._transfer.ChunkTransfer`; override these with native kernels and keep
+    :class:`~lmcache_platform.ChunkTransfer`; override these with native kernels and keep
     the validation and block-id staging of :meth:`store_chunk`/:meth:`retrieve_chunk`.
+    A kernel moves between the blocks and each part's ``buffer``: a staging slot's
+    view, or (``plan.staged`` False) the caller's host tensors of :meth:`read_chunk` /
+    :meth:`write_chunk` on a host context. Plans come in the context's chunk format
+    (``plan.chunk_format``); an override that handles only ``"tokens"`` passes
+    ``"blocks"`` plans on to ``super()``.
+  - :meth:`allocate_chunk` -- fresh host tensors for one chunk (default: huge-page
+    advised on the host, pinned for a device; a backend may register them with a NIC).
+  - :meth:`device_event_class` -- the :class:`~lmcache_platform.DeviceEvent` class that
+    :meth:`wait_event` opens handles with (default: the one the selected backend's
+    ``lmcache_platform_device_event_class`` hook gives for :attr:`device_type`).
   - :meth:`synchronize` -- wait for enqueued transfers (default: ``stream.synchronize()``).
   - :meth:`release` -- free device resources on :meth:`close`, after
     :meth:`synchronize` and before the wrappers are closed.
@@ -32,6 +42,19 @@ Contract with backends (stable within an API major):
   Hooks run inside the base ``__init__``, so a subclass sets any attribute they
   need *before* calling ``super().__init__``. If a subclass's own ``__init__``
   fails after ``super().__init__`` returned, it calls ``self.close()`` and re-raises.
+
+Moving a chunk to or from host memory (what a server does): :meth:`read_chunk` and
+:meth:`write_chunk` take the chunk's host tensors (one 1-D uint8 tensor per object
+group, as :meth:`allocate_chunk` makes them) and pick the path. On a host context the
+movers gather straight into them and scatter straight from them: one pass over the
+bytes. On a device they go through staging slot ``slot`` and one device-host copy each,
+enqueued on :attr:`stream`: call :meth:`synchronize` before reading what
+:meth:`read_chunk` filled, and keep :meth:`write_chunk`'s tensors unchanged until then.
+
+Chunk formats (``CacheContextConfig.chunk_format``): ``"tokens"``, the default, is
+token-major (``[kv, layers, tokens, hidden]`` per kernel group), readable by any layout;
+``"blocks"`` keeps the engine's own block order, so a move copies whole blocks
+(``blocks.py``). Both hold the same bytes per chunk in the same regions.
 """
 
 from __future__ import annotations
@@ -41,16 +64,20 @@ import contextlib
 import logging
 import operator
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
-from .._errors import LayoutError, TransferError
+from .._errors import LayoutError, LMCachePlatformError, TransferError
+from .blocks import BlockMover, block_order
 from .groups import KVLayerGroupsManager, resolve_engine_groups
+from .hostalloc import host_empty
 from .layout import LayerTensors, discover_layouts, plane_views
-from .staging import StagingLayout
+from .staging import STAGING_ALIGN, StagingLayout
 from .transfer import (
     GATHER_WORD_DTYPES,
     SCATTER_WORD_DTYPES,
+    SKIP_BLOCK,
     ChunkTransfer,
     GroupMover,
     GroupTransfer,
@@ -62,6 +89,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
+    from .._events import DeviceEvent
     from .._ipc_wrapper import DeviceIPCWrapper
     from .._types import CacheContextConfig, KVFormat
 
@@ -72,6 +100,8 @@ KVCacheEntry = Union["DeviceIPCWrapper", tuple["DeviceIPCWrapper", "DeviceIPCWra
 _log = logging.getLogger(__name__)
 #: Alignment the staging buffer's start must have (torch's allocators give at least this).
 _STAGING_BASE_ALIGN = 64
+#: Events a context keeps open (an engine reuses a few; see ``DeviceEvent``).
+_MAX_OPEN_EVENTS = 64
 
 
 class NullStream:
@@ -100,9 +130,10 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     #: KV formats this context can serve; ``None`` means every :class:`KVFormat`.
     #: The conformance suite tests exactly these.
     supported_kv_formats: ClassVar[tuple[KVFormat, ...] | None] = None
-    #: Element types the generic store (gather) and retrieve (scatter) move bytes as,
-    #: first fit wins; a device lacking one (``complex128``, say) drops it.
+    #: Element types the generic store (gather) moves bytes as, first fit wins; a device
+    #: lacking one (``complex128``, say) drops it.
     store_word_dtypes: ClassVar[tuple[str, ...]] = GATHER_WORD_DTYPES
+    #: The same for the generic retrieve (scatter).
     retrieve_word_dtypes: ClassVar[tuple[str, ...]] = SCATTER_WORD_DTYPES
 
     def __init__(self, kv_caches: Sequence[KVCacheEntry], config: CacheContextConfig) -> None:
@@ -121,6 +152,8 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         # Serializes transfers: they share the block-id buffer (and, on devices with
         # streams, rely on issue order on one stream).
         self._transfer_lock = threading.Lock()
+        #: Device events opened by :meth:`wait_event`, by handle, least recently used first.
+        self._events: OrderedDict[bytes, DeviceEvent] = OrderedDict()
         attempted: list[DeviceIPCWrapper] = []  # closed again if construction fails
         try:
             if not self.kv_caches:
@@ -267,6 +300,32 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             for kg in manager.kernel_groups
         ]
         self._stacked = [mover.stacked for mover in self._movers]
+        self._block_orders = [
+            block_order(_tensors_of(layers[kg.layer_indices[0]]), layouts[kg.layer_indices[0]])
+            for kg in manager.kernel_groups
+        ]
+        self._block_movers: list[BlockMover] = []
+        if cfg.chunk_format == "blocks":
+            for kg in manager.kernel_groups:
+                if kg.tokens_per_slot % kg.block_size:
+                    raise LayoutError(
+                        f"kernel group {kg.index} (layers {list(kg.layer_indices)}): chunk_format "
+                        f"'blocks' keeps whole blocks, but the group keeps {kg.tokens_per_slot} tokens "
+                        f"of a chunk (sliding window {kg.sliding_window}), not a multiple of its block "
+                        f"size {kg.block_size}; use chunk_format='tokens' or full_sw_kv=True"
+                    )
+            self._block_movers = [
+                BlockMover(
+                    [_tensors_of(layers[i]) for i in kg.layer_indices],
+                    layouts[kg.layer_indices[0]],
+                    slot_region=self._slot_kg_views[0][kg.index].reshape(-1),
+                    blocks_per_slot=kg.tokens_per_slot // kg.block_size,
+                    gather_words=type(self).store_word_dtypes,
+                    scatter_words=type(self).retrieve_word_dtypes,
+                )
+                for kg in manager.kernel_groups
+            ]
+            self._stacked = [mover.stacked for mover in self._block_movers]
         # Enough block ids for every slot's chunk in every engine group.
         per_chunk = sum(-(-cfg.lmcache_tokens_per_chunk // eg.block_size) for eg in manager.engine_groups)
         self._block_ids_capacity = cfg.max_batch_size * per_chunk
@@ -309,14 +368,44 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         self._stream.synchronize()
 
     def store(self, plan: ChunkTransfer) -> None:
-        """Gather ``plan`` from the paged blocks into its staging slot (runs on the stream)."""
+        """Gather ``plan`` from the paged blocks into its parts' buffers (runs on the stream)."""
+        movers, slot = self._movers_of(plan)
         for part in plan.groups:
-            self._movers[part.kernel_group_idx].gather(plan.slot, part)
+            movers[part.kernel_group_idx].gather(slot, part)
 
     def retrieve(self, plan: ChunkTransfer) -> None:
-        """Scatter ``plan``'s staging slot into its paged blocks (runs on the stream)."""
+        """Scatter ``plan``'s parts' buffers into its paged blocks (runs on the stream)."""
+        movers, slot = self._movers_of(plan)
         for part in plan.groups:
-            self._movers[part.kernel_group_idx].scatter(plan.slot, part)
+            movers[part.kernel_group_idx].scatter(slot, part)
+
+    def _movers_of(self, plan: ChunkTransfer) -> tuple[Sequence[GroupMover | BlockMover], int | None]:
+        """The movers of the plan's chunk format, and the slot whose cached views they may use."""
+        movers = self._block_movers if plan.chunk_format == "blocks" else self._movers
+        return movers, plan.slot if plan.staged else None
+
+    def allocate_chunk(self) -> list[torch.Tensor]:
+        """Host tensors for one chunk: one 1-D uint8 tensor per object group.
+
+        They are views of one allocation laid out like a staging slot, so the movers'
+        word types fit them (:meth:`read_chunk` gathers straight into them on the host).
+        On the host the allocation reuses the memory of chunks nothing holds any more
+        (else a fresh mapping, huge pages requested); pinned when :attr:`device` is not
+        the host. Contents are uninitialised.
+        """
+        layout = self._staging_layout
+        whole = host_empty(layout.slot_nbytes, pin=self._device.type != "cpu")
+        return [whole.narrow(0, off, nbytes) for off, nbytes in layout.object_group_spans]
+
+    def device_event_class(self) -> type[DeviceEvent] | None:
+        """The event class :meth:`wait_event` opens handles with; None: no events here.
+
+        Default: what the ``lmcache_platform_device_event_class`` hook of the backend
+        selected for :attr:`device_type` gives (None for a hand-installed class).
+        """
+        from .._plugins.registry import REGISTRY  # the registry imports this module
+
+        return REGISTRY.device_event_class(type(self).device_type)
 
     def release(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free device resources (registrations, events). Called once by :meth:`close`."""
@@ -325,7 +414,18 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     @property
     def device(self) -> torch.device:
+        """The device the engine's KV tensors live on (and the staging buffer)."""
         return self._device
+
+    @property
+    def chunk_format(self) -> str:
+        """``"tokens"`` (token-major chunks) or ``"blocks"`` (the engine's own blocks)."""
+        return self.config.chunk_format
+
+    @property
+    def chunk_nbytes(self) -> list[int]:
+        """Bytes of each object group of one chunk, the sizes of its host tensors."""
+        return [nbytes for _, nbytes in self._staging_layout.object_group_spans]
 
     @property
     def kv_tensors(self) -> list[torch.Tensor]:
@@ -334,11 +434,12 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     @property
     def num_layers(self) -> int:
+        """Layers registered (a (K, V) pair of wrappers is one layer)."""
         return len(self._layouts)
 
     @property
     def num_blocks(self) -> int:
-        """Blocks per layer (the smallest, if layers differ): the shared block-id space."""
+        """Blocks per layer, the smallest if layers differ; the shared block-id space."""
         return self._num_blocks
 
     @property
@@ -353,15 +454,17 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     @property
     def kv_layer_groups_manager(self) -> KVLayerGroupsManager:
+        """The context's engine, kernel and object groups."""
         return self._manager
 
     @property
     def hidden_dim_sizes(self) -> list[int]:
-        """Per kernel group: elements of one token of one plane (heads x head size)."""
+        """Per kernel group, the elements of one token of one plane (heads x head size)."""
         return [kg.hidden_dim for kg in self._manager.kernel_groups]
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` has run (or construction failed)."""
         return self._closed
 
     # -- per-group queries -------------------------------------------------------------
@@ -385,6 +488,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         return self._kv_pointers[self._kg(kernel_group_idx)]
 
     def get_engine_kv_format(self, kernel_group_idx: int) -> KVFormat:
+        """The KV format of the group's layers, as discovered from the engine's tensors."""
         return self._manager.kernel_groups[self._kg(kernel_group_idx)].kv_format
 
     def tokens_kept_per_chunk(self, kernel_group_idx: int) -> int:
@@ -421,7 +525,11 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         return self._manager.blocks_for(num_tokens, kernel_group_idx)
 
     def get_temp_kernel_group_buffer(self, slot: int, kernel_group_idx: int) -> torch.Tensor:
-        """Typed staging view ``[kv, layers, tokens_per_slot, hidden]`` of one group in a slot."""
+        """Typed staging view ``[kv, layers, tokens_per_slot, hidden]`` of one group in a slot.
+
+        In the ``"blocks"`` chunk format the same bytes hold the group's whole blocks
+        (``[layers, tensors, *outer, blocks, *inner]``; see ``report_status()``'s ``block_order``).
+        """
         return self._slot_kg_views[self._slot(slot)][self._kg(kernel_group_idx)]
 
     def get_temp_object_group_buffer(self, slot: int, object_group_idx: int) -> torch.Tensor:
@@ -429,10 +537,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         n = self._manager.num_object_groups
         if not _is_int(object_group_idx) or not 0 <= object_group_idx < n:
             raise TransferError(f"object group {object_group_idx!r} out of range 0..{n - 1}")
-        off, nbytes = self._staging_layout.object_group_spans[object_group_idx]
-        slot = self._slot(slot)
-        assert self._staging is not None  # _slot() refuses a closed context
-        return self._staging.narrow(0, slot * self._staging_layout.slot_nbytes + off, nbytes)
+        return self._object_group_view(self._slot(slot), object_group_idx)
 
     def cache_size_per_token(self) -> int:
         """Bytes one token occupies in the engine's paged caches, over all layers."""
@@ -446,6 +551,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             "num_layers": self.num_layers,
             "num_blocks": self.num_blocks,
             "tokens_per_chunk": self.lmcache_tokens_per_chunk,
+            "chunk_format": self.chunk_format,
             "max_batch_size": self.max_batch_size,
             "cache_size_per_token": self.cache_size_per_token(),
             "staging_bytes": self._staging_layout.total_nbytes,
@@ -467,6 +573,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
                     "sliding_window": kg.sliding_window,
                     "tokens_per_slot": kg.tokens_per_slot,
                     "stacked": self._stacked[kg.index],
+                    "block_order": self._block_orders[kg.index],
                 }
                 for kg in m.kernel_groups
             ],
@@ -487,8 +594,13 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         if self._closed:
             raise TransferError("the cache context is closed; nothing was written")
 
-    def _validate_ids(self, block_ids_per_group: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Per engine group, the ids as ints, each checked against the group's block space."""
+    def _validate_ids(
+        self, block_ids_per_group: Sequence[Sequence[int]], *, skip: bool = False
+    ) -> list[list[int]]:
+        """Per engine group, the ids as ints, each checked against the group's block space.
+
+        With ``skip`` (a retrieve), :data:`SKIP_BLOCK` is accepted too: positions of no block.
+        """
         n_groups = self._manager.num_engine_groups
         if len(block_ids_per_group) != n_groups:
             raise TransferError(
@@ -502,7 +614,12 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
                 raise TransferError(f"engine group {g}: block ids must be ints ({exc})") from None
             limit = self._engine_group_blocks[g]
             for pos, value in enumerate(values):
-                if not 0 <= value < limit:
+                if value == SKIP_BLOCK and not skip:
+                    raise TransferError(
+                        f"engine group {g}: block id {SKIP_BLOCK} (skip) at position {pos} is allowed "
+                        "only in a retrieve; a store reads every block it names"
+                    )
+                if not 0 <= value < limit and not (skip and value == SKIP_BLOCK):
                     raise TransferError(
                         f"engine group {g}: block id {value} at position {pos} is out of range 0..{limit - 1}"
                     )
@@ -557,7 +674,14 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             num_tokens = chunk
         if not _is_int(num_tokens) or not 1 <= num_tokens <= chunk:
             raise TransferError(f"num_tokens must be an int in 1..{chunk}, got {num_tokens!r}")
-        ids = self._validate_ids(block_ids_per_group)
+        if self.chunk_format == "blocks":
+            for kg in self._manager.kernel_groups:
+                if num_tokens % kg.block_size:
+                    raise TransferError(
+                        f"chunk_format 'blocks' moves whole blocks: num_tokens {num_tokens} is not a "
+                        f"multiple of kernel group {kg.index}'s block size {kg.block_size}"
+                    )
+        ids = self._validate_ids(block_ids_per_group, skip=retrieve)
         for eg, group_ids in zip(self._manager.engine_groups, ids, strict=True):
             want = -(-num_tokens // eg.block_size)
             if len(group_ids) != want:
@@ -569,7 +693,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             for eg, group_ids in zip(self._manager.engine_groups, ids, strict=True):
                 kgs = [kg for kg in self._manager.kernel_groups if kg.engine_group_idx == eg.index]
                 first = min(self._manager.kept_range(num_tokens, kg.index)[0] for kg in kgs)
-                written = group_ids[first // eg.block_size :]
+                written = [b for b in group_ids[first // eg.block_size :] if b != SKIP_BLOCK]
                 if len(set(written)) != len(written):
                     raise TransferError(
                         f"engine group {eg.index}: retrieve would write block ids {written} "
@@ -591,27 +715,44 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """
         self._plan(block_ids_per_group, 0, num_tokens, retrieve=retrieve)
 
-    def _transfer_plan(self, slot: int, num_tokens: int, ids: list[list[int]]) -> ChunkTransfer:
+    def _transfer_plan(
+        self,
+        slot: int,
+        num_tokens: int,
+        ids: list[list[int]],
+        host: Sequence[torch.Tensor] | None = None,
+    ) -> ChunkTransfer:
         """Per kernel group, its kept positions and the tensor blocks holding them, staged.
 
         Engine block ``b`` of a group split into ``r`` kernel blocks is tensor blocks
-        ``b * r .. b * r + r - 1``; all groups' ids go to the device in one copy.
+        ``b * r .. b * r + r - 1``; all groups' ids go to the device in one copy. The
+        parts' buffers are slot ``slot``'s, or views of the chunk's ``host`` tensors.
         """
         import torch
 
-        lists = []
+        blocks = self.chunk_format == "blocks"
+        buffers = [
+            self._slot_kg_views[slot][kg.index] if host is None else self._host_view(host, kg.index)
+            for kg in self._manager.kernel_groups
+        ]
+
+        runs = []  # (kernel group, first position, positions, tensor ids, staging offset)
         for kg in self._manager.kernel_groups:
-            first, _ = self._manager.kept_range(num_tokens, kg.index)
+            first, count = self._manager.kept_range(num_tokens, kg.index)
             r = kg.blocks_per_engine_block
-            tensor_ids = [b * r + j for b in ids[kg.engine_group_idx] for j in range(r)]
-            lists.append(tensor_ids[first // kg.block_size :])
-        flat = [x for ids_ in lists for x in ids_]
+            tensor_ids = [
+                SKIP_BLOCK if b == SKIP_BLOCK else b * r + j
+                for b in ids[kg.engine_group_idx]
+                for j in range(r)
+            ]
+            for run in _unskipped(first, count, kg.block_size, tensor_ids[first // kg.block_size :]):
+                runs.append((kg, *run, run[0] - first))
+        flat = [x for run in runs for x in run[3]]
         assert self._kernel_ids_buffer is not None  # callers check the context is open
         staged = self._kernel_ids_buffer[: len(flat)]
         staged.copy_(torch.tensor(flat, dtype=torch.int64), non_blocking=True)
         parts, start = [], 0
-        for kg, tensor_ids in zip(self._manager.kernel_groups, lists, strict=True):
-            first, count = self._manager.kept_range(num_tokens, kg.index)
+        for kg, first, count, tensor_ids, offset in runs:
             parts.append(
                 GroupTransfer(
                     kernel_group_idx=kg.index,
@@ -619,11 +760,26 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
                     num_tokens=count,
                     block_ids=staged.narrow(0, start, len(tensor_ids)),
                     block_id_list=tuple(tensor_ids),
-                    buffer=self._slot_kg_views[slot][kg.index],
+                    buffer=buffers[kg.index].reshape(-1) if blocks else buffers[kg.index],
+                    staging_offset=offset,
                 )
             )
             start += len(tensor_ids)
-        return ChunkTransfer(slot=slot, num_tokens=num_tokens, groups=tuple(parts))
+        return ChunkTransfer(
+            slot=slot,
+            num_tokens=num_tokens,
+            groups=tuple(parts),
+            staged=host is None,
+            chunk_format=self.chunk_format,
+        )
+
+    def _host_view(self, host: Sequence[torch.Tensor], kernel_group_idx: int) -> torch.Tensor:
+        """Kernel group ``kernel_group_idx``'s region of a chunk's host tensors, typed like staging's."""
+        kg = self._manager.kernel_groups[kernel_group_idx]
+        og_offset = self._staging_layout.object_group_spans[kg.object_group_idx][0]
+        offset, nbytes = self._staging_layout.kernel_group_spans[kg.index]
+        region = host[kg.object_group_idx].narrow(0, offset - og_offset, nbytes).view(kg.dtype)
+        return region.view(kg.kv_size, kg.num_layers, kg.tokens_per_slot, kg.hidden_dim)
 
     def store_chunk(
         self,
@@ -655,9 +811,78 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         Only the kept tokens are written: the first ``num_tokens`` positions of the
         chunk (the last ``tokens_per_slot`` of them for a trimmed sliding-window
         group); every other token of every block stays untouched. The written
-        blocks must be distinct. Every argument is validated before anything is written.
+        blocks must be distinct. A block id of ``-1`` (``SKIP_BLOCK``) names no block:
+        its positions are not written (vLLM's null blocks); a store refuses it. Every
+        argument is validated before anything is written.
         """
         self._run(block_ids_per_group, slot, num_tokens, retrieve=True)
+
+    def read_chunk(
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        out: Sequence[torch.Tensor],
+        *,
+        slot: int = 0,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Copy one chunk from the paged blocks into ``out``, its host tensors.
+
+        ``out[og]`` is a contiguous 1-D uint8 host tensor of :attr:`chunk_nbytes`
+        ``[og]`` bytes (:meth:`allocate_chunk` makes such). The block ids and
+        ``num_tokens`` mean what they mean for :meth:`store_chunk`. On a host context
+        the bytes go straight into ``out`` (one pass); on a device through staging slot
+        ``slot`` and one copy to the host, enqueued on :attr:`stream`: call
+        :meth:`synchronize` before reading ``out``.
+        """
+        self._run(block_ids_per_group, slot, num_tokens, retrieve=False, host=out)
+
+    def write_chunk(
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        src: Sequence[torch.Tensor],
+        *,
+        slot: int = 0,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Copy one chunk from ``src``, its host tensors, into the given blocks.
+
+        The inverse of :meth:`read_chunk`, with :meth:`retrieve_chunk`'s rules for the
+        block ids (``-1`` skips positions). On a host context the blocks are written
+        straight from ``src``; on a device ``src`` is copied into staging slot ``slot``
+        first, asynchronously: keep it unchanged until :meth:`synchronize`.
+        """
+        self._run(block_ids_per_group, slot, num_tokens, retrieve=True, host=src)
+
+    def _check_host(self, host: Sequence[torch.Tensor]) -> bool:
+        """Check a chunk's host tensors; True when the movers can use them in place.
+
+        In place needs a host context and tensors whose start is aligned like a
+        staging slot's (the movers' word types assume it); others go through staging.
+        """
+        import torch
+
+        sizes = self.chunk_nbytes
+        if len(host) != len(sizes):
+            raise TransferError(f"expected {len(sizes)} host tensors (one per object group), got {len(host)}")
+        for og, (t, nbytes) in enumerate(zip(host, sizes, strict=True)):
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != torch.uint8
+                or t.dim() != 1
+                or t.numel() != nbytes
+                or t.device.type != "cpu"
+                or not t.is_contiguous()
+            ):
+                got = (
+                    f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                    if isinstance(t, torch.Tensor)
+                    else type(t).__name__
+                )
+                raise TransferError(
+                    f"object group {og}: expected a contiguous 1-D uint8 host tensor of {nbytes} "
+                    f"bytes, got {got}"
+                )
+        return self._device.type == "cpu" and all(t.storage_offset() % STAGING_ALIGN == 0 for t in host)
 
     def _run(
         self,
@@ -666,14 +891,69 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         num_tokens: int | None,
         *,
         retrieve: bool,
+        host: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        """Validate in full, then plan and run the store or retrieve under the transfer lock."""
+        """Validate in full, then plan and run the store or retrieve under the transfer lock.
+
+        With ``host`` tensors: moved in place where :meth:`_check_host` allows, else
+        through slot ``slot`` and one copy each way, in the same critical section.
+        """
         slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=retrieve)
+        direct = host is not None and self._check_host(host)
+        staged_host = None if direct else host
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
             with self.stream_context():
-                plan = self._transfer_plan(slot, num_tokens, ids)
+                if staged_host is not None and retrieve:
+                    for og, src in enumerate(staged_host):
+                        self._object_group_view(slot, og).copy_(src, non_blocking=True)
+                plan = self._transfer_plan(slot, num_tokens, ids, host if direct else None)
                 self.retrieve(plan) if retrieve else self.store(plan)
+                if staged_host is not None and not retrieve:
+                    for og, out in enumerate(staged_host):
+                        out.copy_(self._object_group_view(slot, og), non_blocking=True)
+
+    def _object_group_view(self, slot: int, og: int) -> torch.Tensor:
+        off, nbytes = self._staging_layout.object_group_spans[og]
+        assert self._staging is not None  # callers check the context is open
+        return self._staging.narrow(0, slot * self._staging_layout.slot_nbytes + off, nbytes)
+
+    # -- device events -----------------------------------------------------------------
+
+    def wait_event(self, handle: bytes) -> None:
+        """Order this context's next transfers after an engine's event (its ``handle``).
+
+        ``handle`` is what :func:`lmcache_platform.record_event` returned in the engine.
+        The wait is enqueued on :attr:`stream` and never blocks the host. Raises
+        :class:`TransferError` when this context takes no events (its copies complete
+        before they return) or the handle names no event.
+        """
+        self._check_open()
+        cls = self.device_event_class()
+        if cls is None:
+            raise TransferError(
+                f"{type(self).__name__} on {self._device} takes no device events: its copies "
+                "complete before they return, so send none"
+            )
+        with self._transfer_lock:
+            self._check_open()
+            event = self._events.get(handle)
+            if event is None:
+                try:
+                    event = cls.open(handle, self._device)
+                except LMCachePlatformError:
+                    raise
+                except Exception as exc:  # the backend's own failure: name the handle
+                    raise TransferError(
+                        f"{cls.__name__} refused a device event handle of {len(handle)} bytes: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                self._events[handle] = event
+                while len(self._events) > _MAX_OPEN_EVENTS:
+                    self._events.popitem(last=False)[1].close()
+            self._events.move_to_end(handle)
+            with self.stream_context():
+                event.wait()
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -686,6 +966,9 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         try:
             with self._transfer_lock:
                 self.synchronize()
+                events, self._events = list(self._events.values()), OrderedDict()
+                for event in events:
+                    event.close()
                 self.release()
         finally:
             # Drop every reference to device memory, so it can be freed before the
@@ -713,6 +996,35 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_layers} layers on {self._device}"
         return f"<{type(self).__name__} {state}>"
+
+
+def _unskipped(
+    first: int, count: int, block_size: int, ids: Sequence[int]
+) -> Iterator[tuple[int, int, list[int]]]:
+    """Split positions ``[first, first + count)``, held by ``ids`` from the block of
+    ``first`` on, into runs of real blocks: ``(first position, positions, ids)`` each.
+
+    The one place :data:`SKIP_BLOCK` takes effect: its positions are in no run, so
+    nothing reads or writes them. Without skips it yields ``(first, count, ids)`` once.
+    """
+    base, end = first // block_size, first + count
+    run: list[int] = []
+    run_start = run_end = first
+    for i, block in enumerate(ids):
+        lo, hi = max(first, (base + i) * block_size), min(end, (base + i + 1) * block_size)
+        if lo >= hi:
+            break
+        if block == SKIP_BLOCK:
+            if run:
+                yield run_start, run_end - run_start, run
+            run = []
+            continue
+        if not run:
+            run_start = lo
+        run.append(block)
+        run_end = hi
+    if run:
+        yield run_start, run_end - run_start, run
 
 
 def _is_int(value: object) -> bool:

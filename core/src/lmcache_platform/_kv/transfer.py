@@ -1,10 +1,13 @@
 """Chunk transfer plans and their generic torch implementation.
 
-A :class:`ChunkTransfer` is what :meth:`BaseCacheContext.store_chunk` and
-``retrieve_chunk`` hand to a backend's ``store``/``retrieve`` after validation:
-per kernel group, the staged block ids, the chunk positions moved and the staging
-view. A native kernel needs nothing else (plus the group's pointer tensor and
-:class:`~lmcache_platform._kv.groups.KernelGroup` geometry).
+A :class:`ChunkTransfer` is what :meth:`BaseCacheContext.store_chunk`,
+``retrieve_chunk``, ``read_chunk`` and ``write_chunk`` hand to a backend's
+``store``/``retrieve`` after validation: per kernel group, the staged block ids, the
+chunk positions moved and the buffer to move them to or from (a staging slot's view,
+or on the host the caller's own chunk tensors: ``ChunkTransfer.staged``). A native
+kernel needs nothing else (plus the group's pointer tensor and
+:class:`~lmcache_platform._kv.groups.KernelGroup` geometry). Plans of the ``"blocks"``
+chunk format are moved by :class:`~lmcache_platform._kv.blocks.BlockMover`.
 
 :class:`GroupMover` is the portable implementation, on canonical
 ``[kv, blocks, block_size, heads, head_size]`` views so one code path serves every
@@ -39,10 +42,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GroupTransfer:
-    """One kernel group's share of a chunk transfer.
+    """One kernel group's share of a chunk transfer (a retrieve may have several).
 
     The group moves chunk positions ``[first_token, first_token + num_tokens)``;
-    they sit at staging positions ``[0, num_tokens)`` of ``buffer``. ``block_ids``
+    they sit at staging positions ``[staging_offset, staging_offset + num_tokens)``
+    of ``buffer``. ``block_ids``
     lists the blocks holding those positions: chunk position ``p`` lives in block
     ``block_ids[p // block_size - first_token // block_size]`` at offset
     ``p % block_size``. ``block_ids`` is a staged int64 tensor on the transfer
@@ -54,8 +58,13 @@ class GroupTransfer:
     num_tokens: int
     block_ids: torch.Tensor
     block_id_list: tuple[int, ...]
-    #: Staging view ``[kv, layers, tokens_per_slot, hidden]`` of the group's dtype.
+    #: The group's region of the chunk: ``[kv, layers, tokens_per_slot, hidden]`` of the
+    #: group's dtype in the ``"tokens"`` format; in ``"blocks"`` the same bytes as a 1-D
+    #: tensor of that dtype (see :mod:`~lmcache_platform._kv.blocks` for their order).
     buffer: torch.Tensor
+    #: Staging position of ``first_token``: 0 but in a retrieve that skips blocks
+    #: (:data:`SKIP_BLOCK`), which moves each run of real blocks as a part of its own.
+    staging_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,15 @@ class ChunkTransfer:
     slot: int
     num_tokens: int
     groups: tuple[GroupTransfer, ...]
+    #: Whether the parts' buffers are staging slot ``slot``'s; False when they are the
+    #: caller's host tensors (``read_chunk``/``write_chunk`` on a host context).
+    staged: bool = True
+    #: The context's chunk format: ``"tokens"`` (token-major) or ``"blocks"`` (whole blocks).
+    chunk_format: str = "tokens"
 
+
+#: A block id a retrieve may carry for positions it must not write (vLLM's null blocks).
+SKIP_BLOCK = -1
 
 #: Element types tried for moving bytes, first fit wins: for gathers (``index_select``)
 #: and for scatters (``index_copy_``), each ordered by what runs fastest in torch.
@@ -227,20 +244,19 @@ class _Views:
         num_planes = len(planes[0])
         flat = [v for layer in planes for v in layer]
         words = word_views([*flat, *slots], word_dtypes)
+        #: The word type the staging views took (the group's dtype when none fitted).
+        self.word = words[-1].dtype
         paged = [words[i * num_planes : (i + 1) * num_planes] for i in range(len(planes))]
-        staged = words[len(flat) :]
         self.pages = stack_planes(paged)
         self.stacked = len(self.pages) == 1 and len(planes) > 1
         # Which (first layer, layers, first plane, planes) of staging each paged view covers.
-        spans: list[tuple[int, int, int, int]] = []
+        self.spans: list[tuple[int, int, int, int]] = []
         for view in self.pages:
             nl, np_ = int(view.shape[0]), int(view.shape[1])
-            done = sum(s[1] * s[3] for s in spans)
+            done = sum(s[1] * s[3] for s in self.spans)
             layer, plane = divmod(done, num_planes)
-            spans.append((layer, nl, plane, np_))
-        self.stage: list[list[torch.Tensor]] = [
-            [s.transpose(0, 1)[lo : lo + nl, po : po + np_] for lo, nl, po, np_ in spans] for s in staged
-        ]
+            self.spans.append((layer, nl, plane, np_))
+        self.stage: list[list[torch.Tensor]] = [self.stage_of(s) for s in slots]
         self.block_size = block_size
         self._runs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         # Block-wise copy_ (see GroupMover) pays off for one paged view whose blocks are
@@ -255,6 +271,11 @@ class _Views:
         # iterate them as its second loop (two rows a step); one op per plane instead.
         self.split_planes = page.size(1) > 1 and page.stride(2) < page.stride(3) and page.size(3) > 1
 
+    def stage_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """One staging-side view per paged view, of a ``[kv, layers, tokens, H, D]`` buffer."""
+        words = buffer.view(self.word)
+        return [words.transpose(0, 1)[lo : lo + nl, po : po + np_] for lo, nl, po, np_ in self.spans]
+
     def runs(self, slot: int, pos: int, n: int) -> list[torch.Tensor]:
         """Staging views ``[l, p, n, block_size, H, D]`` of ``n`` whole blocks at ``pos``."""
         key = (slot, pos, n)
@@ -262,10 +283,14 @@ class _Views:
         if views is None:
             if len(self._runs) >= self.MAX_CACHED:
                 self._runs.clear()
-            d, length = self.dim, n * self.block_size
-            views = [_split(x.narrow(d, pos, length), d, n) for x in self.stage[slot]]
+            views = self.runs_of(self.stage[slot], pos, n)
             self._runs[key] = views
         return views
+
+    def runs_of(self, stage: Sequence[torch.Tensor], pos: int, n: int) -> list[torch.Tensor]:
+        """:meth:`runs` of any buffer's :meth:`stage_of` views (not cached)."""
+        d, length = self.dim, n * self.block_size
+        return [_split(x.narrow(d, pos, length), d, n) for x in stage]
 
 
 class GroupMover:
@@ -291,50 +316,60 @@ class GroupMover:
         scatter_words: Sequence[str] = SCATTER_WORD_DTYPES,
     ) -> None:
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
         # Staging as [kv, layers, tokens, heads, head_size], matching the layer views.
         slots = [_split(b, b.dim() - 1, num_kv_heads) for b in slot_buffers]
         self._gather = _Views(planes, slots, block_size, gather_words)
         self._scatter = _Views(planes, slots, block_size, scatter_words)
         self.stacked = self._gather.stacked
 
-    def gather(self, slot: int, part: GroupTransfer) -> None:
-        """Copy the part's tokens from the paged blocks into staging slot ``slot``."""
+    def gather(self, slot: int | None, part: GroupTransfer) -> None:
+        """Copy the part's tokens from the paged blocks into staging slot ``slot``.
+
+        ``slot`` None: into ``part.buffer`` instead (a caller's host tensor; its views are
+        built for this call, where a slot's are cached).
+        """
         self._move(slot, part, to_staging=True)
 
-    def scatter(self, slot: int, part: GroupTransfer) -> None:
-        """Copy staging slot ``slot`` back into the part's paged blocks."""
+    def scatter(self, slot: int | None, part: GroupTransfer) -> None:
+        """Copy staging slot ``slot`` (None: ``part.buffer``) back into the part's paged blocks."""
         self._move(slot, part, to_staging=False)
 
-    def _move(self, slot: int, part: GroupTransfer, *, to_staging: bool) -> None:
+    def _move(self, slot: int | None, part: GroupTransfer, *, to_staging: bool) -> None:
         """Whole blocks with index ops or block-wise ``copy_``, partial edge blocks with ``copy_``."""
         import torch
 
         v = self._gather if to_staging else self._scatter
-        d, pos = v.dim, 0
+        if slot is None:
+            stage = v.stage_of(_split(part.buffer, part.buffer.dim() - 1, self.num_kv_heads))
+        else:
+            stage = v.stage[slot]
+        d, pos = v.dim, part.staging_offset
         for blk, n, off, length in _segments(part.first_token, part.num_tokens, self.block_size):
             if off == 0 and length == n * self.block_size:
+                runs = v.runs(slot, pos, n) if slot is not None else v.runs_of(stage, pos, n)
                 if not to_staging and v.copy_blocks:
-                    self._copy_blocks(v, slot, pos, part.block_id_list[blk : blk + n])
+                    self._copy_blocks(v, runs, part.block_id_list[blk : blk + n])
                 else:
                     ids = part.block_ids[blk : blk + n]
-                    for pages, run in zip(v.pages, v.runs(slot, pos, n), strict=True):
+                    for pages, run in zip(v.pages, runs, strict=True):
                         if to_staging:
                             torch.index_select(pages, d, ids, out=run)
                         else:
                             pages.index_copy_(d, ids, run)
             else:
-                for pages, stage in zip(v.pages, v.stage[slot], strict=True):
+                for pages, staging in zip(v.pages, stage, strict=True):
                     paged = pages.select(d, part.block_id_list[blk]).narrow(d, off, length)
-                    staged = stage.narrow(d, pos, length)
+                    staged = staging.narrow(d, pos, length)
                     (staged if to_staging else paged).copy_(paged if to_staging else staged)
             pos += length
 
     @staticmethod
-    def _copy_blocks(v: _Views, slot: int, pos: int, ids: Sequence[int]) -> None:
-        """Scatter whole blocks from staging position ``pos`` with one ``copy_`` per id run."""
+    def _copy_blocks(v: _Views, runs: Sequence[torch.Tensor], ids: Sequence[int]) -> None:
+        """Scatter whole blocks (``runs``: their staging views) with one ``copy_`` per id run."""
         d = v.dim
         (pages,) = v.pages
-        (run,) = v.runs(slot, pos, len(ids))
+        (run,) = runs
         for i, first, n in _block_runs(ids):
             dst, src = pages.narrow(d, first, n), run.narrow(d, i, n)
             if v.split_planes:

@@ -122,7 +122,7 @@ class _Server:
         return self.handles
 
     def hello(self, device_type: str) -> dict[str, Any]:
-        from .._registry import selected_backend
+        from .._plugins.registry import selected_backend
 
         info = selected_backend(device_type)
         return {
@@ -170,7 +170,7 @@ class _Server:
 
     def reopen_fields(self, device_type: str, wire_tag: str, fields: dict[str, Any]) -> str:
         """Rebuild one wrapper from raw fields and reopen it; say how far it got."""
-        from .._registry import wire_classes_for
+        from .._plugins.registry import wire_classes_for
 
         cls = wire_classes_for(device_type)[wire_tag]
         wrapper = cls.from_fields(fields)
@@ -182,7 +182,13 @@ class _Server:
         return "mapped"
 
     def context(
-        self, wire: bytes, kv_format: str, tokens_per_chunk: int, block_size: int, num_kv_heads: int
+        self,
+        wire: bytes,
+        kv_format: str,
+        tokens_per_chunk: int,
+        block_size: int,
+        num_kv_heads: int,
+        chunk_format: str = "tokens",
     ) -> dict[str, Any]:
         import json
 
@@ -193,7 +199,9 @@ class _Server:
         hints = lp.LayoutHints(
             kv_format=lp.KVFormat(kv_format), block_size=block_size, num_kv_heads=num_kv_heads
         )
-        ctx = lp.create_cache_context(_wire.decode(wire), tokens_per_chunk, layout_hints=hints)
+        ctx = lp.create_cache_context(
+            _wire.decode(wire), tokens_per_chunk, layout_hints=hints, chunk_format=chunk_format
+        )
         handle = self._handle()
         self.contexts[handle] = ctx
         status = ctx.report_status()
@@ -235,6 +243,16 @@ class _Server:
         ctx.retrieve_chunk(ids, slot=slot, num_tokens=num_tokens)
         ctx.synchronize()
 
+    def move(self, handle: int, src: list[list[int]], dst: list[list[int]]) -> int:
+        """``read_chunk`` from ``src`` into fresh host tensors, ``write_chunk`` them to ``dst``."""
+        ctx = self.contexts[handle]
+        chunk = ctx.allocate_chunk()
+        ctx.read_chunk(src, chunk, slot=1)
+        ctx.synchronize()
+        ctx.write_chunk(dst, chunk, slot=2 % ctx.max_batch_size)
+        ctx.synchronize()
+        return sum(t.numel() for t in chunk)
+
     def close_context(self, handle: int) -> dict[str, Any]:
         """Close twice (idempotence); then a store must be refused."""
         from .._errors import TransferError
@@ -267,6 +285,7 @@ def serve(conn: Connection) -> None:
         "context",
         "store",
         "retrieve",
+        "move",
         "close_context",
     )
     ops: dict[str, Callable[..., Any]] = {name: getattr(server, name) for name in names}

@@ -14,10 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .. import _config, _discovery
+from .. import _env
 from .._errors import BackendSelectionError
 from .._facade import refresh
-from .._registry import REGISTRY, BackendInfo, Status
+from .._plugins import discovery
+from .._plugins.registry import REGISTRY, BackendInfo, Status
 from .._types import KVFormat
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class Target:
 
     name: str
     device_type: str
-    spec: _discovery.BackendSpec
+    spec: discovery.BackendSpec
     info: BackendInfo
     #: Why the backend cannot serve on this host (its probe's answer), or "" if it can.
     unavailable: str = ""
@@ -56,7 +57,7 @@ class Target:
 
 
 def installed_names() -> list[str]:
-    return [spec.name for spec in _discovery.scan()]
+    return [spec.name for spec in discovery.scan()]
 
 
 @contextmanager
@@ -66,31 +67,31 @@ def selected(name: str) -> Iterator[Target]:
     Sets ``LMCACHE_PLATFORM_BACKEND`` to ``name`` (spawned processes inherit it),
     refreshes the registry, and restores both afterwards.
     """
-    if not _discovery.BACKEND_NAME_RE.match(name):
+    if not discovery.BACKEND_NAME_RE.match(name):
         raise TargetError(f"{name!r} is not a backend name ('<device_type>' or '<device_type>.<variant>')")
-    specs = {spec.name: spec for spec in _discovery.scan()}
+    specs = {spec.name: spec for spec in discovery.scan()}
     spec = specs.get(name)
     if spec is None:
         raise TargetError(
             f"no installed distribution advertises backend {name!r} under the entry-point group "
-            f"{_discovery.ENTRY_POINT_GROUP!r}; installed: {', '.join(sorted(specs)) or 'none'}"
+            f"{discovery.ENTRY_POINT_GROUP!r}; installed: {', '.join(sorted(specs)) or 'none'}"
         )
-    if name in _config.disabled_backends():
-        raise TargetError(f"backend {name!r} is disabled by {_config.ENV_DISABLE}; unset it to test it")
-    saved = os.environ.get(_config.ENV_BACKEND)
-    os.environ[_config.ENV_BACKEND] = name
+    if name in _env.disabled_backends():
+        raise TargetError(f"backend {name!r} is disabled by {_env.DISABLE_ENV}; unset it to test it")
+    saved = os.environ.get(_env.BACKEND_ENV)
+    os.environ[_env.BACKEND_ENV] = name
     refresh()
     try:
         yield _resolve(spec)
     finally:
         if saved is None:
-            os.environ.pop(_config.ENV_BACKEND, None)
+            os.environ.pop(_env.BACKEND_ENV, None)
         else:
-            os.environ[_config.ENV_BACKEND] = saved
+            os.environ[_env.BACKEND_ENV] = saved
         refresh()
 
 
-def _resolve(spec: _discovery.BackendSpec) -> Target:
+def _resolve(spec: discovery.BackendSpec) -> Target:
     device_type = spec.device_type
     unavailable = ""
     try:

@@ -47,7 +47,12 @@ class Registered:
 
 
 def register(
-    peer: Peer, target: Target, device: torch.device, fmt: KVFormat, engine_layout: str | None = None
+    peer: Peer,
+    target: Target,
+    device: torch.device,
+    fmt: KVFormat,
+    engine_layout: str | None = None,
+    chunk_format: str = "tokens",
 ) -> Registered:
     if fmt not in target.supported_formats:
         pytest.skip(f"{target.name} does not claim {fmt.value}")
@@ -60,6 +65,7 @@ def register(
         tokens_per_chunk=_kv.CHUNK,
         block_size=_kv.BLOCK_SIZE,
         num_kv_heads=_kv.HEADS,
+        chunk_format=chunk_format,
     )
     return Registered(fmt, layers, wrappers, info)
 
@@ -133,11 +139,40 @@ def test_store_and_retrieve_are_bit_exact_and_touch_nothing_else(
     assert closed["store_after_close"], "a closed context must refuse transfers with TransferError"
 
 
+@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
+@pytest.mark.parametrize("case", _kv.CASES, ids=_kv.case_id)
+def test_chunks_move_through_host_tensors_bit_exact_in_either_format(
+    case: tuple[KVFormat, str | None],
+    chunk_format: str,
+    lmcache_backend: Target,
+    lmcache_device: torch.device,
+    lmcache_peer: Peer,
+) -> None:
+    """``read_chunk`` into ``allocate_chunk``'s host tensors, ``write_chunk`` into other blocks."""
+    fmt, engine_layout = case
+    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt, engine_layout, chunk_format)
+    try:
+        original = reg.snapshot()
+        moved = lmcache_peer.call("move", handle=reg.handle, src=[[1, 2]], dst=[[6, 0]])
+        assert moved == _kv.CHUNK * int(reg.info["cache_size_per_token"])
+        _kv.synchronize(lmcache_device)
+        expected = [t.clone() for t in original]
+        for e, o in zip(expected, original, strict=True):
+            for dst, src in ((6, 1), (0, 2)):
+                _kv.token_view(e, fmt, dst, 0, _kv.BLOCK_SIZE).copy_(
+                    _kv.token_view(o, fmt, src, 0, _kv.BLOCK_SIZE)
+                )
+        reg.assert_layers_equal(expected, f"a {chunk_format} chunk is not bit-exact or wrote other blocks")
+    finally:
+        unregister(lmcache_peer, reg)
+
+
 def bad_requests() -> dict[str, tuple[str, list[list[int]], int, int]]:
     chunk, nb = _kv.CHUNK, _kv.BLOCKS
     return {
         "block id past the end": ("retrieve", [[1, nb]], 0, chunk),
-        "negative block id": ("retrieve", [[-1, 2]], 0, chunk),
+        "negative block id": ("retrieve", [[-2, 2]], 0, chunk),
+        "skipped block (-1) in a store": ("store", [[-1, 2]], 0, chunk),
         "too few block ids": ("retrieve", [[1]], 0, chunk),
         "repeated block ids": ("retrieve", [[2, 2]], 0, chunk),
         "ids for two engine groups": ("retrieve", [[1, 2], [3, 4]], 0, chunk),

@@ -14,12 +14,14 @@ from lmcache_platform import (
     API_VERSION,
     Availability,
     BaseCacheContext,
+    DeviceEvent,
     DeviceIPCWrapper,
+    Status,
     WireField,
     hookspecs,
+    selected_backend,
 )
 from lmcache_platform._ipc_wrapper import BASE_FIELDS
-from lmcache_platform._registry import Status, selected_backend
 from lmcache_platform.conformance._target import Target
 from lmcache_platform.wire import DEVICE_TYPE_RE, WIRE_TAG_RE
 
@@ -101,6 +103,17 @@ def test_it_declines_device_types_it_does_not_serve(hooks: Any) -> None:
     assert hooks.lmcache_platform_cache_context_class(device_type=FOREIGN) is None
     assert hooks.lmcache_platform_ipc_wrapper_class(device_type=FOREIGN) is None
     assert hooks.lmcache_platform_wire_classes(device_type=FOREIGN) is None
+    assert hooks.lmcache_platform_device_event_class(device_type=FOREIGN) is None
+
+
+def test_its_device_events_if_any_are_of_its_device_type(hooks: Any, lmcache_backend: Target) -> None:
+    dt = lmcache_backend.device_type
+    event = hooks.lmcache_platform_device_event_class(device_type=dt)
+    if event is None:
+        return  # copies that complete before they return need no events (the host)
+    assert isinstance(event, type) and issubclass(event, DeviceEvent), event
+    assert event.device_type == dt, f"{event.__qualname__}.device_type is {event.device_type!r}, not {dt!r}"
+    assert not inspect.isabstract(event)
 
 
 def wire_classes(hooks: Any, device_type: str) -> list[type[DeviceIPCWrapper]]:

@@ -2,13 +2,19 @@
 
 The kit does the migrating and reopening, but the store decides what survives a fork,
 what an empty tensor costs, how views of one allocation are exported and whether a
-capacity error leaves anything behind. Backends whose wrapper is not built on
-:mod:`lmcache_platform.hostmem` skip these checks.
+capacity error leaves anything behind. A store's optional abilities are checked
+through what the kit does with them: an :class:`~lmcache_platform.hostmem.InPlaceStore`
+shares a KV cache where it lies, a :class:`~lmcache_platform.hostmem.SideBySideStore`
+reopens separate exports in one range; a store without them must give the same bytes
+by copying and by mapping each export on its own. Backends whose wrapper is not built
+on :mod:`lmcache_platform.hostmem` skip these checks.
 """
 
 from __future__ import annotations
 
 import errno
+import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -22,13 +28,15 @@ from lmcache_platform import wire
 from lmcache_platform.conformance._kv import random_bits, to_bytes
 from lmcache_platform.conformance._peer import Peer
 from lmcache_platform.conformance._target import Target
-from lmcache_platform.hostmem import HostMemoryIPCWrapper
+from lmcache_platform.hostmem import HostMemoryIPCWrapper, HostMemoryStore, InPlaceStore, SideBySideStore
 
 #: What a store may say when memory does not fit (ENOSPC for file systems, ENOMEM for
 #: anonymous memory, EDQUOT for quotas, EFBIG for a file-size limit).
 CAPACITY_ERRNOS = {errno.ENOSPC, errno.ENOMEM, errno.EDQUOT, errno.EFBIG}
 #: A size no host can give: 64 TiB.
 ABSURD = 1 << 46
+#: A KV cache above glibc's largest mmap threshold (32 MiB), so its pages are its own.
+BIG = 40 << 20
 
 
 @pytest.fixture
@@ -192,3 +200,101 @@ def test_closing_every_export_keeps_the_engine_tensor_and_a_new_export_works(
         lmcache_peer.call("close", handle=opened["handle"])
     finally:
         again.close()
+
+
+def test_a_large_allocation_is_shared_in_place_or_copied_whole(
+    hostmem_class: type[HostMemoryIPCWrapper], lmcache_peer: Peer
+) -> None:
+    """A KV cache's views, wrapped: the peer reads every byte and its writes reach the engine.
+
+    An ``InPlaceStore`` shares the cache where it lies when glibc gave it pages of its
+    own (the views keep their addresses, and the peer's writes reach a view the engine
+    cut itself and never wrapped); otherwise the kit copies it whole. Whether it shares
+    in place depends on the allocator, so an ``InPlaceStore``'s members are also checked
+    directly: the memory behind ``create_in_place``'s fd is the memory its handle names.
+    """
+    store = hostmem_class.store
+    flat = random_bits((BIG,), torch.uint8, seed=32)
+    quarter = BIG // 4
+    layers = [flat[i * quarter : (i + 1) * quarter].view(-1, 1024) for i in range(4)]
+    derived = flat[quarter + 4096 : quarter + 8192]  # inside layer 1; never passed to wrap
+    address, contents = layers[1].data_ptr(), [to_bytes(t) for t in layers]
+    wrappers = exports(lp.wrap_kv_caches(layers), hostmem_class)
+    try:
+        in_place = layers[1].data_ptr() == address
+        assert not in_place or isinstance(store, InPlaceStore), "copied, yet the views kept their address"
+        assert [to_bytes(t) for t in layers] == contents, "wrapping changed the engine's bytes"
+        opened = lmcache_peer.call("open", wire=wire.encode(wrappers))
+        assert opened["data"] == contents, "the peer does not read what the engine holds"
+        written = random_bits(tuple(layers[1].shape), torch.uint8, seed=33)
+        lmcache_peer.call("write", handle=opened["handle"], index=1, data=to_bytes(written))
+        assert torch.equal(layers[1], written), "the peer's write did not reach the engine's tensor"
+        if in_place:
+            assert torch.equal(derived, written.view(-1)[4096:8192]), (
+                "shared in place, yet a view the engine cut itself does not see the peer's write"
+            )
+        lmcache_peer.call("close", handle=opened["handle"])
+    finally:
+        for w in wrappers:
+            w.close()
+    if isinstance(store, InPlaceStore):
+        in_place_memory_is_what_its_handle_names(store, store)
+
+
+def in_place_memory_is_what_its_handle_names(store: HostMemoryStore, in_place: InPlaceStore) -> None:
+    """``create_in_place``'s fd and handle name one memory, and nothing stays open after release."""
+    nbytes = 1 << 20
+    payload = bytes(random_bits((4096,), torch.uint8, seed=34).numpy())
+    before = footprint()
+    handle, fd = in_place.create_in_place(nbytes)
+    try:
+        in_place.reserve(fd, 0, nbytes)
+        with mmap.mmap(fd, nbytes) as window:  # the kit copies in through such a window
+            window[8192 : 8192 + len(payload)] = payload
+        with store.open_existing(dict(handle), nbytes) as mapped:
+            assert mapped[8192 : 8192 + len(payload)] == payload, (
+                "the memory behind create_in_place's fd is not the memory its handle names"
+            )
+    finally:
+        os.close(fd)
+        assert store.release(handle), "release() of memory create_in_place made here did nothing"
+    assert footprint() == before, "create_in_place left an fd or a mapping behind"
+
+
+def test_separate_exports_reopen_side_by_side_or_one_by_one(
+    hostmem_class: type[HostMemoryIPCWrapper],
+) -> None:
+    """An older engine's per-layer allocations, reopened together as a cache context does.
+
+    A ``SideBySideStore`` maps them in one range (one storage), any store maps the same
+    bytes, writes go both ways, and once the tensors die every fd and mapping
+    ``to_tensors`` made is gone.
+    """
+    layers = [random_bits((64, 32), torch.float32, seed=40 + i) for i in range(3)]
+    wrappers = exports(lp.wrap_kv_caches(layers), hostmem_class)
+    try:
+        gc.collect()
+        before = footprint()
+        decoded = wire.decode(wire.encode(wrappers))
+        tensors = hostmem_class.to_tensors(decoded)
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        together = isinstance(hostmem_class.store, SideBySideStore)
+        assert len(storages) == (1 if together else len(layers)), (
+            f"{len(storages)} storages for {len(layers)} exports "
+            f"({'a' if together else 'not a'} SideBySideStore)"
+        )
+        assert [to_bytes(t) for t in tensors] == [to_bytes(t) for t in layers]
+        layers[0][1, 2] = -1.0
+        tensors[2][3, 4] = -2.0
+        assert tensors[0][1, 2].item() == -1.0 and layers[2][3, 4].item() == -2.0, (
+            "writes do not go both ways"
+        )
+        del tensors
+        for w in decoded:
+            w.close()
+        del decoded
+        gc.collect()
+        assert footprint() == before, "reopened exports left an fd or a mapping behind"
+    finally:
+        for w in wrappers:
+            w.close()

@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
+from lmcache_platform._env import BACKEND_ENV
 from lmcache_platform.conformance._target import Target
 
 #: Runs in a fresh process with LMCACHE_PLATFORM_BACKEND unset: argv = device type, backend.
 PROBE = """
 import json, sys
 import lmcache_platform as lp
-from lmcache_platform import _registry
+from lmcache_platform._plugins import registry
 from lmcache_platform.testing import fake_backend
 
 dt, target = sys.argv[1], sys.argv[2]
@@ -47,7 +48,7 @@ out = {"stand_in": stand_in, "selected": None, "selected_by": None, "error": Non
 try:
     info = lp.selected_backend(dt)
     out.update(selected=info.name, selected_by=info.selected_by)
-    for tag, cls in _registry.wire_classes_for(dt).items():
+    for tag, cls in registry.wire_classes_for(dt).items():
         out["primary_fields"][tag] = {n: repr(f) for n, f in cls.wire_fields.items()}
 except lp.BackendSelectionError as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
@@ -59,7 +60,7 @@ print(json.dumps(out))
 
 
 def probe(target: Target) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "LMCACHE_PLATFORM_BACKEND"}
+    env = {k: v for k, v in os.environ.items() if k != BACKEND_ENV}
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, target.device_type, target.name],
         env=env,

@@ -2,13 +2,15 @@
 
 :class:`ReferenceServer` serves the platform API end to end over one UNIX socket
 (``lmcache-platform serve`` runs it in the foreground, :class:`ServerProcess` in a
-spawned process); :class:`ServerClient` is what an engine's connector calls.
+spawned process); :class:`ServerClient` is a blocking client, :class:`AsyncClient` the
+one an engine's hot path uses (it never blocks: requests in, :class:`Pending` futures out).
 :func:`cache_namespace` and :func:`chunk_keys` compute the keys under which engines
-share chunks. The request format lives in ``server._protocol``. Importing this
+share chunks. The request format is in ``docs/wire-format.md``. Importing this
 package imports neither torch nor a backend.
 """
 
-from .._errors import ServerError
+from .._errors import ServerError, ServerUnavailable
+from ._async import AsyncClient, Pending, SessionField, new_lease_id
 from ._client import ChunkSpec, GetResult, KeyedChunkSpec, PutResult, Registration, ServerClient
 from ._keys import KEY_BYTES, cache_namespace, chunk_keys
 from ._server import (
@@ -24,15 +26,20 @@ __all__ = [
     "DEFAULT_MAX_HOST_BYTES",
     "KEY_BYTES",
     "SOCKET_NAME",
+    "AsyncClient",
     "ChunkSpec",
     "GetResult",
     "KeyedChunkSpec",
+    "Pending",
     "PutResult",
     "ReferenceServer",
     "Registration",
     "ServerClient",
     "ServerError",
     "ServerProcess",
+    "ServerUnavailable",
+    "SessionField",
     "cache_namespace",
     "chunk_keys",
+    "new_lease_id",
 ]

@@ -14,7 +14,11 @@ contexts overlap:
   and marks its new keys as being written, so no other store copies them again and
   no lookup sees them; after the copy it **commits** them (or **aborts**);
 * a retrieve **acquires** the chunks it reads (a pin: a pinned chunk is never
-  evicted), copies, then **releases** them.
+  evicted), copies, then **releases** them;
+* a leased lookup **pins** the chunks it found (:meth:`ChunkIndex.lookup_many`), so they
+  stay until the lease's owner **unpins** them (a get read them, or the lease ended);
+* a get **adopts** the chunks it brought from the remote tier (:meth:`ChunkIndex.adopt`):
+  they join the index like stored ones, already pinned for that get's reads.
 
 LRU order: a request touches its keys from last to first, so the first key of a
 request ends most recently used. Keys chain a prefix (a later chunk is useless
@@ -44,6 +48,12 @@ class StoredChunk:
     evictable: bool
     #: Requests reading it right now; a chunk with readers is never evicted.
     readers: int = 0
+    #: Leases holding it (see :meth:`ChunkIndex.lookup_many`); a pinned chunk is never evicted.
+    pins: int = 0
+
+    @property
+    def held(self) -> bool:
+        return bool(self.readers or self.pins)
 
 
 @dataclass
@@ -74,6 +84,8 @@ class _Counters:
     present: int = 0
     dropped: int = 0
     retrieved: int = 0
+    #: Chunks gets brought from the remote tier (see :meth:`ChunkIndex.adopt`).
+    remote_loaded: int = 0
 
 
 class ChunkIndex:
@@ -93,12 +105,45 @@ class ChunkIndex:
 
     def lookup(self, namespace: Hashable, keys: Sequence[Hashable]) -> int:
         """How many leading ``keys`` are stored; they become most recently used."""
+        return self.lookup_many([namespace], keys)[0]
+
+    def lookup_many(
+        self, namespaces: Sequence[Hashable], keys: Sequence[Hashable], *, pin: bool = False
+    ) -> tuple[int, list[list[StoredChunk]]]:
+        """How many leading ``keys`` every one of ``namespaces`` stores (the minimum).
+
+        Those chunks become most recently used; with ``pin`` they are also pinned, in
+        each namespace, until :meth:`unpin` (the second value: the pinned chunks per
+        namespace, in order; empty lists without ``pin``). One critical section, so no
+        store can evict a chunk between the count and the pin.
+        """
         with self._lock:
-            found = self._leading(namespace, keys)
-            self._touch(found)
-            self._counts.hits += len(found)
-            self._counts.misses += len(keys) - len(found)
-            return len(found)
+            found = [self._leading(ns, keys) for ns in namespaces]
+            hits = min((len(f) for f in found), default=0)
+            pinned: list[list[StoredChunk]] = []
+            for f in found:
+                self._touch(f[:hits])
+                chunks = [self._lru[fk] for fk in f[:hits]] if pin else []
+                for c in chunks:
+                    c.pins += 1
+                pinned.append(chunks)
+            self._counts.hits += hits
+            self._counts.misses += len(keys) - hits
+            return hits, pinned
+
+    def leading_counts(self, namespaces: Sequence[Hashable], keys: Sequence[Hashable]) -> list[int]:
+        """How many leading ``keys`` each namespace holds, touching and counting nothing.
+
+        Where a lookup's question to the remote tier starts, per namespace.
+        """
+        with self._lock:
+            return [len(self._leading(ns, keys)) for ns in namespaces]
+
+    def unpin(self, chunks: Sequence[StoredChunk]) -> None:
+        """Undo :meth:`lookup_many`'s pins on ``chunks``."""
+        with self._lock:
+            for c in chunks:
+                c.pins -= 1
 
     def acquire(self, namespace: Hashable, keys: Sequence[Hashable]) -> list[StoredChunk]:
         """Pin the leading stored ``keys`` for reading; :meth:`release` them when done."""
@@ -110,6 +155,42 @@ class ChunkIndex:
                 c.readers += 1
             self._counts.retrieved += len(chunks)
             return chunks
+
+    def adopt(
+        self,
+        namespace: Hashable,
+        items: Sequence[tuple[Hashable, Sequence[Any], int]],
+        *,
+        head: Sequence[Hashable] = (),
+    ) -> list[StoredChunk]:
+        """Chunks a get fetched from the remote tier, as ``(key, tensors, nbytes)``: pinned for reading.
+
+        Each joins the index (evictable, like a put's) if room can be made for it; one that
+        another request stored meanwhile is read from the index's copy instead; one a put
+        is storing right now, or that no room can be made for, is read once and not kept.
+        :meth:`release` them all when done. ``head`` names the request's keys before these
+        (held locally): they are touched again so that the request's first key ends most
+        recently used, as in every request.
+        """
+        with self._lock:
+            protect = {(namespace, k) for k in head} | {(namespace, k) for k, _, _ in items}
+            out = []
+            for key, payload, nbytes in items:
+                fk = (namespace, key)
+                chunk = self._lru.get(fk)
+                if chunk is None:
+                    chunk = StoredChunk(payload, nbytes, evictable=True)
+                    if fk not in self._writing and self._make_room(1, nbytes, protect)[0]:
+                        self._lru[fk] = chunk
+                        self._committed += nbytes
+                        self._per_namespace[namespace] += 1
+                chunk.readers += 1
+                out.append(chunk)
+            order = [(namespace, k) for k in head] + [(namespace, k) for k, _, _ in items]
+            self._touch([fk for fk in order if fk in self._lru])
+            self._counts.retrieved += len(out)
+            self._counts.remote_loaded += len(out)
+            return out
 
     def release(self, chunks: Sequence[StoredChunk]) -> None:
         with self._lock:
@@ -223,7 +304,7 @@ class ChunkIndex:
                 "chunks": len(self._lru),
                 "host_bytes": self._committed + self._reserved,
                 "max_host_bytes": self.max_bytes,
-                "pinned": sum(1 for c in self._lru.values() if c.readers),
+                "pinned": sum(1 for c in self._lru.values() if c.held),
                 **vars(self._counts),
             }
 
@@ -243,12 +324,12 @@ class ChunkIndex:
             self._lru.move_to_end(fk)
 
     def _victims(self, need: int, protect: set[FullKey]) -> list[FullKey]:
-        """Least recently used evictable, unpinned chunks freeing ``need`` bytes (or all there are)."""
+        """Least recently used evictable chunks nobody reads or leases: ``need`` bytes (or all)."""
         out, freed = [], 0
         for fk, c in self._lru.items():
             if freed >= need:
                 break
-            if c.evictable and not c.readers and fk not in protect:
+            if c.evictable and not c.held and fk not in protect:
                 out.append(fk)
                 freed += c.nbytes
         return out
@@ -289,4 +370,4 @@ class ChunkIndex:
         self._reserved -= res.reserved
 
     def _unevictable(self) -> int:
-        return sum(c.nbytes for c in self._lru.values() if not c.evictable or c.readers) + self._reserved
+        return sum(c.nbytes for c in self._lru.values() if not c.evictable or c.held) + self._reserved

@@ -11,12 +11,20 @@ with its own allow-list.
 Two ways to name a chunk: ``store``/``retrieve`` take chunk ids (``str``) private to
 one context; ``put``/``get``/``lookup`` take content keys (``bytes``) in the
 namespace a context registered with, shared by every context of that namespace.
+
+Every request may carry ``deadline`` (``time.monotonic_ns()`` of the client's host,
+which must be the server's): work still undone when it passes is dropped. Transfers
+(``store``, ``retrieve``, ``put``, ``get``) may carry ``event``, a device event's handle
+(:func:`lmcache_platform.record_event`): the server's copies wait on it. Fields
+added after version 1 shipped are optional, and replies gain keys only for requests
+that use one of them (see :attr:`Request.extended`), so older clients keep working.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -33,8 +41,18 @@ from .._checks import (
     show,
 )
 from .._errors import WireFormatError
+from .._events import MAX_HANDLE_BYTES
 from .._kv.layout import ENGINE_LAYOUTS
-from .._types import ENGINE_KEYWORDS, CacheContextConfig, EngineGroupInfo, EngineType, KVFormat, LayoutHints
+from .._kv.transfer import SKIP_BLOCK  # "skip these positions" in a get/retrieve chunk
+from .._types import (
+    CHUNK_FORMATS,
+    ENGINE_KEYWORDS,
+    CacheContextConfig,
+    EngineGroupInfo,
+    EngineType,
+    KVFormat,
+    LayoutHints,
+)
 
 MAGIC = b"LMCP"
 VERSION = 1
@@ -51,8 +69,26 @@ MAX_CHUNK_ID_LEN = 256
 MAX_KEY_LEN = 64
 MAX_ID = (1 << 63) - 1
 MAX_LAYERS = wire.MAX_WRAPPERS
+#: Most namespaces in one ``lookup``.
+MAX_NAMESPACES = 256
+#: Longest lease a ``lookup`` may take (milliseconds).
+MAX_LEASE_MS = 600_000
+#: The error type of a reply to a request whose deadline passed before its work was done.
+DEADLINE_EXCEEDED = "DeadlineExceeded"
 
-OPS = ("register", "store", "retrieve", "put", "get", "lookup", "unregister", "status", "shutdown")
+OPS = (
+    "register",
+    "store",
+    "retrieve",
+    "put",
+    "get",
+    "lookup",
+    "release",
+    "ping",
+    "unregister",
+    "status",
+    "shutdown",
+)
 
 _PREFIX = struct.Struct(">I")
 _LIMITS = _codec.Limits(
@@ -68,33 +104,56 @@ _LIMITS = _codec.Limits(
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:
     """Write one frame (blocking)."""
-    if len(payload) > MAX_FRAME_BYTES:
-        raise WireFormatError(f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
-    sock.sendall(_PREFIX.pack(len(payload)) + payload)
+    sock.sendall(frame(payload))
 
 
-def recv_frame(sock: socket.socket) -> bytes | None:
-    """Read one frame; ``None`` on a clean end of stream between frames.
-
-    Raises :class:`WireFormatError` for an oversized length or a stream cut short
-    inside a frame; the connection is then out of sync and must be closed.
-    """
-    head = _recv_exact(sock, _PREFIX.size, at_boundary=True)
-    if head is None:
-        return None
+def frame_length(head: bytes) -> int:
+    """The body length a 4-byte prefix announces; :class:`WireFormatError` beyond the limit."""
     (length,) = _PREFIX.unpack(head)
     if length > MAX_FRAME_BYTES:
         raise WireFormatError(f"frame of {length} bytes exceeds the limit of {MAX_FRAME_BYTES}")
-    body = _recv_exact(sock, length, at_boundary=False)
+    return int(length)
+
+
+def frame(payload: bytes) -> bytes:
+    """``payload`` with its length prefix, as :func:`send_frame` writes it."""
+    if len(payload) > MAX_FRAME_BYTES:
+        raise WireFormatError(f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    return _PREFIX.pack(len(payload)) + payload
+
+
+#: Bytes of a frame's length prefix.
+PREFIX_BYTES = _PREFIX.size
+
+
+def recv_frame(sock: socket.socket, *, deadline_ns: int | None = None) -> bytes | None:
+    """Read one frame; ``None`` on a clean end of stream between frames.
+
+    Raises :class:`WireFormatError` for an oversized length or a stream cut short
+    inside a frame; the connection is then out of sync and must be closed. With
+    ``deadline_ns`` (``time.monotonic_ns()``), :class:`TimeoutError` once it passes,
+    however the bytes trickle in (the socket's timeout is set to the time left
+    before each read).
+    """
+    head = _recv_exact(sock, _PREFIX.size, at_boundary=True, deadline_ns=deadline_ns)
+    if head is None:
+        return None
+    length = frame_length(head)
+    body = _recv_exact(sock, length, at_boundary=False, deadline_ns=deadline_ns)
     assert body is not None
     return body
 
 
-def _recv_exact(sock: socket.socket, n: int, *, at_boundary: bool) -> bytes | None:
+def _recv_exact(sock: socket.socket, n: int, *, at_boundary: bool, deadline_ns: int | None) -> bytes | None:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline_ns is not None:
+            left = deadline_ns - time.monotonic_ns()
+            if left <= 0:
+                raise TimeoutError("deadline passed while reading a reply")
+            sock.settimeout(left / 1e9)
         k = sock.recv_into(view[got:])
         if k == 0:
             if got == 0 and at_boundary:
@@ -131,16 +190,44 @@ class Request:
     chunks: tuple[Chunk, ...] = ()
     namespace: bytes = b""
     keys: tuple[bytes, ...] = ()
+    #: ``time.monotonic_ns()`` after which the request must not act; ``None``: no deadline.
+    deadline: int | None = None
+    #: ``lookup`` over several namespaces (the ``namespaces`` field); empty with ``namespace``.
+    namespaces: tuple[bytes, ...] = ()
+    #: ``lookup``/``get``/``release``: the lease id (0: none); ``lease_ms`` its life.
+    lease: int = 0
+    lease_ms: int = 0
+    #: Transfers: the handle of an engine's device event to order the copies after
+    #: (empty: none).
+    event: bytes = b""
+
+    @property
+    def extended(self) -> bool:
+        """Whether the request uses a field added after version 1 shipped.
+
+        Replies carry their newer keys (``now``, ``remote``) only then, so clients
+        that predate those keys, and check reply maps exactly, see what they expect.
+        """
+        return self.deadline is not None or bool(self.namespaces) or bool(self.lease)
+
+    @property
+    def lookup_namespaces(self) -> tuple[bytes, ...]:
+        """The namespaces a ``lookup`` covers, given as ``namespace`` or ``namespaces``."""
+        return self.namespaces or (self.namespace,)
 
 
-#: op -> (required keys, optional keys), beyond "op" and "id".
+_ANY_OP = frozenset({"deadline"})
+
+#: op -> (required keys, optional keys), beyond "op" and "id" (and "deadline", always optional).
 _SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "register": (frozenset({"wrappers", "config"}), frozenset({"namespace"})),
-    "store": (frozenset({"context", "chunks"}), frozenset()),
-    "retrieve": (frozenset({"context", "chunks"}), frozenset()),
-    "put": (frozenset({"context", "chunks"}), frozenset()),
-    "get": (frozenset({"context", "chunks"}), frozenset()),
-    "lookup": (frozenset({"namespace", "keys"}), frozenset()),
+    "store": (frozenset({"context", "chunks"}), frozenset({"event"})),
+    "retrieve": (frozenset({"context", "chunks"}), frozenset({"event"})),
+    "put": (frozenset({"context", "chunks"}), frozenset({"event"})),
+    "get": (frozenset({"context", "chunks"}), frozenset({"lease", "event"})),
+    "lookup": (frozenset({"keys"}), frozenset({"namespace", "namespaces", "lease", "lease_ms"})),
+    "release": (frozenset({"lease"}), frozenset()),
+    "ping": (frozenset(), frozenset()),
     "unregister": (frozenset({"context"}), frozenset()),
     "status": (frozenset(), frozenset({"context"})),
     "shutdown": (frozenset(), frozenset()),
@@ -157,6 +244,11 @@ def encode_request(
     chunks: Sequence[Chunk] | None = None,
     namespace: bytes | None = None,
     keys: Sequence[bytes] | None = None,
+    deadline: int | None = None,
+    namespaces: Sequence[bytes] | None = None,
+    lease: int | None = None,
+    lease_ms: int | None = None,
+    event: bytes | None = None,
 ) -> bytes:
     """Build a request frame payload; the same schema as :func:`decode_request` checks."""
     msg: dict[str, object] = {"op": op, "id": request_id}
@@ -172,6 +264,16 @@ def encode_request(
         msg["namespace"] = namespace
     if keys is not None:
         msg["keys"] = list(keys)
+    if deadline is not None:
+        msg["deadline"] = deadline
+    if namespaces is not None:
+        msg["namespaces"] = list(namespaces)
+    if lease is not None:
+        msg["lease"] = lease
+    if lease_ms is not None:
+        msg["lease_ms"] = lease_ms
+    if event is not None:
+        msg["event"] = event
     payload = _codec.pack(MAGIC, VERSION, msg, max_bytes=MAX_FRAME_BYTES, what="request")
     decode_request(payload)  # refuse to send what the server would refuse
     return payload
@@ -196,7 +298,7 @@ def decode_request(payload: bytes) -> Request:
     if not isinstance(op, str) or op not in _SCHEMA:
         raise WireFormatError(f"request: unknown op {show(op)} (known: {', '.join(OPS)})")
     required, optional = _SCHEMA[op]
-    expect_map(msg, f"{op} request", keys=required | {"op", "id"}, optional=optional)
+    expect_map(msg, f"{op} request", keys=required | {"op", "id"}, optional=optional | _ANY_OP)
     rid = expect_int(msg["id"], f"{op} request id", lo=0, hi=MAX_ID)
     kwargs: dict[str, Any] = {}
     if "context" in msg:
@@ -212,6 +314,26 @@ def decode_request(payload: bytes) -> Request:
     if "keys" in msg:
         keys = expect_list(msg["keys"], f"{op} keys", max_len=MAX_CHUNKS)
         kwargs["keys"] = tuple(_key(k, f"{op} key {i}") for i, k in enumerate(keys))
+    if "deadline" in msg:
+        kwargs["deadline"] = expect_int(msg["deadline"], f"{op} deadline", lo=0, hi=MAX_ID)
+    if "namespaces" in msg:
+        spaces = expect_list(msg["namespaces"], f"{op} namespaces", max_len=MAX_NAMESPACES)
+        if not spaces:
+            raise WireFormatError(f"{op} namespaces: must not be empty")
+        kwargs["namespaces"] = tuple(_key(n, f"{op} namespaces[{i}]") for i, n in enumerate(spaces))
+    if "lease" in msg:
+        kwargs["lease"] = expect_int(msg["lease"], f"{op} lease", lo=1, hi=MAX_ID)
+    if "lease_ms" in msg:
+        kwargs["lease_ms"] = expect_int(msg["lease_ms"], f"{op} lease_ms", lo=1, hi=MAX_LEASE_MS)
+    if "event" in msg:
+        kwargs["event"] = expect_bytes(msg["event"], f"{op} event", max_len=MAX_HANDLE_BYTES)
+        if not kwargs["event"]:
+            raise WireFormatError(f"{op} event: must not be empty (leave the field out for no event)")
+    if op == "lookup":
+        if ("namespace" in msg) == ("namespaces" in msg):
+            raise WireFormatError("lookup request: give exactly one of 'namespace' and 'namespaces'")
+        if ("lease" in msg) != ("lease_ms" in msg):
+            raise WireFormatError("lookup request: 'lease' and 'lease_ms' go together")
     return Request(op=op, request_id=rid, **kwargs)
 
 
@@ -237,8 +359,12 @@ def _decode_chunks(value: object, op: str, *, keyed: bool) -> tuple[Chunk, ...]:
         else:
             chunk_id = expect_str(pair[0], f"{where} id", max_len=MAX_CHUNK_ID_LEN)
         groups = expect_list(pair[1], f"{where} block ids", max_len=MAX_GROUPS)
-        block_ids = tuple(
-            tuple(expect_int_list(g, f"{where} group {j}", lo=0, hi=MAX_ID, max_len=MAX_BLOCKS_PER_GROUP))
+        block_ids = tuple(  # SKIP_BLOCK passes here; the context refuses it outside retrieves
+            tuple(
+                expect_int_list(
+                    g, f"{where} group {j}", lo=SKIP_BLOCK, hi=MAX_ID, max_len=MAX_BLOCKS_PER_GROUP
+                )
+            )
             for j, g in enumerate(groups)
         )
         chunks.append(Chunk(chunk_id, block_ids))
@@ -251,11 +377,15 @@ def _decode_chunks(value: object, op: str, *, keyed: bool) -> tuple[Chunk, ...]:
 # an engine chooses; its defaults are the dataclass's. Each field has one encoder and
 # one decoder below, and the hint and group maps are keyed by their dataclasses' fields,
 # so a new config field needs exactly its two codec entries (a test checks they exist).
+# Fields added after version 1 shipped are optional keys (_OPTIONAL_CONFIG), sent only
+# when they differ from their default, so either side may be the older one.
 
 #: Longest engine layer name (``model.layers.3.self_attn.attn`` and the like).
 MAX_LAYER_NAME_LEN = 256
 _MAX_TOKENS = 1 << 24
 _CONFIG_KEYS = frozenset(ENGINE_KEYWORDS)
+#: Config keys a map may lack (added after version 1 shipped); the default applies.
+_OPTIONAL_CONFIG = frozenset({"chunk_format"})
 _HINT_KEYS = frozenset(f.name for f in fields(LayoutHints))
 _GROUP_KEYS = frozenset(f.name for f in fields(EngineGroupInfo))
 _DEFAULTS: dict[str, Any] = {
@@ -274,13 +404,17 @@ def encode_config(**keywords: Any) -> dict[str, object]:
     if unknown:
         raise TypeError(f"encode_config: unknown keywords {sorted(unknown)} (known: {sorted(_CONFIG_KEYS)})")
     values = {**_DEFAULTS, **keywords}
-    return {name: _CODEC[name][0](values[name]) for name in ENGINE_KEYWORDS}
+    return {
+        name: _CODEC[name][0](values[name])
+        for name in ENGINE_KEYWORDS
+        if name not in _OPTIONAL_CONFIG or values[name] != _DEFAULTS[name]
+    }
 
 
 def decode_config(value: object) -> dict[str, Any]:
     """Validate a config map and rebuild the ``create_cache_context`` keyword arguments."""
-    msg = expect_map(value, "config", keys=_CONFIG_KEYS)
-    return {name: _CODEC[name][1](msg[name]) for name in ENGINE_KEYWORDS}
+    msg = expect_map(value, "config", keys=_CONFIG_KEYS - _OPTIONAL_CONFIG, optional=_OPTIONAL_CONFIG)
+    return {name: _CODEC[name][1](msg[name]) if name in msg else _DEFAULTS[name] for name in ENGINE_KEYWORDS}
 
 
 def _encode_hints(hints: LayoutHints | None) -> dict[str, object] | None:
@@ -377,7 +511,15 @@ _CODEC: dict[str, tuple[Callable[[Any], object], Callable[[object], Any]]] = {
     "separate_object_groups": (_keep, lambda v: expect_bool(v, "config separate_object_groups")),
     "full_sw_kv": (_keep, lambda v: expect_bool(v, "config full_sw_kv")),
     "layer_names": (list, _decode_layer_names),
+    "chunk_format": (_keep, lambda v: _choice(v, CHUNK_FORMATS, "config chunk_format")),
 }
+
+
+def _choice(value: object, allowed: Sequence[str], where: str) -> str:
+    text = expect_str(value, where, max_len=64)
+    if text not in allowed:
+        raise WireFormatError(f"{where}: unknown value {text!r} (known: {', '.join(allowed)})")
+    return text
 
 
 def _engine_layout(value: object) -> str:

@@ -4,9 +4,11 @@ It is deliberately small but real: it listens on a UNIX socket (mode 0600 inside
 private 0700 directory), decodes wrappers with the allow-listed wire format,
 builds cache contexts through :func:`lmcache_platform.create_cache_context`,
 and moves chunks between the engine's paged blocks and its own host memory with
-the context's ``store_chunk`` / ``retrieve_chunk`` and staging slots. It shows
-exactly which calls a production server (LMCache) makes; see
-``docs/engine-integration.md``.
+the context's ``read_chunk`` / ``write_chunk`` (on the host one pass straight into or
+out of a chunk's host tensors; on a device through a staging slot). It shows exactly
+which calls a production server (LMCache) makes; see ``docs/engine-integration.md``.
+A transfer that carries a device ``event`` waits for it on the context's stream
+(``wait_event``) before it touches the engine's blocks.
 
 What it holds is a cache (``server._index``): chunks named by content keys in a
 namespace are shared by every context registered with that namespace, outlive the
@@ -21,6 +23,26 @@ transfers of different contexts run in parallel. A context belongs to the
 connection that registered it: other connections cannot use it, and it is closed
 when that connection ends.
 
+Deadlines: a request may carry ``deadline`` (``time.monotonic_ns()``; client and
+server share the host's clock). Work whose deadline has passed is not done: a request
+is dropped if it is late when read, a transfer checks again under its context's lock
+before each batch of writes into the engine's blocks, and a store checks after its
+reads, before it commits (a late store commits nothing). A dropped request is answered
+with an error of type ``DeadlineExceeded`` and counted (``deadline_drops``). So an
+engine that stopped waiting is never written into afterwards.
+
+Leases (``server._leases``) pin what a ``lookup`` found until a ``get`` reads it.
+
+The remote tier (``server._tier``, ``serve --remote URL``), when there is one, sits behind
+the chunk index: a ``put`` queues the chunks it stored for the shared store (write-behind,
+never waited for); a ``lookup`` counts the leading chunks held here, then asks the store
+for the rest in one round trip (its leading hits are added, and reported as ``remote``);
+a ``get`` writes the chunks held here, then fetches the rest, checks them, keeps them
+here (evictable) and writes them into the engine's blocks. A remote hit is not pinned:
+a chunk the store lost meanwhile is not written (``retrieved`` says how many were), and
+the engine recomputes it. Remote calls get a share of the request's deadline, so a
+store that is down, slow or flushed lowers hits, never delays or fails a request.
+
 Run it in its own process with :class:`ServerProcess` (spawn) or ``lmcache-platform
 serve``, or in-process with :class:`ReferenceServer` for embedding.
 """
@@ -28,7 +50,9 @@ serve``, or in-process with :class:`ReferenceServer` for embedding.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import logging
 import multiprocessing
 import os
@@ -38,14 +62,17 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
 from .._errors import LayoutError, LMCachePlatformError, TransferError, WireFormatError
 from . import _protocol
+from ._entry import TensorSpec
 from ._index import ChunkIndex, Reservation, StoredChunk
+from ._leases import LeaseTable
 from ._listen import Listener
 from ._protocol import Chunk, Request
 
@@ -53,6 +80,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._kv.context import BaseCacheContext
+    from ._tier import RemoteTier
 
 logger = logging.getLogger("lmcache_platform.server")
 
@@ -63,9 +91,31 @@ DEFAULT_MAX_CONNECTIONS = 64
 _ACCEPT_POLL_S = 1.0  # a fallback: stop() wakes accept() at once
 
 
+_DROP_LOG_PERIOD_NS = 10_000_000_000  # at most one line about late requests per 10 s
+#: The share of a request's time left that a remote call may use: the rest answers the engine.
+_REMOTE_SHARE = 0.8
+
+
 def log_event(level: int, event: str, message: str, **fields: Any) -> None:
     """One server log line: ``message`` for people, ``event`` and ``fields`` for ``--json-log``."""
     logger.log(level, message, extra={"event": event, "fields": fields})
+
+
+class DeadlineExceeded(LMCachePlatformError):
+    """A request's deadline passed before (or while) the server did its work.
+
+    It travels as an error reply of type ``"DeadlineExceeded"``
+    (:data:`~lmcache_platform.server._protocol.DEADLINE_EXCEEDED`); what was not done
+    by then was not done at all: a late store commits nothing.
+    """
+
+
+def check_deadline(deadline: int | None, what: str) -> None:
+    """Raise :class:`DeadlineExceeded` if ``deadline`` (monotonic ns) has passed."""
+    if deadline is not None:
+        late = time.monotonic_ns() - deadline
+        if late > 0:
+            raise DeadlineExceeded(f"deadline passed {late / 1e6:.1f} ms ago, {what}")
 
 
 @dataclass(eq=False)
@@ -81,6 +131,8 @@ class _Entry:
     chunk_bytes: int
     #: Held for each transfer on this context: its staging slots are not shareable.
     lock: threading.Lock
+    #: Its namespace's name in the remote tier (:func:`remote_namespace`); empty without one.
+    remote_ns: bytes = b""
 
 
 @dataclass
@@ -89,6 +141,8 @@ class _Binding:
 
     layout: dict[str, Any]
     contexts: int = 0
+    #: The namespace's name in the remote tier: see :func:`remote_namespace`.
+    remote_ns: bytes = b""
 
 
 @dataclass(eq=False)  # identity semantics: kept in a set
@@ -101,11 +155,28 @@ class _Connection:
     stop_after_reply: bool = False
 
 
+@dataclass
+class _Stats:
+    """The server's own counters (the index and the leases keep theirs)."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    errors: int = 0
+    deadline_drops: int = 0
+    #: Lookup hits the remote tier held (the sum of the replies' ``remote``).
+    remote_hits: int = 0
+    #: Chunks gets asked for and could load from neither tier (the engine recomputes them).
+    get_missing: int = 0
+    drops_unlogged: int = 0
+    last_drop_log_ns: int = 0
+
+
 class ReferenceServer:
-    """Serve the protocol of ``lmcache_platform.server._protocol`` on one UNIX socket.
+    """Serve the reference server's protocol (``docs/wire-format.md``) on one UNIX socket.
 
     ``parallel_transfers=False`` makes every context share one transfer lock, the
     server's behaviour before per-context locks; it exists to measure the difference.
+    ``tier`` is the remote tier behind the local chunks (see ``docs/multi-node.md``); the
+    server closes it when it stops.
     """
 
     def __init__(
@@ -115,8 +186,10 @@ class ReferenceServer:
         max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         parallel_transfers: bool = True,
+        tier: RemoteTier | None = None,
     ) -> None:
         self.socket_path = socket_path
+        self.tier = tier
         self.max_host_bytes = max_host_bytes
         #: Concurrent clients; each may hold one frame buffer (up to 16 MiB) at a time.
         self.max_connections = max_connections
@@ -126,6 +199,10 @@ class ReferenceServer:
         self._index = ChunkIndex(max_host_bytes)
         self._stop = threading.Event()
         self._ids = itertools.count(1)
+        self._leases = LeaseTable(self._index)
+        self._stats = _Stats()
+        self._stats_lock = threading.Lock()
+        self._started_ns = time.monotonic_ns()
         self._entries: dict[int, _Entry] = {}
         self._bindings: dict[bytes, _Binding] = {}
         self._connections: set[_Connection] = set()
@@ -138,6 +215,8 @@ class ReferenceServer:
             "put": self._put,
             "get": self._get,
             "lookup": self._lookup,
+            "release": self._release,
+            "ping": self._ping,
             "unregister": self._unregister,
             "status": self._status,
             "shutdown": self._shutdown,
@@ -169,6 +248,7 @@ class ReferenceServer:
         if self._listener is None:
             self.bind()
         assert self._listener is not None
+        self._leases.start()
         try:
             while not self._stop.is_set():
                 try:
@@ -228,10 +308,13 @@ class ReferenceServer:
                     conn.sock.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(timeout=10)
+        self._leases.stop()
         with self._lock:
             remaining = list(self._entries)
         for ctx_id in remaining:
             self._close_entry(ctx_id, "server stopping")
+        if self.tier is not None:  # no client is left to call it; queued writes get a few seconds
+            self.tier.close()
         stats = self._index.stats()
         log_event(
             logging.INFO,
@@ -263,6 +346,7 @@ class ReferenceServer:
                     return
         finally:
             reason = "server stopping" if self._stop.is_set() else "disconnect"
+            self._leases.drop_owner(conn)
             for ctx_id in sorted(conn.contexts):
                 self._close_entry(ctx_id, reason)
             conn.contexts.clear()
@@ -288,17 +372,66 @@ class ReferenceServer:
                 logger.exception("decoding a request failed")
                 exc = WireFormatError(f"malformed request: {exc}")
             self._refused(conn, "request", rid, exc)
+            self._count("invalid", error=True)
             return _protocol.encode_error(rid, type(exc).__name__, str(exc))
+        self._count(req.op)
         try:
+            if req.op != "ping":  # ping takes no lock but its connection's
+                self._leases.sweep()
+            check_deadline(req.deadline, "before the server read the request")
             result = self._handlers[req.op](req, conn)
+        except DeadlineExceeded as exc:  # counted, and logged at most once per period
+            self._dropped(req, conn, exc)
+            return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault
             self._refused(conn, req.op, req.request_id, exc)
+            self._count(None, error=True)
             return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
         except Exception as exc:  # a bug or a backend failure: report it, keep serving
             logger.exception("%s request %d failed", req.op, req.request_id)
             self._refused(conn, req.op, req.request_id, exc)
+            self._count(None, error=True)
             return _protocol.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
         return _protocol.encode_reply(req.request_id, result)
+
+    def _count(self, op: str | None, *, error: bool = False) -> None:
+        with self._stats_lock:
+            if op is not None:
+                self._stats.requests[op] = self._stats.requests.get(op, 0) + 1
+            self._stats.errors += error
+
+    def _dropped(self, req: Request, conn: _Connection, exc: DeadlineExceeded) -> None:
+        """Count a late request; log a summary at most once per period, never per request."""
+        if req.op == "get" and req.lease:
+            self._leases.release_share(req.lease, self._entries_namespace(req, conn))
+        now = time.monotonic_ns()
+        with self._stats_lock:
+            self._stats.errors += 1
+            self._stats.deadline_drops += 1
+            self._stats.drops_unlogged += 1
+            if now - self._stats.last_drop_log_ns < _DROP_LOG_PERIOD_NS:
+                return
+            n, self._stats.drops_unlogged, self._stats.last_drop_log_ns = self._stats.drops_unlogged, 0, now
+            total = self._stats.deadline_drops
+        log_event(
+            logging.WARNING,
+            "deadline_drop",
+            f"dropped {n} request(s) past their deadline ({total} in all); latest: {req.op} request "
+            f"{req.request_id} from {conn.peer}: {exc}",
+            op=req.op,
+            request_id=req.request_id,
+            peer=conn.peer,
+            dropped=n,
+            deadline_drops=total,
+        )
+
+    def _entries_namespace(self, req: Request, conn: _Connection) -> bytes:
+        """The namespace of the request's context, or ``b""`` when it has none here."""
+        if req.context not in conn.contexts:
+            return b""
+        with self._lock:
+            entry = self._entries.get(req.context)
+        return entry.namespace if entry is not None else b""
 
     @staticmethod
     def _refused(conn: _Connection, op: str, request_id: int, exc: BaseException) -> None:
@@ -323,7 +456,7 @@ class ReferenceServer:
 
     def _register(self, req: Request, conn: _Connection) -> dict[str, Any]:
         from .._facade import create_cache_context
-        from .._registry import selected_backend
+        from .._plugins.registry import selected_backend
 
         wrappers = wire.decode(req.wrappers)
         if not wrappers:
@@ -341,11 +474,12 @@ class ReferenceServer:
             chunk_bytes = sum(ctx.get_temp_object_group_buffer(0, og).nbytes for og in range(n_groups))
             layout = _layout_of(ctx) if req.namespace else {}
             with self._lock:
-                if req.namespace:
-                    self._bind(req.namespace, layout)
+                remote_ns = self._bind(req.namespace, layout).remote_ns if req.namespace else b""
                 ctx_id = next(self._ids)
                 lock = threading.Lock() if self.parallel_transfers else self._serial_lock
-                self._entries[ctx_id] = _Entry(ctx_id, ctx, device_type, req.namespace, chunk_bytes, lock)
+                self._entries[ctx_id] = _Entry(
+                    ctx_id, ctx, device_type, req.namespace, chunk_bytes, lock, remote_ns
+                )
                 conn.contexts.add(ctx_id)
         except BaseException:
             ctx.close()
@@ -378,27 +512,32 @@ class ReferenceServer:
             "max_batch_size": ctx.max_batch_size,
             "chunk_bytes": chunk_bytes,
             "namespace": req.namespace,
+            **({"now": time.monotonic_ns()} if req.extended else {}),
         }
 
-    def _bind(self, namespace: bytes, layout: dict[str, Any]) -> None:
+    def _bind(self, namespace: bytes, layout: dict[str, Any]) -> _Binding:
         """Tie ``namespace`` to one KV layout while it has contexts or chunks. Caller holds the lock."""
         for ns in [ns for ns, b in self._bindings.items() if not b.contexts and not self._index.count(ns)]:
             del self._bindings[ns]  # nothing of it is left: it may be bound afresh
-        binding = self._bindings.setdefault(namespace, _Binding(layout))
+        binding = self._bindings.setdefault(
+            namespace, _Binding(layout, remote_ns=remote_namespace(namespace, layout))
+        )
         if binding.layout != layout:
             raise LayoutError(
                 f"namespace {_show_namespace(namespace)} holds chunks of another KV layout "
                 f"({_first_difference(binding.layout, layout)}); a namespace must name one layout"
             )
         binding.contexts += 1
+        return binding
 
     def _store(self, req: Request, conn: _Connection) -> dict[str, Any]:
         entry = self._entry(req, conn)
         _check_unique(req.chunks)
         with entry.lock:
+            check_deadline(req.deadline, "before the store began")
             _precheck(entry.ctx, req.chunks, retrieve=False)
             res = self._index.reserve(entry.context, _names(req.chunks), entry.chunk_bytes, shared=False)
-            self._gather(entry, req.chunks, res)
+            self._gather(entry, req.chunks, res, req.deadline, req.event)
         return {"stored": len(res.keys), "bytes": len(res.keys) * entry.chunk_bytes}
 
     def _put(self, req: Request, conn: _Connection) -> dict[str, Any]:
@@ -406,9 +545,13 @@ class ReferenceServer:
         namespace = _namespace_of(entry, "put")
         _check_unique(req.chunks)
         with entry.lock:
+            check_deadline(req.deadline, "before the put began")
             _precheck(entry.ctx, req.chunks, retrieve=False)
             res = self._index.reserve(namespace, _names(req.chunks), entry.chunk_bytes, shared=True)
-            self._gather(entry, req.chunks, res)
+            payloads = self._gather(entry, req.chunks, res, req.deadline, req.event)
+        if self.tier is not None:  # only chunks computed here: a put skips chunks a get brought
+            for key, (tensors, _) in zip(res.keys, payloads, strict=True):
+                self.tier.write_behind(entry.remote_ns, _key(key), tensors)
         return {
             "stored": len(res.keys),
             "present": res.present,
@@ -417,26 +560,40 @@ class ReferenceServer:
             "bytes": len(res.keys) * entry.chunk_bytes,
         }
 
-    def _gather(self, entry: _Entry, chunks: Sequence[Chunk], res: Reservation) -> None:
-        """Copy the reserved chunks out of the engine's blocks, then commit them. Caller holds entry.lock."""
+    def _gather(
+        self,
+        entry: _Entry,
+        chunks: Sequence[Chunk],
+        res: Reservation,
+        deadline: int | None = None,
+        event: bytes = b"",
+    ) -> list[tuple[list[torch.Tensor], int]]:
+        """Copy the reserved chunks out of the engine's blocks, then commit them. Caller holds entry.lock.
+
+        Each chunk is read into fresh host tensors (one pass on the host); with an
+        ``event``, the reads wait for it on the device first. Past ``deadline`` once
+        the copies are done, nothing is committed: the engine may have reused its blocks
+        meanwhile, so what was read is not trusted. Returns ``(tensors, nbytes)`` per
+        reserved key, in order.
+        """
         ctx = entry.ctx
         todo = set(res.keys)
         payloads: list[tuple[list[torch.Tensor], int]] = []
         try:
+            if event:
+                ctx.wait_event(event)
             for batch in _batches([c for c in chunks if c.chunk_id in todo], ctx.max_batch_size):
                 for slot, chunk in enumerate(batch):
-                    ctx.store_chunk(chunk.block_ids, slot=slot)
-                    with ctx.stream_context():  # ordered after the gather on the same stream
-                        tensors = [
-                            _host_copy(ctx.get_temp_object_group_buffer(slot, og))
-                            for og in range(_num_object_groups(ctx))
-                        ]
+                    tensors = ctx.allocate_chunk()
+                    ctx.read_chunk(chunk.block_ids, tensors, slot=slot)
                     payloads.append((tensors, sum(t.nbytes for t in tensors)))
                 ctx.synchronize()
+            check_deadline(deadline, "after the store's reads; nothing was committed")
         except BaseException:
             self._index.abort(res)
             raise
         self._index.commit(res, payloads)  # readable only once every byte has landed
+        return payloads
 
     def _retrieve(self, req: Request, conn: _Connection) -> dict[str, Any]:
         entry = self._entry(req, conn)
@@ -449,20 +606,74 @@ class ReferenceServer:
                     "nothing was retrieved"
                 )
             _precheck(entry.ctx, req.chunks, retrieve=True)
-            total = self._scatter(entry, req.chunks, self._index.acquire(entry.context, names))
+            held = self._index.acquire(entry.context, names)
+            total = self._scatter(entry, req.chunks, held, req.deadline, req.event)
         return {"retrieved": len(req.chunks), "bytes": total}
 
     def _get(self, req: Request, conn: _Connection) -> dict[str, Any]:
         entry = self._entry(req, conn)
         namespace = _namespace_of(entry, "get")
-        with entry.lock:
-            _precheck(entry.ctx, req.chunks, retrieve=True)
-            held = self._index.acquire(namespace, _names(req.chunks))
-            total = self._scatter(entry, req.chunks[: len(held)], held)
-        return {"retrieved": len(held), "bytes": total}
+        try:
+            with entry.lock:
+                _precheck(entry.ctx, req.chunks, retrieve=True)
+                held = self._index.acquire(namespace, _names(req.chunks))
+                total = self._scatter(entry, req.chunks[: len(held)], held, req.deadline, req.event)
+            done = len(held)
+            if done < len(req.chunks) and self.tier is not None:
+                more, nbytes = self._get_remote(entry, req.chunks, done, req.deadline)
+                done, total = done + more, total + nbytes
+        finally:  # read (or never to be): the lease's pins here have served their purpose
+            if req.lease:
+                self._leases.release_share(req.lease, namespace)
+        if done < len(req.chunks):
+            with self._stats_lock:
+                self._stats.get_missing += len(req.chunks) - done
+        return {"retrieved": done, "bytes": total}
 
-    def _scatter(self, entry: _Entry, chunks: Sequence[Chunk], held: Sequence[StoredChunk]) -> int:
-        """Write pinned chunks into the engine's blocks, then unpin them. Caller holds entry.lock."""
+    def _get_remote(
+        self, entry: _Entry, chunks: Sequence[Chunk], start: int, deadline: int | None
+    ) -> tuple[int, int]:
+        """Fetch ``chunks[start:]`` from the remote tier, keep them here, write the leading run.
+
+        Each entry is checked against this context's chunk (one uint8 tensor per object
+        group, of its size) besides its identity and checksum; the first chunk the store
+        lacks, refuses or loses ends the run. Returns ``(chunks written, bytes)``.
+        """
+        assert self.tier is not None
+        keys = [_key(c.chunk_id) for c in chunks[start:]]
+        expect = [TensorSpec("uint8", (n,)) for n in entry.ctx.chunk_nbytes]
+        fetched = self.tier.fetch(entry.remote_ns, keys, _share(deadline), expect)
+        run = list(itertools.takewhile(lambda d: d is not None, fetched))
+        if not run:
+            return 0, 0
+        with entry.lock:
+            items: list[tuple[Hashable, Sequence[Any], int]] = []
+            for key, decoded in zip(keys, run, strict=False):
+                assert decoded is not None
+                tensors = entry.ctx.allocate_chunk()  # pool memory, like a put's: the fetched bytes go
+                for dst, src in zip(tensors, decoded.tensors, strict=True):
+                    dst.copy_(src)
+                items.append((key, tensors, decoded.nbytes))
+            head = [c.chunk_id for c in chunks[:start]]
+            held = self._index.adopt(entry.namespace, items, head=head)
+            total = self._scatter(entry, chunks[start : start + len(held)], held, deadline)
+        return len(held), total
+
+    def _scatter(
+        self,
+        entry: _Entry,
+        chunks: Sequence[Chunk],
+        held: Sequence[StoredChunk],
+        deadline: int | None = None,
+        event: bytes = b"",
+    ) -> int:
+        """Write pinned chunks into the engine's blocks, then unpin them. Caller holds entry.lock.
+
+        Each chunk is written straight from its host tensors on the host (one pass);
+        with an ``event``, the writes wait for it on the device first. Before each batch
+        of writes, :class:`DeadlineExceeded` once ``deadline`` has passed: the engine no
+        longer waits for those blocks. Earlier batches stay written.
+        """
         ctx = entry.ctx
         total = 0
         try:
@@ -472,20 +683,61 @@ class ReferenceServer:
                         "a stored chunk does not match this context's layout; nothing written"
                     )
             pairs = list(zip(chunks, held, strict=True))
-            for batch in _batches(pairs, ctx.max_batch_size):
+            if event:
+                ctx.wait_event(event)
+            for done, batch in enumerate(_batches(pairs, ctx.max_batch_size)):
+                check_deadline(
+                    deadline, f"after {done * ctx.max_batch_size} of {len(pairs)} chunks were written"
+                )
                 for slot, (chunk, stored) in enumerate(batch):
-                    with ctx.stream_context():
-                        for og, host in enumerate(stored.payload):
-                            ctx.get_temp_object_group_buffer(slot, og).copy_(host, non_blocking=True)
-                            total += host.nbytes
-                    ctx.retrieve_chunk(chunk.block_ids, slot=slot)
+                    ctx.write_chunk(chunk.block_ids, stored.payload, slot=slot)
+                    total += sum(host.nbytes for host in stored.payload)
                 ctx.synchronize()
         finally:
             self._index.release(held)
         return total
 
     def _lookup(self, req: Request, conn: _Connection) -> dict[str, Any]:
-        return {"hits": self._index.lookup(req.namespace, req.keys)}
+        hits = self._leases.lookup(
+            conn, req.lookup_namespaces, req.keys, lease=req.lease, lease_ms=req.lease_ms
+        )
+        remote = 0
+        if self.tier is not None and hits < len(req.keys):
+            remote = self._lookup_remote(req.lookup_namespaces, req.keys, hits, req.deadline)
+            if remote:
+                with self._stats_lock:
+                    self._stats.remote_hits += remote
+        hits += remote
+        return {"hits": hits, "remote": remote} if req.extended else {"hits": hits}
+
+    def _lookup_remote(
+        self, namespaces: Sequence[bytes], keys: Sequence[bytes], hits: int, deadline: int | None
+    ) -> int:
+        """How many leading keys past the ``hits`` held here the remote tier adds, in every namespace.
+
+        Each namespace asks for the keys after its own local run, all in one round trip.
+        A namespace no context here registered has no known layout, hence no remote name:
+        nothing is asked then. Remote hits are not pinned (the store has no leases).
+        """
+        assert self.tier is not None
+        spaces = list(dict.fromkeys(namespaces))
+        with self._lock:
+            bindings = [self._bindings.get(ns) for ns in spaces]
+        named = [b.remote_ns for b in bindings if b is not None]
+        if len(named) != len(spaces):
+            return 0
+        local = self._index.leading_counts(spaces, keys)
+        more = self.tier.lookup_more_many(
+            [(ns, keys[n:]) for ns, n in zip(named, local, strict=True)], _share(deadline)
+        )
+        return max(min(n + m for n, m in zip(local, more, strict=True)) - hits, 0)
+
+    def _release(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        self._leases.release(req.lease)
+        return {}
+
+    def _ping(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        return {"now": time.monotonic_ns(), "pid": os.getpid()}
 
     def _unregister(self, req: Request, conn: _Connection) -> dict[str, Any]:
         self._entry(req, conn)
@@ -493,18 +745,36 @@ class ReferenceServer:
         conn.contexts.discard(req.context)
         return {}
 
-    def _status(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def counters(self) -> dict[str, Any]:
+        """What ``status`` reports under ``"server"``: sizes, cache and request counters."""
         stats = self._index.stats()
+        leases = self._leases.stats()
+        with self._stats_lock:
+            requests = dict(sorted(self._stats.requests.items()))
+            own: dict[str, Any] = {
+                "errors": self._stats.errors,
+                "deadline_drops": self._stats.deadline_drops,
+                "get_missing": self._stats.get_missing,
+                "remote_hits": self._stats.remote_hits,
+            }
+        if self.tier is not None:
+            own["remote"] = {"store": self.tier.name, **self.tier.stats()}
         with self._lock:
-            server = {
+            return {
                 "pid": os.getpid(),
+                "uptime_s": (time.monotonic_ns() - self._started_ns) / 1e9,
                 "contexts": len(self._entries),
                 "connections": len(self._connections),
                 "namespaces": len(self._bindings),
                 "parallel_transfers": self.parallel_transfers,
                 **stats,
+                **leases,
+                **own,
+                "requests": requests,
             }
-        out: dict[str, Any] = {"server": server}
+
+    def _status(self, req: Request, conn: _Connection) -> dict[str, Any]:
+        out: dict[str, Any] = {"server": self.counters()}
         if req.context:
             entry = self._entry(req, conn)
             out["context"] = _plain(entry.ctx.report_status())
@@ -551,6 +821,34 @@ def _names(chunks: Sequence[Chunk]) -> list[str | bytes]:
     return [c.chunk_id for c in chunks]
 
 
+def _key(chunk_id: Hashable) -> bytes:
+    """A content key (``put``/``get`` chunks carry bytes; the protocol checks it)."""
+    assert isinstance(chunk_id, bytes), chunk_id
+    return chunk_id
+
+
+def _share(deadline: int | None) -> int | None:
+    """The deadline of a remote call made for a request due at ``deadline`` (``None``: the tier's own)."""
+    if deadline is None:
+        return None
+    now = time.monotonic_ns()
+    return now + int(max(deadline - now, 0) * _REMOTE_SHARE)
+
+
+def remote_namespace(namespace: bytes, layout: dict[str, Any]) -> bytes:
+    """The name a namespace's chunks go by in the remote tier: the namespace and its KV layout, hashed.
+
+    Here a namespace is bound to one layout (``LayoutError`` otherwise), but nothing binds
+    it across nodes: with the layout in the remote name, two nodes share chunks only when
+    their layouts agree to the last field, and a mismatch (another chunk format, another
+    version's layout) is a miss, never bytes of another layout that happen to fit.
+    """
+    h = hashlib.blake2b(digest_size=32, person=b"lmcp-remote-ns1")
+    h.update(namespace)
+    h.update(json.dumps(layout, sort_keys=True, separators=(",", ":"), default=str).encode())
+    return h.digest()
+
+
 def _namespace_of(entry: _Entry, op: str) -> bytes:
     if not entry.namespace:
         raise TransferError(
@@ -586,16 +884,6 @@ def _check_unique(chunks: Sequence[Chunk]) -> None:
         seen.add(c.chunk_id)
 
 
-def _host_copy(buf: torch.Tensor) -> torch.Tensor:
-    """Copy a staging buffer into fresh host memory (pinned when it lives on a device)."""
-    import torch
-
-    on_device = buf.device.type != "cpu"
-    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=on_device)
-    host.copy_(buf, non_blocking=on_device)
-    return host
-
-
 def _precheck(ctx: BaseCacheContext, chunks: Sequence[Chunk], *, retrieve: bool) -> None:
     """Check every chunk before any chunk moves, so a bad request writes nothing."""
     for i, chunk in enumerate(chunks):
@@ -610,8 +898,11 @@ def _layout_of(ctx: BaseCacheContext) -> dict[str, Any]:
     """What two contexts must agree on to share chunks: the status report minus block counts."""
     status = _plain(ctx.report_status())
     per_engine = {"num_blocks", "layer_shape"}  # the engine's block count is not part of a chunk
+    if status["chunk_format"] == "tokens":  # token-major chunks do not depend on the block order
+        per_engine.add("block_order")
     return {
         "tokens_per_chunk": status["tokens_per_chunk"],
+        "chunk_format": status["chunk_format"],
         "kernel_groups": [
             {k: v for k, v in kg.items() if k not in per_engine} for kg in status["kernel_groups"]
         ],
@@ -704,7 +995,7 @@ class ServerProcess:
         return self._process.pid if self._process else None
 
     def start(self) -> ServerProcess:
-        """Spawn the server and wait until it listens; raise :class:`ServerError` if not."""
+        """Spawn the server and wait until it listens; raise :class:`~lmcache_platform.ServerError` if not."""
         from .._errors import ServerError
 
         self.directory = tempfile.mkdtemp(prefix="lmcache-platform-")  # mode 0700

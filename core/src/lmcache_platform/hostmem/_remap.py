@@ -25,11 +25,19 @@ another libc; pinned memory) returns None, and the caller copies instead.
 
 Linux only. Writes to the allocation by another thread during the remap would be
 lost, so engines wrap before they run (vLLM registers its KV caches at start-up).
+
+**Page sizes.** The engine's allocation is made of the system's pages (``PAGE``), but
+an export may be made of larger ones: a memfd or file on hugetlbfs maps whole huge
+pages (2 MiB, 1 GiB), and ``mmap`` there needs addresses, offsets and lengths that
+are multiples of them. :func:`page_size` reads an export's page size from its file
+descriptor; :func:`remap_in_place` and :func:`map_side_by_side` place every mapping on
+a multiple of it, and remapping in place refuses an allocation whose bounds are not.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import platform
@@ -40,8 +48,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+#: The system's page: what the engine's allocations are made of.
 PAGE = mmap.PAGESIZE
-#: Bytes copied and remapped per step: the most by which wrapping raises peak memory.
+#: Bytes copied and remapped per step (rounded up to a whole number of the export's
+#: pages): the most by which wrapping raises peak memory.
 SLICE = 32 << 20
 #: Smaller storages are copied: one slice costs more than they do.
 MIN_NBYTES = 1 << 20
@@ -65,6 +75,16 @@ def exclusive_pages(storage: torch.UntypedStorage) -> tuple[int, int] | None:
     if length - nbytes > prev_size + 2 * PAGE or not _anonymous_private(base, length):
         return None
     return base, length
+
+
+def page_size(fd: int) -> int:
+    """The page size of the export open as ``fd``: what its mappings must be aligned to.
+
+    The least common multiple of the system's page and the file's preferred I/O block
+    (``st_blksize``): the system's page for tmpfs, memfds and most file systems, the
+    huge page size on hugetlbfs (a ``MFD_HUGETLB`` memfd, a file on a hugetlbfs mount).
+    """
+    return math.lcm(PAGE, max(1, os.fstat(fd).st_blksize))
 
 
 def _anonymous_private(start: int, length: int) -> bool:
@@ -95,22 +115,37 @@ class RemapError(OSError):
     """
 
 
-def remap_in_place(address: int, length: int, fd: int, reserve: Callable[[int, int], None]) -> None:
+def fits_pages(address: int, length: int, page: int) -> bool:
+    """Whether ``[address, address + length)`` is whole pages of ``page`` bytes."""
+    return address % page == 0 and length % page == 0
+
+
+def remap_in_place(
+    address: int, length: int, fd: int, reserve: Callable[[int, int], None], *, page: int
+) -> None:
     """Move the pages ``[address, address + length)`` into the file ``fd``, keeping the address.
 
     ``reserve(offset, length)`` reserves a slice of the file first (``posix_fallocate``),
-    raising the store's capacity error when it is full; the file must be ``length``
-    bytes long. A slice at a time: reserve, copy through a second mapping of the file,
-    map the file over the slice (``MAP_FIXED``), drop the second mapping's pages.
+    raising the store's capacity error when it is full; the file must be at least
+    ``length`` bytes long. ``page`` is the file's page size (:func:`page_size`): the
+    range must be whole pages of it (``ValueError`` otherwise, before anything moves),
+    and every slice is. A slice at a time: reserve, copy through a second mapping of
+    the file, map the file over the slice (``MAP_FIXED``), drop the second mapping's pages.
     """
+    if not fits_pages(address, length, page):
+        raise ValueError(
+            f"cannot remap {length} bytes at {address:#x} in place: the export's pages are "
+            f"{page} bytes, and the range is not whole pages of it"
+        )
+    step = -(-SLICE // page) * page
     libc = _libc()
     window = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         anchor = ctypes.c_char.from_buffer(window)
         window_address = ctypes.addressof(anchor)
         try:
-            for offset in range(0, length, SLICE):
-                n = min(SLICE, length - offset)
+            for offset in range(0, length, step):
+                n = min(step, length - offset)
                 reserve(offset, n)
                 ctypes.memmove(window_address + offset, address + offset, n)
                 got = libc.mmap(
@@ -133,26 +168,27 @@ def remap_in_place(address: int, length: int, fd: int, reserve: Callable[[int, i
         window.close()
 
 
-def map_side_by_side(fds: Sequence[int], sizes: Sequence[int]) -> tuple[int, int, list[int]]:
+def map_side_by_side(
+    fds: Sequence[int], sizes: Sequence[int], pages: Sequence[int] | None = None
+) -> tuple[int, int, list[int]]:
     """Map the files ``fds`` (``sizes`` bytes each) read-write side by side in one new address range.
 
-    Each file starts at a page boundary, right after the previous one's last page, so
-    equal sizes sit at equal steps. The range is reserved first (no access, no
-    memory) and each file mapped over its place with ``MAP_FIXED``, so nothing else
-    can land in between. Returns ``(address, length, offsets)``; release the range
-    with :func:`unmap`. On failure nothing stays mapped; the caller keeps the fds.
+    ``pages`` are the files' page sizes (:func:`page_size` of each, by default). Each
+    file starts on a boundary of its own pages, right after the previous one's last
+    page, so equal sizes of equal pages sit at equal steps. The range is reserved
+    first (no access, no memory; aligned to the largest page) and each file mapped
+    over its place with ``MAP_FIXED``, so nothing else can land in between. Returns
+    ``(address, length, offsets)``; release the range with :func:`unmap`. On failure
+    nothing stays mapped; the caller keeps the fds.
     """
+    pages = [page_size(fd) for fd in fds] if pages is None else list(pages)
     offsets, length = [], 0
-    for n in sizes:
+    for n, page in zip(sizes, pages, strict=True):
+        length = -(-length // page) * page
         offsets.append(length)
-        length += -(-n // PAGE) * PAGE
+        length += -(-n // page) * page
+    address = _reserve_aligned(length, max(pages, default=PAGE))
     libc = _libc()
-    address = libc.mmap(
-        None, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
-    )  # not writable: no memory is committed for it
-    if address in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise RemapError(err, f"reserving {length} bytes of address space: {os.strerror(err)}")
     try:
         for fd, n, offset in zip(fds, sizes, offsets, strict=True):
             got = libc.mmap(
@@ -165,6 +201,23 @@ def map_side_by_side(fds: Sequence[int], sizes: Sequence[int]) -> tuple[int, int
         unmap(address, length)
         raise
     return address, length, offsets
+
+
+def _reserve_aligned(length: int, align: int) -> int:
+    """Reserve ``length`` bytes of address space (no access, no memory) at a multiple of ``align``."""
+    slack = align - PAGE if align > PAGE else 0
+    address: int | None = _libc().mmap(
+        None, length + slack, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+    )  # not writable: no memory is committed for it
+    if address in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise RemapError(err, f"reserving {length + slack} bytes of address space: {os.strerror(err)}")
+    start = -(-address // align) * align
+    if start > address:  # give back the slack on either side
+        unmap(address, start - address)
+    if address + slack > start:
+        unmap(start + length, address + slack - start)
+    return start
 
 
 def unmap(address: int, length: int) -> None:

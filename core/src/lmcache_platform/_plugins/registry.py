@@ -1,8 +1,8 @@
 """The process-wide registry: backend records, loading with isolation, cached tables.
 
-Data flow: :mod:`._discovery` lists backends from metadata; the first lookup of a
+Data flow: :mod:`.discovery` lists backends from metadata; the first lookup of a
 device type loads (imports and validates) only that type's backends, asks them
-for their classes and probe, lets :mod:`._selection` choose, and caches the chosen
+for their classes and probe, lets :mod:`.selection` choose, and caches the chosen
 classes in two plain dicts. Later lookups are a dict hit: no lock, no pluggy call.
 
 A backend that fails to import, declares another API major, has unknown hooks,
@@ -23,17 +23,19 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from . import _config, _discovery, _selection, hookspecs
-from ._errors import (
+from .. import _env, hookspecs
+from .._errors import (
     ApiVersionError,
     BackendLoadError,
     BackendNotFoundError,
     BackendSelectionError,
 )
-from ._ipc_wrapper import DeviceIPCWrapper
-from ._kv.context import BaseCacheContext
-from ._types import Availability
-from ._version import API_VERSION
+from .._events import DeviceEvent
+from .._ipc_wrapper import DeviceIPCWrapper
+from .._kv.context import BaseCacheContext
+from .._types import Availability
+from .._version import API_VERSION
+from . import discovery, selection
 
 if TYPE_CHECKING:
     import torch
@@ -53,10 +55,15 @@ _WHAT_WRAPPER = "KV-cache wrapper factory"
 class Status(str, enum.Enum):
     """Where a backend stands in this process."""
 
+    #: Not imported yet (backends load on first use, or with ``load=True``).
     NOT_LOADED = "not loaded"
+    #: Loaded and validated; its probe says it can serve here.
     OK = "ok"
+    #: Importing, registering or validating it failed; ``reason`` and ``traceback`` say why.
     FAILED = "failed"
+    #: Named in ``LMCACHE_PLATFORM_DISABLE``, so never loaded.
     DISABLED = "disabled"
+    #: Loaded, but it cannot serve here (its probe said no, or it gives no classes).
     UNAVAILABLE = "unavailable"
 
 
@@ -78,10 +85,11 @@ class _Backend:
     context_class: type[BaseCacheContext] | None = None
     wrapper_class: type[DeviceIPCWrapper] | None = None
     wire_classes: tuple[type[DeviceIPCWrapper], ...] = ()
+    event_class: type[DeviceEvent] | None = None
 
     @property
     def device_type(self) -> str:
-        return _discovery.device_type_of(self.name)
+        return discovery.device_type_of(self.name)
 
     @property
     def usable(self) -> bool:
@@ -111,7 +119,7 @@ class BackendInfo:
     reason: str
     traceback: str | None
     manual: bool
-    #: How this backend was chosen for its device type: ``"explicit"``
+    #: How this backend was chosen for its device type, one of ``"explicit"``
     #: (``LMCACHE_PLATFORM_BACKEND``), ``"primary"`` (named exactly like the device type) or
     #: ``"only"`` (the one usable backend); ``None`` when it is not the selected one.
     selected_by: str | None = None
@@ -187,8 +195,8 @@ class Registry:
         with self._lock:
             if self._scanned:
                 return
-            if _config.autoload_enabled():
-                for spec in _discovery.scan(path=self.search_path):
+            if _env.autoload_enabled():
+                for spec in discovery.scan(path=self.search_path):
                     self._add(
                         _Backend(
                             name=spec.name,
@@ -202,9 +210,9 @@ class Registry:
             self._scanned = True
 
     def _add(self, backend: _Backend) -> None:
-        if backend.name in _config.disabled_backends() and not backend.manual:
+        if backend.name in _env.disabled_backends() and not backend.manual:
             backend.status = Status.DISABLED
-            backend.reason = f"disabled by {_config.ENV_DISABLE}"
+            backend.reason = f"disabled by {_env.DISABLE_ENV}"
         self._backends[backend.name] = backend
 
     def refresh(self) -> None:
@@ -252,6 +260,7 @@ class Registry:
             backend.plugin = None
             backend.context_class = backend.wrapper_class = None
             backend.wire_classes = ()
+            backend.event_class = None
             backend.status = Status.FAILED
             tb = traceback.format_exc()
             where = f"{backend.distribution} {backend.version}" if backend.distribution else "manual"
@@ -298,6 +307,7 @@ class Registry:
         wrapper = self._call(backend, "lmcache_platform_ipc_wrapper_class", device_type=dt)
         wire = self._call(backend, "lmcache_platform_wire_classes", device_type=dt)
         probe = self._call(backend, "lmcache_platform_probe", device_type=dt)
+        event = self._call(backend, "lmcache_platform_device_event_class", device_type=dt)
         if ctx is None and wrapper is None:
             backend.status = Status.UNAVAILABLE
             backend.reason = f"provides no classes for device type {dt!r}"
@@ -309,8 +319,11 @@ class Registry:
             _check_class(backend, "wire", cls, DeviceIPCWrapper)
         if probe is not None and not isinstance(probe, Availability):
             raise TypeError(f"lmcache_platform_probe returned {probe!r}, not an Availability")
+        if event is not None:
+            _check_class(backend, "device-event", event, DeviceEvent)
         backend.context_class, backend.wrapper_class = ctx, wrapper
         backend.wire_classes = wire_classes
+        backend.event_class = event
         if probe is None or probe.ok:
             backend.status, backend.reason = Status.OK, ""
         else:
@@ -326,17 +339,17 @@ class Registry:
         if backend.status is Status.NOT_LOADED:
             self._load(backend)
 
-    def _choose(self, device_type: str, what: str) -> _selection.Choice:
+    def _choose(self, device_type: str, what: str) -> selection.Choice:
         """Apply the selection rule to ``device_type``, loading only what it needs (locked).
 
         Each new choice is logged once at INFO, with the rule that made it.
         """
         self._ensure_scanned()
         with self._lock:
-            choice = _selection.select(
+            choice = selection.select(
                 device_type,
                 self._backends_for(device_type),
-                _config.preferred_backends(),
+                _env.preferred_backends(),
                 what=what,
                 load=self._load_if_needed,
                 installed=sorted(self._backends),
@@ -412,6 +425,17 @@ class Registry:
             )
         return {cls.wire_tag: cls for cls in classes}
 
+    def device_event_class(self, device_type: str) -> type[DeviceEvent] | None:
+        """The event class of the backend serving ``device_type`` (None: it has none).
+
+        A cache-context class installed by hand (:func:`restore_backends`) has no
+        backend behind it, so no events either.
+        """
+        table = self.contexts
+        if table.frozen or (device_type in table.entries and device_type not in table.auto):
+            return None
+        return self._select(device_type, "device event class").event_class
+
     def selected_backend(self, device_type: str) -> BackendInfo:
         """The backend serving ``device_type`` here (see :func:`selected_backend`)."""
         choice = self._choose(device_type, "backend")
@@ -449,7 +473,7 @@ class Registry:
         Validated at once: a failing backend raises its :class:`BackendLoadError` and is
         not registered at all.
         """
-        if not _discovery.BACKEND_NAME_RE.match(name):
+        if not discovery.BACKEND_NAME_RE.match(name):
             raise ValueError(f"invalid backend name {name!r}")
         backend = _Backend(
             name=name,
@@ -471,13 +495,13 @@ class Registry:
 
     def install(self, name: str, plugin: object, *, distribution: str, version: str) -> None:
         """Add a backend exactly as if an installed entry point advertised it (test kit)."""
-        spec = _discovery.BackendSpec(
+        spec = discovery.BackendSpec(
             name=name,
             distribution=distribution,
             version=version,
             entry_point=f"{name} = <installed by test>",
             load=lambda: plugin,
-            problem=None if _discovery.BACKEND_NAME_RE.match(name) else f"invalid name {name!r}",
+            problem=None if discovery.BACKEND_NAME_RE.match(name) else f"invalid name {name!r}",
         )
         with self._lock:
             self._ensure_scanned()
@@ -512,7 +536,7 @@ class Registry:
 
     # -- reporting ----------------------------------------------------------------------
 
-    def _info(self, b: _Backend, choice: _selection.Choice | None = None) -> BackendInfo:
+    def _info(self, b: _Backend, choice: selection.Choice | None = None) -> BackendInfo:
         return BackendInfo(
             name=b.name,
             device_type=b.device_type,

@@ -1,6 +1,8 @@
 """Discovery: read the ``lmcache.platform`` entry points from installed metadata.
 
-Nothing is imported here. Each entry point becomes a :class:`BackendSpec` whose
+The same reading serves every entry-point group core loads plugins from: remote stores
+(group ``lmcache.remote``, named by URL scheme) pass their own name rule. Nothing is
+imported here. Each entry point becomes a :class:`BackendSpec` whose
 ``load`` callable imports the backend module later, only when its device type is
 resolved. The scan is deterministic: duplicates of one distribution (an editable
 plus a regular install, a site dir listed twice) collapse to the first one on
@@ -36,6 +38,8 @@ ENTRY_POINT_GROUP = "lmcache.platform"
 
 #: ``<device_type>`` or ``<device_type>.<variant>``, lowercase.
 BACKEND_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}(\.[a-z0-9_]{1,32})?$")
+#: What a bad name's problem says, for the group above.
+BACKEND_NAME_RULE = "use '<device_type>' or '<device_type>.<variant>' in lowercase letters, digits and '_'"
 
 
 @dataclass(frozen=True)
@@ -64,15 +68,26 @@ def _normalize(dist_name: str) -> str:
     return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
-def scan(group: str = ENTRY_POINT_GROUP, path: list[str] | None = None) -> list[BackendSpec]:
-    """Return every backend advertised under ``group``, de-duplicated and sorted.
+def scan(
+    group: str = ENTRY_POINT_GROUP,
+    path: list[str] | None = None,
+    *,
+    names: re.Pattern[str] = BACKEND_NAME_RE,
+    rule: str = BACKEND_NAME_RULE,
+) -> list[BackendSpec]:
+    """Return every plugin advertised under ``group``, de-duplicated and sorted.
 
     ``path`` limits the search to those directories (default: ``sys.path``). A
     distribution found twice counts once: the first copy on the path wins, as it
-    is the one Python imports.
+    is the one Python imports. ``names`` is the group's name rule (``rule`` says it
+    in words, for the problem of a name that breaks it).
     """
     dists = _metadata().distributions(**({} if path is None else {"path": path}))
-    return collect(ep for dist in _unique(dists) for ep in dist.entry_points.select(group=group))
+    return collect(
+        (ep for dist in _unique(dists) for ep in dist.entry_points.select(group=group)),
+        names=names,
+        rule=rule,
+    )
 
 
 def _unique(dists: Iterable[Any]) -> Iterable[Any]:
@@ -86,7 +101,12 @@ def _unique(dists: Iterable[Any]) -> Iterable[Any]:
             yield dist
 
 
-def collect(entry_points: Iterable[importlib_metadata.EntryPoint]) -> list[BackendSpec]:
+def collect(
+    entry_points: Iterable[importlib_metadata.EntryPoint],
+    *,
+    names: re.Pattern[str] = BACKEND_NAME_RE,
+    rule: str = BACKEND_NAME_RULE,
+) -> list[BackendSpec]:
     """Turn entry points into specs; flag bad names and genuine name clashes."""
     by_name: dict[str, list[BackendSpec]] = {}
     seen: set[tuple[str, str]] = set()
@@ -98,11 +118,8 @@ def collect(entry_points: Iterable[importlib_metadata.EntryPoint]) -> list[Backe
             continue
         seen.add(key)
         problem = None
-        if not BACKEND_NAME_RE.match(ep.name):
-            problem = (
-                f"invalid backend name {ep.name!r}: use '<device_type>' or "
-                "'<device_type>.<variant>' in lowercase letters, digits and '_'"
-            )
+        if not names.match(ep.name):
+            problem = f"invalid backend name {ep.name!r}: {rule}"
         spec = BackendSpec(
             name=ep.name,
             distribution=dist_name,

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ._config import ENV_BACKEND
-from ._errors import (
+from .._env import BACKEND_ENV, DISABLE_ENV
+from .._errors import (
     AmbiguousBackendError,
     BackendLoadError,
     BackendNotFoundError,
@@ -47,6 +47,10 @@ class Candidate(Protocol):
     def reason(self) -> str: ...
     @property
     def error(self) -> BackendLoadError | None: ...
+    @property
+    def status(self) -> str:
+        """``ok``, ``unavailable``, ``failed``, ``disabled`` or ``not loaded``."""
+        ...
 
 
 class Rule(str, enum.Enum):
@@ -70,6 +74,27 @@ def belongs_to(backend_name: str, device_type: str) -> bool:
     return backend_name == device_type or backend_name.startswith(device_type + ".")
 
 
+def _state(backend: Candidate) -> str:
+    """The status as plain text (``Status`` is a ``str`` enum, which formats as its name)."""
+    status = backend.status
+    return str(status.value) if isinstance(status, enum.Enum) else status
+
+
+def why_unusable(backend: Candidate) -> str:
+    """What is true of a backend that cannot serve: registered, its state, and why, in one line."""
+    state = _state(backend)
+    reason = (backend.reason or state).splitlines()[0]
+    if state == "failed":
+        return reason if "failed to load" in reason else f"{backend.name!r} failed to load: {reason}"
+    if state == "disabled":
+        return f"{backend.name!r} is registered but {reason}"
+    return f"{backend.name!r} is registered but {state} here: {reason}"
+
+
+def _known_unusable(backend: Candidate) -> bool:
+    return _state(backend) not in ("ok", "not loaded")
+
+
 def select(
     device_type: str,
     backends: Sequence[Candidate],
@@ -89,18 +114,12 @@ def select(
     by_name = {b.name: b for b in backends}
     wanted = [n for n in preferred if belongs_to(n, device_type)]
     if wanted:
-        return _explicit(device_type, by_name, wanted, what, load)
-    variants = [b.name for b in backends if b.name != device_type]
+        return _explicit(device_type, by_name, wanted, load)
     primary = by_name.get(device_type)
     if primary is not None:
         load(primary)
         if primary.usable:
-            why = "the primary backend"
-            if len(variants) == 1:
-                why += f"; to use {variants[0]} instead, set {ENV_BACKEND}={variants[0]}"
-            elif variants:
-                why += f"; to use one of {', '.join(variants)} instead, set {ENV_BACKEND}=<name>"
-            return Choice(primary, Rule.PRIMARY, why)
+            return Choice(primary, Rule.PRIMARY, _primary_why(primary, backends))
     for backend in backends:
         load(backend)
     usable = [b for b in backends if b.usable]
@@ -114,9 +133,9 @@ def select(
         names = [b.name for b in usable]
         raise AmbiguousBackendError(
             f"Several backends serve device type {device_type!r} and none of them is the primary "
-            f"backend {device_type!r}: {', '.join(names)}. Choose one with {ENV_BACKEND}={names[0]} "
+            f"backend {device_type!r}: {', '.join(names)}. Choose one with {BACKEND_ENV}={names[0]} "
             "(comma-separate choices for several device types) or disable the others with "
-            "LMCACHE_PLATFORM_DISABLE.",
+            f"{DISABLE_ENV}.",
             device_type=device_type,
             candidates=names,
         )
@@ -134,19 +153,35 @@ def select(
         )
     reasons = {b.name: b.reason for b in backends}
     raise BackendUnavailableError(
-        f"No {what} registered for device type {device_type!r}: no installed backend is usable: "
-        + "; ".join(f"{n}: {r}" for n, r in reasons.items()),
+        f"No backend can serve device type {device_type!r} here: "
+        + "; ".join(why_unusable(b) for b in backends)
+        + ".",
         device_type=device_type,
         reasons=reasons,
         errors=[b.error for b in backends if b.error is not None],
     )
 
 
+def _primary_why(primary: Candidate, backends: Sequence[Candidate]) -> str:
+    """Why the primary serves, and which variants could replace it (never one known to be unusable)."""
+    variants = [b for b in backends if b is not primary]
+    open_ = [b.name for b in variants if not _known_unusable(b)]
+    why = "the primary backend"
+    if len(open_) == 1:
+        why += f"; to use {open_[0]} instead, set {BACKEND_ENV}={open_[0]}"
+    elif open_:
+        why += f"; to use one of {', '.join(open_)} instead, set {BACKEND_ENV}=<name>"
+    for b in variants:
+        if _known_unusable(b):
+            state = _state(b)
+            why += f"; {b.name} " + ("failed to load" if state == "failed" else f"is {state}")
+    return why
+
+
 def _explicit(
     device_type: str,
     by_name: dict[str, Candidate],
     wanted: Sequence[str],
-    what: str,
     load: Callable[[Candidate], None],
 ) -> Choice:
     """Rule 1: the first usable named backend; the unnamed siblings are never loaded."""
@@ -156,13 +191,22 @@ def _explicit(
             continue
         load(backend)
         if backend.usable:
-            return Choice(backend, Rule.EXPLICIT, f"chosen by {ENV_BACKEND}")
+            return Choice(backend, Rule.EXPLICIT, f"chosen by {BACKEND_ENV}")
     reasons = {n: (by_name[n].reason if n in by_name else "not installed") for n in wanted}
+    states = [why_unusable(by_name[n]) if n in by_name else f"{n!r} is not installed" for n in wanted]
+    chosen = " or ".join(repr(n) for n in wanted)
     others = sorted(set(by_name) - set(wanted))
+    remedy = (
+        f"fix that, or take {chosen} out of {BACKEND_ENV} to let the selection rule choose among "
+        f"the other installed backends of this type: {', '.join(others)}"
+        if others
+        else f"fix that, or install a backend that serves {device_type!r}"
+    )
     raise BackendUnavailableError(
-        f"No {what} registered for device type {device_type!r}: {ENV_BACKEND} selects "
-        + "; ".join(f"{n!r} ({r})" for n, r in reasons.items())
-        + (f"; other installed backends of this type: {', '.join(others)}" if others else ""),
+        f"{BACKEND_ENV} chooses {chosen} for device type {device_type!r}, but "
+        + ("it cannot serve: " if len(wanted) == 1 else "none of them can serve: ")
+        + "; ".join(states)
+        + f". An explicit choice never falls back: {remedy}.",
         device_type=device_type,
         reasons=reasons,
         errors=[e for n in wanted if n in by_name and (e := by_name[n].error) is not None],

@@ -1,0 +1,295 @@
+"""The Valkey store: pipelined batches on one server, or per node of a Valkey Cluster.
+
+One server: a batch is one pipeline (no transaction) on one connection, so one round
+trip. A cluster: the batch is split by the client's slot map into one pipeline per
+primary, and the pipelines run in parallel, so still about one round trip. The client's
+own cluster pipeline is not used on purpose: it fails a whole batch when one node is
+down, where a shared cache should lose only that node's keys (``RemotePartialError``).
+A ``MOVED`` answer or a node that does not answer makes the store refresh its slot map,
+at most once a second, in the background.
+
+Every call runs through :class:`~._calls.Calls`, so it returns or raises within its
+timeout whatever the network does. Client exceptions become the remote-store errors of
+:mod:`lmcache_platform.remote`; none escapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmcache_platform.remote import (
+    Buffer,
+    RemoteError,
+    RemotePartialError,
+    RemoteTimeout,
+    RemoteUnavailable,
+)
+
+from ._calls import Calls
+from ._config import ValkeyConfig
+
+if TYPE_CHECKING:
+    import valkey
+
+logger = logging.getLogger("lmcache_platform.remote")
+
+_REFRESH_PERIOD_S = 1.0
+#: Bytes the client's parser reads from the socket at once: large, for chunks of many MiB
+#: (with libvalkey's parser, 1 MiB reads move a 64 MiB value about 4x faster than 64 KiB).
+_READ_SIZE = 1 << 20
+#: A pipeline command: (pipeline, key, value-or-None) -> None.
+Queue = Callable[[Any, bytes, Any], None]
+
+
+class ValkeyStore:
+    """A :class:`~lmcache_platform.remote.RemoteStore` on Valkey or Valkey Cluster."""
+
+    def __init__(self, config: ValkeyConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self._calls = Calls(config.max_calls, config.name)
+        self._lock = threading.Lock()
+        self._client: Any = None  # valkey.Valkey, or ValkeyCluster once a node answered
+        self._refresh_at = 0.0
+        self._closed = False
+
+    # -- the RemoteStore protocol --------------------------------------------------------
+
+    def get_many(self, keys: Sequence[bytes], *, timeout: float) -> list[Buffer | None]:
+        results = self._batch("get", keys, [None] * len(keys), lambda p, k, _: p.get(k), timeout)
+        return [r if isinstance(r, bytes) else None for r in results]
+
+    def exists_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
+        results = self._batch("exists", keys, [None] * len(keys), lambda p, k, _: p.exists(k), timeout)
+        return [bool(r) for r in results]
+
+    def put_many(
+        self, items: Sequence[tuple[bytes, Buffer]], *, ttl: float | None, timeout: float
+    ) -> list[bool]:
+        px = None if ttl is None else max(1, int(ttl * 1000))
+        results = self._batch(
+            "put",
+            [k for k, _ in items],
+            [_as_arg(v) for _, v in items],
+            lambda p, k, v: p.set(k, v, px=px),
+            timeout,
+        )
+        return [r is True for r in results]
+
+    def ping(self, *, timeout: float) -> None:
+        if self.config.cluster:
+            results = self._calls.run([self._ping_cluster], timeout)
+        else:
+            results = self._calls.run([self._ping_standalone], timeout)
+        outcome = results[0]
+        if isinstance(outcome, BaseException):
+            raise _remote_error(self.name, "ping", outcome)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        self._calls.close()
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # closing sockets of a dead server: nothing to do but say so
+                logger.debug("closing %s: %s", self.name, exc)
+
+    # -- batches -------------------------------------------------------------------------
+
+    def _batch(
+        self, what: str, keys: Sequence[bytes], values: Sequence[Any], queue: Queue, timeout: float
+    ) -> list[Any]:
+        """One pipelined batch; per-item results (``None`` or an exception for a failed item)."""
+        if not keys:
+            return []
+        if self.config.cluster:
+            return self._cluster_batch(what, keys, values, queue, timeout)
+        outcome = self._calls.run([lambda: self._pipeline(self._standalone(), keys, values, queue)], timeout)[
+            0
+        ]
+        if isinstance(outcome, BaseException):
+            raise _remote_error(self.name, what, outcome)
+        return self._items(what, outcome, [None] * len(keys))
+
+    @staticmethod
+    def _pipeline(client: Any, keys: Sequence[bytes], values: Sequence[Any], queue: Queue) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for k, v in zip(keys, values, strict=True):
+            queue(pipe, k, v)
+        return list(pipe.execute(raise_on_error=False))
+
+    def _items(self, what: str, results: list[Any], absent: list[Any]) -> list[Any]:
+        """Per-item errors (``OOM``, ``MOVED``...) become absent items of a :class:`RemotePartialError`."""
+        failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
+        if not failed:
+            return results
+        first = results[failed[0]]
+        if any(_moved(results[i]) for i in failed):
+            self._refresh_soon()
+        clean = [absent[i] if i in set(failed) else r for i, r in enumerate(results)]
+        raise RemotePartialError(
+            f"{self.name}: {what}: {len(failed)} of {len(results)} items failed "
+            f"(first: {type(first).__name__}: {first})",
+            results=clean,
+            failed=failed,
+        )
+
+    def _cluster_batch(
+        self, what: str, keys: Sequence[bytes], values: Sequence[Any], queue: Queue, timeout: float
+    ) -> list[Any]:
+        """Split by node, one pipeline per node in parallel; a failed node fails only its items."""
+        started = time.monotonic()
+        client = self._client
+        if client is None:  # creating the client asks a node for the slot map: within the deadline
+            made = self._calls.run([self._cluster], timeout)[0]
+            if isinstance(made, BaseException):
+                raise _remote_error(self.name, what, made)
+            client = made
+        groups = self._route(client, keys)
+        left = timeout - (time.monotonic() - started)
+        tasks = [
+            (lambda node=node, idx=idx: self._pipeline(
+                client.get_valkey_connection(node), [keys[i] for i in idx], [values[i] for i in idx], queue
+            ))
+            for node, idx in groups
+        ]  # fmt: skip
+        outcomes = self._calls.run(tasks, left)
+        results: list[Any] = [None] * len(keys)
+        node_errors: list[tuple[str, BaseException]] = []
+        for (node, idx), outcome in zip(groups, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                node_errors.append((node.name, outcome))
+                for i in idx:
+                    results[i] = outcome
+            else:
+                for i, r in zip(idx, outcome, strict=True):
+                    results[i] = r
+        if node_errors:
+            self._refresh_soon()
+            if len(node_errors) == len(groups):  # nothing answered: the whole call failed
+                raise _remote_error(self.name, what, node_errors[0][1])
+        return self._items(what, results, [None] * len(keys))
+
+    @staticmethod
+    def _route(client: Any, keys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
+        """The primary of each key, by the client's slot map (no network)."""
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, k in enumerate(keys):
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(k))
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        return list(by_node.values())
+
+    def _ping_standalone(self) -> None:
+        self._standalone().ping()
+
+    def _ping_cluster(self) -> None:
+        client = self._cluster()
+        primaries = client.get_primaries()
+        errors = []
+        for node in primaries:
+            try:
+                client.get_valkey_connection(node).ping()
+            except Exception as exc:
+                errors.append(exc)
+        if primaries and len(errors) == len(primaries):
+            raise errors[0]
+
+    # -- clients -------------------------------------------------------------------------
+
+    def _standalone(self) -> valkey.Valkey:
+        with self._lock:
+            if self._closed:
+                raise RemoteUnavailable(f"{self.name}: the store is closed")
+            if self._client is None:
+                import valkey
+
+                ((host, port),) = self.config.hosts
+                kwargs = self.config.client_kwargs()
+                kind = valkey.SSLConnection if kwargs.pop("ssl", False) else valkey.Connection
+                pool = valkey.ConnectionPool(
+                    connection_class=kind,
+                    host=host,
+                    port=port,
+                    db=self.config.db,
+                    socket_read_size=_READ_SIZE,
+                    **kwargs,
+                )
+                self._client = valkey.Valkey(connection_pool=pool)
+            return self._client  # type: ignore[no-any-return]
+
+    def _cluster(self) -> Any:
+        """The cluster client, created on first use (creating it asks a node for the slot map)."""
+        with self._lock:
+            if self._closed:
+                raise RemoteUnavailable(f"{self.name}: the store is closed")
+            if self._client is not None:
+                return self._client
+        from valkey.cluster import ClusterNode, ValkeyCluster
+
+        client = ValkeyCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in self.config.hosts],  # type: ignore[no-untyped-call]
+            require_full_coverage=False,
+            cluster_error_retry_attempts=0,
+            **self.config.client_kwargs(),
+        )
+        with self._lock:
+            winner = self._adopt(client)
+        if winner is not client:  # closed meanwhile, or another call made one first
+            client.close()  # type: ignore[no-untyped-call]
+        if winner is None:
+            raise RemoteUnavailable(f"{self.name}: the store is closed")
+        return winner
+
+    def _adopt(self, client: Any) -> Any:
+        """Under the lock: keep ``client`` unless the store closed or already has one."""
+        if self._client is None and not self._closed:
+            self._client = client
+        return self._client
+
+    def _refresh_soon(self) -> None:
+        """Re-read the slot map in the background, at most once per second."""
+        now = time.monotonic()
+        with self._lock:
+            client = self._client
+            if client is None or not self.config.cluster or now < self._refresh_at:
+                return
+            self._refresh_at = now + _REFRESH_PERIOD_S
+
+        def refresh() -> None:
+            client.nodes_manager.initialize()
+
+        outcome = self._calls.run([refresh], 0.0)[0]  # do not wait: it runs on its own
+        if isinstance(outcome, BaseException) and not isinstance(outcome, RemoteTimeout):
+            logger.debug("%s: slot map refresh failed: %s", self.name, outcome)
+
+
+def _as_arg(value: Buffer) -> bytes | memoryview:
+    """A value the client sends as is (it takes ``bytes`` and byte ``memoryview``, not ``bytearray``)."""
+    if isinstance(value, bytes):
+        return value
+    view = memoryview(value)
+    return view if view.format == "B" and view.ndim == 1 and view.contiguous else view.cast("B")
+
+
+def _moved(result: Any) -> bool:
+    return type(result).__name__ in ("MovedError", "AskError", "TryAgainError", "ClusterDownError")
+
+
+def _remote_error(name: str, what: str, exc: BaseException) -> RemoteError:
+    """The remote-store error for a client exception (a RemoteError already is one)."""
+    if isinstance(exc, RemoteError):
+        return exc
+    import valkey.exceptions as vx
+
+    text = f"{name}: {what}: {type(exc).__name__}: {exc}"
+    # Anything else (refused connection, bad credentials, a cluster with no slot map) means
+    # this store cannot serve the call now.
+    err: RemoteError = RemoteTimeout(text) if isinstance(exc, vx.TimeoutError) else RemoteUnavailable(text)
+    err.__cause__ = exc
+    return err

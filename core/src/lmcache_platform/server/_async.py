@@ -1,0 +1,766 @@
+"""An engine-side client that never blocks its caller: requests in, futures out.
+
+:class:`AsyncClient` is what an engine's hot path (vLLM's scheduler, a worker's forward
+step) uses to talk to the reference server. :meth:`AsyncClient.submit` queues a
+request and returns a :class:`Pending` at once; one I/O thread per client sends the
+queue over the server's socket, reads replies and settles the futures. Nothing the
+caller does waits on a socket, and a hung server costs a request its deadline, never
+more.
+
+Two connections to the server: **data** (transfers, pipelined: several in flight, the
+server answers them in order) and **control** (``ping``, ``lookup``, ``release``,
+``status``), so a slow transfer does not delay a health check or a lookup. The
+``on_connect`` hook runs on the I/O thread after each (re)connect, before any request
+is sent, with a blocking, deadline-bounded :class:`~lmcache_platform.server.ServerClient`
+over the data connection (to register KV caches); what it returns becomes
+:attr:`AsyncClient.session`, and :data:`AsyncClient.SESSION_CONTEXT` in a request's
+fields stands for ``session["context"]`` when the request is sent.
+
+Deadlines: every request carries ``deadline = monotonic_ns() + deadline_ms`` (the
+server drops it once late). When it passes with no reply, the future fails locally
+(:class:`~lmcache_platform.server.ServerUnavailable`) and the client pings the server
+on the control connection: an answer means the server is merely *slow* (counted); no
+answer within the ping's deadline means it is *unavailable*: both connections are
+given up, every pending future fails, and the client reconnects with exponential
+backoff. Submissions while not healthy fail at once.
+
+Done versus resolved: a :class:`Pending` is *done* when its future has a result or
+failed (perhaps locally, at its deadline). It is *resolved* (:attr:`Pending.resolved`)
+once the server can no longer act on it: it answered, the connection it was sent on
+ended (EOF), or it was never sent. A load that failed locally may still be written by a
+hung server until then, so the engine keeps the target blocks until *resolved*. To
+learn it, a data connection given up with requests still unanswered is kept open for reading
+(a *zombie*, its sending side shut) until each is answered or the server closes it; at
+most ``max_zombies`` are kept, the oldest one beyond that is closed and its requests
+marked resolved (logged). Requests on the control connection (``ping``, ``lookup``,
+``release``, ``status``) never write into an engine: they are resolved when it is given up.
+
+One log line per change of :attr:`AsyncClient.state`, never one per request (logger
+``lmcache_platform.server.client``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import operator
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from .._env import SOCKET_ENV
+from .._errors import ServerError, ServerUnavailable, WireFormatError
+from . import _protocol
+from ._client import ServerClient
+from ._protocol import Chunk
+
+logger = logging.getLogger("lmcache_platform.server.client")
+
+#: Ops sent on the control connection unless ``submit(control=...)`` says otherwise.
+CONTROL_OPS: Final = frozenset({"ping", "lookup", "release", "status"})
+#: Largest difference between the server's monotonic clock and ours: beyond it the two do
+#: not share a clock (another host or time namespace) and deadlines would mean nothing.
+MAX_CLOCK_SKEW_NS: Final = 1_000_000_000
+_POLL_S = 0.05  # the watchdog's granularity: a deadline is noticed within this
+_READ_BYTES = 1 << 16
+
+Json = dict[str, Any]
+
+
+def new_lease_id() -> int:
+    """A fresh lease id for a leased ``lookup``: 63 random bits, never 0."""
+    return secrets.randbits(63) or 1
+
+
+class Pending(Future[Json]):
+    """A submitted request: a :class:`concurrent.futures.Future` of its result map.
+
+    ``result()`` raises :class:`~lmcache_platform.ServerError` (``remote_type`` names the
+    server's error, ``"DeadlineExceeded"`` for a request it dropped as late) or
+    :class:`~lmcache_platform.server.ServerUnavailable` (no answer in time, not sent,
+    or the client closed). It cannot be cancelled. :attr:`resolved` is set once the
+    server can no longer act on the request (see the module docstring); it may be set
+    after the future is done, never before the request's outcome is known to the server.
+    """
+
+    def __init__(self, op: str, request_id: int, deadline_ns: int, *, control: bool) -> None:
+        super().__init__()
+        self.op = op
+        self.request_id = request_id
+        #: ``time.monotonic_ns()`` past which the server drops it and the future fails.
+        self.deadline_ns = deadline_ns
+        #: Sent on the control connection.
+        self.control = control
+        #: Set when the server answered, the connection died, or it was never sent.
+        self.resolved = threading.Event()
+        self._frame_end = 0  # where its frame ends in its link's byte stream
+        self.set_running_or_notify_cancel()  # only the client settles it
+
+    @property
+    def future(self) -> Future[Json]:
+        """The future itself (a :class:`Pending` is one)."""
+        return self
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return (
+            f"<Pending {self.op} #{self.request_id} {state}{' resolved' if self.resolved.is_set() else ''}>"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class SessionField:
+    """A placeholder for ``session[name]`` in :meth:`AsyncClient.submit`'s fields."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<session {self.name}>"
+
+
+@dataclass
+class _Link:
+    """One connection to the server, with its output buffer and unanswered requests."""
+
+    kind: str  # "data" or "control"
+    sock: socket.socket
+    out: bytearray = field(default_factory=bytearray)
+    inbuf: bytearray = field(default_factory=bytearray)
+    queued: int = 0  # bytes ever queued on it
+    sent: int = 0  # bytes ever sent
+    pending: dict[int, Pending] = field(default_factory=dict)
+    zombie: bool = False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _SessionClient(ServerClient):
+    """The blocking client ``on_connect`` gets: the data connection, deadline-bounded, that call only."""
+
+    def __init__(self, sock: socket.socket, deadline_ms: float, ids: Iterator[int]) -> None:
+        self._setup(sock, deadline_ms)
+        self._ids = ids
+        self._usable = True
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        if not self._usable:
+            raise ServerError("the client given to on_connect is valid only while on_connect runs")
+        self._next_id = next(self._ids)
+        return super().call(op, **fields)
+
+    def close(self) -> None:  # the AsyncClient owns the socket
+        self._usable = False
+
+
+class AsyncClient:
+    """A non-blocking client of the reference server for an engine's hot path.
+
+    ``socket_path`` defaults to ``$LMCACHE_PLATFORM_SOCKET``. ``name`` goes into log
+    lines. Every request gets ``deadline_ms`` unless its submit says otherwise; health
+    pings get ``ping_deadline_ms`` (default: ``deadline_ms`` capped at 1 s). After a
+    failure the client reconnects after ``retry_first_s``, doubling up to ``retry_max_s``.
+    ``on_connect(client) -> dict | None`` runs on the I/O thread after each connect,
+    before any request is sent (see the module docstring); if it raises, the server is
+    unavailable and the connect is retried.
+
+    :attr:`state` is ``"connecting"`` (before the first connect completes),
+    ``"healthy"``, ``"unavailable"`` or ``"closed"``; read it without locks.
+    """
+
+    #: A field value that stands for ``session["context"]``, filled in when the request is sent.
+    SESSION_CONTEXT: Final = SessionField("context")
+
+    def __init__(
+        self,
+        socket_path: str | None,
+        *,
+        name: str,
+        deadline_ms: float = 2000.0,
+        ping_deadline_ms: float | None = None,
+        on_connect: Callable[[ServerClient], dict[str, Any] | None] | None = None,
+        retry_first_s: float = 1.0,
+        retry_max_s: float = 30.0,
+        max_zombies: int = 8,
+    ) -> None:
+        path = socket_path or os.environ.get(SOCKET_ENV, "")
+        if not path:
+            raise ValueError(f"AsyncClient {name}: no socket path (pass one or set {SOCKET_ENV})")
+        if deadline_ms <= 0 or (ping_deadline_ms is not None and ping_deadline_ms <= 0):
+            raise ValueError("deadlines must be positive")
+        self.socket_path = path
+        self.name = name
+        self.deadline_ms = float(deadline_ms)
+        self.ping_deadline_ms = float(ping_deadline_ms or min(deadline_ms, 1000.0))
+        self.on_connect = on_connect
+        self.retry_first_s = retry_first_s
+        self.retry_max_s = max(retry_max_s, retry_first_s)
+        self.max_zombies = max_zombies
+        #: ``"connecting"``, ``"healthy"``, ``"unavailable"`` or ``"closed"``.
+        self.state = "connecting"
+        #: Why the server is unavailable (empty while healthy).
+        self.reason = ""
+        #: What ``on_connect`` returned after the latest connect.
+        self.session: dict[str, Any] = {}
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._counts_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._submitted: collections.deque[tuple[Pending, dict[str, Any]]] = collections.deque()
+        self._submit_lock = threading.Lock()  # held for an append: orders submit against close
+        self._closed = False
+        self._links: dict[str, _Link] = {}
+        self._zombies: list[_Link] = []
+        self._health: Pending | None = None
+        self._slow = False  # in a slow episode (logged once)
+        self._backoff = retry_first_s
+        self._next_attempt = 0.0
+        self._dialing: list[socket.socket] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name=f"lmcache-client-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side -------------------------------------------------------------
+
+    def submit(
+        self, op: str, *, control: bool | None = None, deadline_ms: float | None = None, **fields: Any
+    ) -> Pending:
+        """Queue request ``op`` with ``fields`` (the protocol's, see ``docs/wire-format.md``).
+
+        Never blocks and never raises for the server's sake: when the server is not
+        healthy the returned :class:`Pending` has already failed (and is resolved).
+        ``control`` picks the connection (by default ``ping``, ``lookup``, ``release`` and
+        ``status`` go on the control connection, every other op on the data connection).
+        Chunks may be given as ``(name, [[block ids of group 0], ...])`` pairs; a field
+        set to :data:`SESSION_CONTEXT` (or another :class:`SessionField`) is replaced
+        when sent; ``None`` fields are left out.
+        """
+        ms = self.deadline_ms if deadline_ms is None else deadline_ms
+        on_control = op in CONTROL_OPS if control is None else control
+        pending = Pending(op, next(self._ids), time.monotonic_ns() + int(ms * 1e6), control=on_control)
+        with self._submit_lock:
+            accepted = not self._closed and self.state == "healthy"
+            if accepted:
+                self._submitted.append((pending, fields))
+        if not accepted:
+            self._count("refused")
+            why = "the client is closed" if self._closed else f"the server is {self.state}"
+            _settle(pending, ServerUnavailable(f"{op}: not sent: {why} ({self.reason or self.socket_path})"))
+            pending.resolved.set()
+            return pending
+        self._count("submitted")
+        self._wake()
+        return pending
+
+    def lookup(
+        self,
+        namespaces: bytes | Sequence[bytes],
+        keys: Sequence[bytes],
+        lease: int | None = None,
+        lease_ms: int | None = None,
+        *,
+        deadline_ms: float | None = None,
+    ) -> Pending:
+        """Leading ``keys`` held in every namespace (result: ``hits``); see ``ServerClient.lookup``."""
+        where: dict[str, Any] = (
+            {"namespace": namespaces} if isinstance(namespaces, bytes) else {"namespaces": list(namespaces)}
+        )
+        return self.submit(
+            "lookup", deadline_ms=deadline_ms, keys=list(keys), lease=lease, lease_ms=lease_ms, **where
+        )
+
+    def put(
+        self,
+        context: int | SessionField,
+        chunks: Sequence[Any],
+        *,
+        deadline_ms: float | None = None,
+        event: bytes | None = None,
+    ) -> Pending:
+        """Keyed store (result: ``stored``, ``present``, ``dropped``, ``evicted``, ``bytes``).
+
+        ``event``: a device event's handle (:func:`lmcache_platform.record_event`) the
+        server's reads wait for on the device.
+        """
+        return self.submit("put", deadline_ms=deadline_ms, context=context, chunks=chunks, event=event)
+
+    def get(
+        self,
+        context: int | SessionField,
+        chunks: Sequence[Any],
+        lease: int | None = None,
+        *,
+        deadline_ms: float | None = None,
+        event: bytes | None = None,
+    ) -> Pending:
+        """Keyed retrieve (result: ``retrieved``, ``bytes``); block id ``-1`` skips positions.
+
+        ``event``: a device event's handle the server's writes wait for on the device.
+        """
+        return self.submit(
+            "get", deadline_ms=deadline_ms, context=context, chunks=chunks, lease=lease, event=event
+        )
+
+    def release(self, lease: int, *, deadline_ms: float | None = None) -> Pending:
+        return self.submit("release", deadline_ms=deadline_ms, lease=lease)
+
+    def ping(self, *, deadline_ms: float | None = None) -> Pending:
+        return self.submit("ping", deadline_ms=deadline_ms)
+
+    def status(self, *, deadline_ms: float | None = None) -> Pending:
+        return self.submit("status", deadline_ms=deadline_ms)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``submitted``, ``refused`` (not healthy), ``answered``, ``errors``
+        (error replies), ``deadline_misses`` (failed locally), ``slow`` (pings answered
+        after a miss), ``connects``, ``failures``, ``zombies`` (now), ``zombies_abandoned``."""
+        with self._counts_lock:
+            out = dict(self._counts)
+        out["zombies"] = len(self._zombies)
+        return out
+
+    def close(self) -> None:
+        """Stop the I/O thread, fail (and resolve) every pending request, close every socket."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        for sock in list(self._dialing):  # a connect or on_connect call blocked on a hung server
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        gone = f"the client {self.name} was closed"
+        for link in [*self._links.values(), *self._zombies]:
+            for pending in link.pending.values():
+                _settle(pending, ServerUnavailable(gone))
+                pending.resolved.set()
+            link.close()
+        self._links, self._zombies = {}, []
+        while self._submitted:
+            pending, _ = self._submitted.popleft()
+            _settle(pending, ServerUnavailable(gone))
+            pending.resolved.set()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.state = "closed"
+
+    def __enter__(self) -> AsyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<AsyncClient {self.name} {self.state} {self.socket_path}>"
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[key] += n
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            self._wake_w.send(b"\0")
+
+    # -- the I/O thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                self._step()
+            except Exception as exc:  # a bug must not kill the thread: give the links up, retry
+                logger.exception("lmcache-platform %s: client I/O thread error", self.name)
+                self._give_up(f"client error: {type(exc).__name__}: {exc}")
+
+    def _step(self) -> None:
+        if not self._links and time.monotonic() >= self._next_attempt:
+            self._attempt()
+        self._send_submitted()
+        self._poll()
+        self._watch(time.monotonic_ns())
+
+    def _attempt(self) -> None:
+        """Connect both links, ping, run ``on_connect``; healthy, or unavailable until the next try."""
+        self._count("connects")
+        links: dict[str, _Link] = {}
+        try:
+            for kind in ("data", "control"):
+                links[kind] = _Link(kind, self._dial())
+            ping = _SessionClient(links["control"].sock, self.ping_deadline_ms, self._ids)
+            skew = ping.ping()["now"] - time.monotonic_ns()
+            if not isinstance(skew, int) or abs(skew) > MAX_CLOCK_SKEW_NS:
+                raise ServerError(
+                    f"the server's monotonic clock differs from ours by {skew / 1e9:.1f} s: another host "
+                    "or time namespace, where deadlines cannot work"
+                )
+            session: dict[str, Any] = {}
+            if self.on_connect is not None:
+                hook = _SessionClient(links["data"].sock, self.deadline_ms, self._ids)
+                try:
+                    session = dict(self.on_connect(hook) or {})
+                except Exception as exc:
+                    raise ServerError(f"on_connect failed: {type(exc).__name__}: {exc}") from exc
+                finally:
+                    hook.close()
+        except Exception as exc:
+            for link in links.values():
+                link.close()
+            self._unavailable(_why(exc))
+            return
+        finally:
+            self._dialing.clear()
+        for link in links.values():
+            link.sock.setblocking(False)
+        self.session = session
+        self._links = links
+        self._backoff = self.retry_first_s
+        self._slow = False
+        was, self.state, self.reason = self.state, "healthy", ""
+        level = logging.INFO if was == "connecting" else logging.WARNING
+        logger.log(
+            level,
+            "lmcache-platform %s: server %s %s",
+            self.name,
+            self.socket_path,
+            "connected" if was == "connecting" else "available again",
+        )
+
+    def _dial(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._dialing.append(sock)
+        try:
+            sock.settimeout(self.ping_deadline_ms / 1e3)  # a full backlog blocks connect()
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _unavailable(self, why: str) -> None:
+        """Enter (or stay in) the unavailable state; schedule the next connect attempt."""
+        delay = self._backoff
+        self._next_attempt = time.monotonic() + delay
+        self._backoff = min(self._backoff * 2, self.retry_max_s)
+        if self.state != "unavailable" and not self._closed:
+            logger.warning(
+                "lmcache-platform %s: server %s unavailable (%s); retrying in %g s",
+                self.name,
+                self.socket_path,
+                why,
+                delay,
+            )
+        else:
+            logger.debug(
+                "lmcache-platform %s: still unavailable (%s); next try in %g s", self.name, why, delay
+            )
+        self.reason = why
+        if not self._closed:
+            self.state = "unavailable"
+
+    def _give_up(self, why: str) -> None:
+        """The session failed: fail every pending request, keep unresolved ones as zombies."""
+        links, self._links, self._health = self._links, {}, None
+        self._count("failures")
+        gone = f"server {self.socket_path} unavailable: {why}"
+        with self._submit_lock:
+            queued = list(self._submitted)
+            self._submitted.clear()
+        for pending, _ in queued:
+            _settle(pending, ServerUnavailable(gone))
+            pending.resolved.set()
+        for link in links.values():  # control requests never write into the engine: no zombie
+            self._retire(link, gone, dead=link.kind == "control")
+        self._unavailable(why)
+
+    def _retire(self, link: _Link, error: str, *, dead: bool = False) -> None:
+        """Fail ``link``'s requests; close it, or keep it as a zombie if some may still act."""
+        keep = False
+        for pending in list(link.pending.values()):
+            _settle(pending, ServerUnavailable(error))
+            if dead or pending._frame_end > link.sent:  # gone, or never fully sent: the server
+                pending.resolved.set()  # cannot act on it (it drops a frame cut short)
+                del link.pending[pending.request_id]
+            else:
+                keep = True
+        link.out.clear()
+        if not keep:
+            if link in self._zombies:
+                self._zombies.remove(link)
+            link.close()
+            return
+        if not link.zombie:
+            link.zombie = True
+            with contextlib.suppress(OSError):
+                link.sock.shutdown(socket.SHUT_WR)  # the server ends after what it already has
+            self._zombies.append(link)
+        while len(self._zombies) > self.max_zombies:
+            old = self._zombies.pop(0)
+            logger.warning(
+                "lmcache-platform %s: no longer waiting for %d request(s) on an old connection to a "
+                "server that does not answer; treating them as resolved",
+                self.name,
+                len(old.pending),
+            )
+            self._count("zombies_abandoned")
+            for pending in old.pending.values():
+                pending.resolved.set()
+            old.pending.clear()
+            old.close()
+
+    def _send_submitted(self) -> None:
+        while self._submitted:
+            pending, fields = self._submitted.popleft()
+            link = self._links.get("control" if pending.control else "data")
+            if link is None:
+                _settle(pending, ServerUnavailable(f"{pending.op}: not sent: the server is {self.state}"))
+                pending.resolved.set()
+                continue
+            if time.monotonic_ns() > pending.deadline_ns:
+                self._count("deadline_misses")
+                _settle(pending, ServerUnavailable(f"{pending.op}: deadline passed before it was sent"))
+                pending.resolved.set()
+                continue
+            try:
+                frame = _protocol.frame(self._encode(pending, fields))
+            except Exception as exc:  # the caller's fields: its error, on its future
+                _settle(pending, exc)
+                pending.resolved.set()
+                continue
+            self._queue(link, pending, frame)
+        for link in list(self._links.values()):
+            if link.out and self._alive(link):
+                self._flush(link)
+
+    def _alive(self, link: _Link) -> bool:
+        """Still one of ours (an earlier event in this round may have given it up)."""
+        return link.sock.fileno() >= 0 and (link in self._zombies or self._links.get(link.kind) is link)
+
+    def _queue(self, link: _Link, pending: Pending, frame: bytes) -> None:
+        link.out += frame
+        link.queued += len(frame)
+        pending._frame_end = link.queued
+        link.pending[pending.request_id] = pending
+
+    def _encode(self, pending: Pending, fields: dict[str, Any]) -> bytes:
+        values: dict[str, Any] = {}
+        for key, value in fields.items():
+            if isinstance(value, SessionField):
+                if value.name not in self.session:
+                    raise ServerError(
+                        f"{pending.op}: {key} names session[{value.name!r}], which on_connect did not set"
+                    )
+                value = self.session[value.name]
+            if value is not None:
+                values[key] = value
+        if "chunks" in values:
+            values["chunks"] = [_chunk(c) for c in values["chunks"]]
+        values["deadline"] = pending.deadline_ns
+        return _protocol.encode_request(pending.op, pending.request_id, **values)
+
+    def _flush(self, link: _Link) -> None:
+        try:
+            n = link.sock.send(link.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._link_failed(link, f"sending failed: {_why(exc)}", dead=False)
+            return
+        del link.out[:n]
+        link.sent += n
+
+    def _poll(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        by_fd: dict[int, _Link] = {}
+        for link in [*self._links.values(), *self._zombies]:
+            fd = link.sock.fileno()
+            by_fd[fd] = link
+            poller.register(fd, select.POLLIN | (select.POLLOUT if link.out else 0))
+        timeout = self._timeout()
+        for fd, events in poller.poll(timeout * 1e3):
+            if fd == self._wake_r.fileno():
+                with contextlib.suppress(OSError):
+                    while self._wake_r.recv(4096):
+                        pass
+                continue
+            link = by_fd[fd]
+            if events & select.POLLOUT and link.out and not link.zombie and self._alive(link):
+                self._flush(link)
+            if events & (select.POLLIN | select.POLLHUP | select.POLLERR) and self._alive(link):
+                self._read(link)
+
+    def _timeout(self) -> float:
+        """Seconds until the watchdog must look again: the next deadline or attempt, at most _POLL_S."""
+        now = time.monotonic_ns()
+        soonest = now + int(_POLL_S * 1e9)
+        for link in self._links.values():
+            for pending in link.pending.values():
+                if not pending.done():
+                    soonest = min(soonest, pending.deadline_ns)
+        if not self._links:
+            soonest = min(soonest, now + int(max(self._next_attempt - time.monotonic(), 0) * 1e9))
+        return max(soonest - now, 0) / 1e9
+
+    def _read(self, link: _Link) -> None:
+        while True:
+            try:
+                data = link.sock.recv(_READ_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._link_failed(link, f"connection error: {_why(exc)}", dead=True)
+                return
+            if not data:
+                self._link_failed(link, "the server closed the connection", dead=True)
+                return
+            link.inbuf += data
+            try:
+                for payload in _frames(link.inbuf):
+                    self._reply(link, _protocol.decode_reply(payload))
+            except WireFormatError as exc:
+                self._link_failed(link, f"malformed reply: {exc}", dead=True)
+                return
+            if link.zombie and not link.pending:  # every request on it is resolved
+                self._zombies.remove(link)
+                link.close()
+                return
+            if len(data) < _READ_BYTES:
+                return
+
+    def _reply(self, link: _Link, reply: _protocol.Reply) -> None:
+        pending = link.pending.pop(reply.request_id, None)
+        if pending is None:
+            if reply.request_id == 0 and not reply.ok:  # e.g. "too many connections"
+                raise WireFormatError(f"the server refused the connection: {reply.error_message}")
+            return
+        pending.resolved.set()
+        if pending.done():  # failed locally at its deadline; now resolved
+            return
+        self._count("answered")
+        if reply.ok:
+            _settle(pending, reply.result)
+        else:
+            self._count("errors")
+            _settle(
+                pending,
+                ServerError(
+                    f"{pending.op} refused by the server: {reply.error_type}: {reply.error_message}",
+                    remote_type=reply.error_type,
+                ),
+            )
+        if pending is self._health:
+            self._health = None
+            if self._slow_miss:
+                self._count("slow")
+                if not self._slow:
+                    self._slow = True
+                    logger.warning(
+                        "lmcache-platform %s: server %s is slow: requests miss their %g ms deadline but it "
+                        "answers pings",
+                        self.name,
+                        self.socket_path,
+                        self.deadline_ms,
+                    )
+        elif not link.zombie:
+            self._slow = False  # answered in time: the slow episode (if any) is over
+
+    _slow_miss = False  # the pending health ping was sent because a deadline passed
+
+    def _link_failed(self, link: _Link, why: str, *, dead: bool) -> None:
+        if link.zombie:
+            self._retire(link, why, dead=dead)
+            return
+        # A live link: the whole session goes; this link's requests are resolved if it is dead.
+        if dead:
+            gone = f"server {self.socket_path} unavailable: {why}"
+            for pending in link.pending.values():
+                _settle(pending, ServerUnavailable(gone))
+                pending.resolved.set()
+            link.pending.clear()
+        self._give_up(why)
+
+    def _watch(self, now: int) -> None:
+        """Fail requests past their deadline; ping on a miss; give up when a ping goes unanswered."""
+        missed = False
+        for link in [*self._links.values(), *self._zombies]:
+            for pending in link.pending.values():
+                if pending.done() or now <= pending.deadline_ns:
+                    continue
+                _settle(
+                    pending,
+                    ServerUnavailable(
+                        f"{pending.op}: no reply within its deadline (server {self.socket_path})"
+                    ),
+                )
+                if pending is self._health:
+                    self._give_up(f"no answer to a ping within {self.ping_deadline_ms:g} ms")
+                    return
+                self._count("deadline_misses")
+                missed = missed or not link.zombie
+        if missed and self._health is None and "control" in self._links:
+            self._send_ping(slow_miss=True)
+
+    def _send_ping(self, *, slow_miss: bool) -> None:
+        deadline = time.monotonic_ns() + int(self.ping_deadline_ms * 1e6)
+        ping = Pending("ping", next(self._ids), deadline, control=True)
+        self._health = ping
+        self._slow_miss = slow_miss
+        link = self._links["control"]
+        self._queue(
+            link, ping, _protocol.frame(_protocol.encode_request("ping", ping.request_id, deadline=deadline))
+        )
+        self._flush(link)
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _settle(pending: Pending, outcome: Json | BaseException) -> None:
+    """Set the future's result or exception once; later outcomes are dropped."""
+    if pending.done():
+        return
+    if isinstance(outcome, BaseException):
+        pending.set_exception(outcome)
+    else:
+        pending.set_result(outcome)
+
+
+def _frames(buf: bytearray) -> Iterator[bytes]:
+    """Complete frames at the head of ``buf``, removed from it as they are yielded."""
+    while len(buf) >= _protocol.PREFIX_BYTES:
+        length = _protocol.frame_length(bytes(buf[: _protocol.PREFIX_BYTES]))
+        end = _protocol.PREFIX_BYTES + length
+        if len(buf) < end:
+            return
+        payload = bytes(buf[_protocol.PREFIX_BYTES : end])
+        del buf[:end]
+        yield payload
+
+
+def _chunk(spec: Any) -> Chunk:
+    if isinstance(spec, Chunk):
+        return spec
+    name, groups = spec
+    return Chunk(name, tuple(tuple(map(operator.index, g)) for g in groups))
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):  # socket.timeout too
+        return "no answer in time (a hung server, or a full listen backlog)"
+    if isinstance(exc, ServerError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} (errno {exc.errno})"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,342 @@
+"""The remote entry format: one chunk as bytes in a shared store, and the refusal of bad ones.
+
+A remote store is shared by every node, so what comes back from it is untrusted: another
+deployment, a buggy writer, a truncated write, an evicted-and-reused key or a hostile
+client may have put it there. An entry therefore says what it is, and a reader refuses
+(and counts, by reason) anything that is not exactly what it asked for. Nothing is
+unpickled or evaluated: the header is fixed binary fields, dtypes come from an
+allow-list by name, tensors are rebuilt with ``torch.frombuffer`` over the fetched bytes
+(no copy).
+
+Layout (little-endian)::
+
+    offset  size  field
+    0       4     magic b"LMCR"
+    4       1     version (1)
+    5       1     flags (bit 0: keyed checksum)
+    6       2     header length H (a multiple of 64, checksum included)
+    8       1     prefix length P (0..64)
+    9       1     namespace length N (1..64)
+    10      1     key length K (1..64)
+    11      1     tensor count T (1..64)
+    12      4     reserved (0)
+    16      8     payload length L
+    24      P+N+K the deployment prefix, the namespace, the key
+    ...     per tensor: dtype name length (1), dtype name (ASCII), ndim (1), ndim x 8-byte dims
+    ...     zeros up to H - 32
+    H - 32  32    checksum: BLAKE2b-256 (person b"lmcp-remote1") of bytes [0, H - 32) and the payload
+    H       L     payload: the tensors' bytes, each starting at a multiple of 64
+
+The checksum is keyed with a secret shared by the deployment's servers when one is
+configured (``--remote-key-file``; flag bit 0 says so). Unkeyed, it catches accidents:
+truncation, bit flips, a key overwritten by something else, an entry of another
+namespace, prefix or layout. Keyed, it also stops forgery: a writer without the secret
+cannot make an entry a reader accepts (it can still delete entries or fill the store).
+Neither mode hides the bytes: anyone who can read the store can read the KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from .._ipc_wrapper import ALLOWED_DTYPES, MAX_EXTENT
+
+if TYPE_CHECKING:
+    import torch
+
+MAGIC = b"LMCR"
+VERSION = 1
+FLAG_KEYED = 1
+ALIGN = 64
+DIGEST_BYTES = 32
+MAX_NAME = 64  # prefix, namespace and key each (the protocol's MAX_KEY_LEN)
+MAX_TENSORS = 64
+MAX_NDIM = 8
+_PERSON = b"lmcp-remote1"
+_FIXED = struct.Struct("<4sBBHBBBBIQ")
+
+#: Every reason an entry is refused for; the tier counts ``refused_<reason>``.
+REASONS = (
+    "truncated",
+    "magic",
+    "version",
+    "header",
+    "auth",
+    "prefix",
+    "namespace",
+    "key",
+    "layout",
+    "checksum",
+)
+
+
+class Refused(Exception):
+    """An entry that must not be loaded; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class TensorSpec(NamedTuple):
+    """One tensor of a chunk as the header describes it: a dtype name and a shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class Decoded(NamedTuple):
+    """A decoded entry: the chunk's tensors (read-only views of the fetched bytes) and their bytes."""
+
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class EntryIdentity:
+    """What an entry must say it is: the deployment prefix, the namespace and the key."""
+
+    prefix: bytes
+    namespace: bytes
+    key: bytes
+
+
+def spec_of(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape))
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _hasher(secret: bytes | None) -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=DIGEST_BYTES, key=secret or b"", person=_PERSON)
+
+
+def _itemsize(dtype: str) -> int:
+    from .._ipc_wrapper import dtype_from_name
+
+    return int(dtype_from_name(dtype).itemsize)
+
+
+def derive_secret(material: bytes) -> bytes:
+    """The 32-byte checksum key made from a key file's contents (any length of at least 16 bytes)."""
+    if len(material) < 16:
+        raise ValueError(f"a remote key must hold at least 16 bytes, got {len(material)}")
+    return hashlib.blake2b(material, digest_size=32, person=b"lmcp-remotekey1").digest()
+
+
+def encode(tensors: Sequence[torch.Tensor], who: EntryIdentity, secret: bytes | None = None) -> memoryview:
+    """The entry for one chunk, as bytes over fresh host memory; the tensors must be on the CPU.
+
+    Their bytes are copied once (into the entry) and read once more (by the checksum).
+    """
+    import torch
+
+    specs = [spec_of(t) for t in tensors]
+    _check_identity(who)
+    if not 1 <= len(specs) <= MAX_TENSORS:
+        raise ValueError(f"a chunk has 1 to {MAX_TENSORS} tensors, got {len(specs)}")
+    descr = bytearray()
+    for s in specs:
+        if s.dtype not in ALLOWED_DTYPES or len(s.shape) > MAX_NDIM:
+            raise ValueError(f"cannot store a tensor of {s.dtype} with {len(s.shape)} dims remotely")
+        name = s.dtype.encode()
+        descr += struct.pack(f"<B{len(name)}sB{len(s.shape)}Q", len(name), name, len(s.shape), *s.shape)
+    variable = who.prefix + who.namespace + who.key + bytes(descr)
+    header_len = _align(_FIXED.size + len(variable) + DIGEST_BYTES)
+    offsets, end = [], 0
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"remote entries are written from host memory, got a tensor on {t.device}")
+        start = _align(end)
+        offsets.append(start)
+        end = start + t.nbytes
+    payload_len = end
+    header = bytearray(header_len)
+    flags = FLAG_KEYED if secret else 0
+    _FIXED.pack_into(
+        header, 0, MAGIC, VERSION, flags, header_len, len(who.prefix), len(who.namespace), len(who.key),
+        len(specs), 0, payload_len,
+    )  # fmt: skip
+    header[_FIXED.size : _FIXED.size + len(variable)] = variable
+    entry = torch.empty(header_len + payload_len, dtype=torch.uint8)  # no zero fill: every byte is written
+    prev = 0
+    for t, off in zip(tensors, offsets, strict=True):
+        entry[header_len + prev : header_len + off].zero_()  # alignment padding
+        entry[header_len + off : header_len + off + t.nbytes].copy_(_flat_bytes(t))
+        prev = off + t.nbytes
+    view = entry.numpy().data  # a byte memoryview over the tensor's memory
+    h = _hasher(secret)
+    h.update(header[: header_len - DIGEST_BYTES])
+    h.update(view[header_len:])
+    header[header_len - DIGEST_BYTES :] = h.digest()
+    view[:header_len] = header
+    return view
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check_identity(who: EntryIdentity) -> None:
+    for name, value, lo in (("prefix", who.prefix, 0), ("namespace", who.namespace, 1), ("key", who.key, 1)):
+        if not lo <= len(value) <= MAX_NAME:
+            raise ValueError(f"an entry's {name} is {lo} to {MAX_NAME} bytes, got {len(value)}")
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    who: EntryIdentity,
+    secret: bytes | None = None,
+    expect: Sequence[TensorSpec] | None = None,
+) -> Decoded:
+    """The chunk ``data`` holds, if it is exactly ``who``'s (and of the ``expect``-ed layout).
+
+    Raises :class:`Refused` with the first reason found: the cheap checks (length, magic,
+    header fields, identity, layout) run before the checksum, which reads every byte.
+    """
+    view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+    if len(view) < _FIXED.size:
+        raise Refused("truncated", f"{len(view)} bytes is shorter than an entry header")
+    magic, version, flags, header_len, np_, nn, nk, nt, reserved, payload_len = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise Refused("magic", f"not an lmcache-platform entry (starts with {bytes(magic)!r})")
+    if version != VERSION:
+        raise Refused("version", f"entry format version {version}; this server reads version {VERSION}")
+    if header_len > len(view):
+        raise Refused("truncated", f"{len(view)} bytes, but the header alone is {header_len}")
+    if (
+        header_len % ALIGN
+        or reserved
+        or flags & ~FLAG_KEYED
+        or np_ > MAX_NAME
+        or not 1 <= nn <= MAX_NAME
+        or not 1 <= nk <= MAX_NAME
+        or not 1 <= nt <= MAX_TENSORS
+    ):
+        raise Refused("header", "malformed entry header fields")
+    if len(view) != header_len + payload_len:
+        raise Refused("truncated", f"{len(view)} bytes where the header says {header_len + payload_len}")
+    specs = _specs(view, _FIXED.size + np_ + nn + nk, nt, header_len - DIGEST_BYTES)
+    if bool(flags & FLAG_KEYED) != bool(secret):
+        raise Refused(
+            "auth",
+            "entry is keyed but this server has no remote key"
+            if secret is None
+            else "entry is not keyed but this server requires its remote key",
+        )
+    pos = _FIXED.size
+    for name, want, n in (
+        ("prefix", who.prefix, np_),
+        ("namespace", who.namespace, nn),
+        ("key", who.key, nk),
+    ):
+        if view[pos : pos + n] != want:
+            raise Refused(name, f"entry is for another {name} ({bytes(view[pos : pos + n]).hex()[:16]})")
+        pos += n
+    sizes = [_nbytes(s) for s in specs]
+    offsets, end = [], 0
+    for size in sizes:
+        start = _align(end)
+        offsets.append(start)
+        end = start + size
+    if end != payload_len:
+        raise Refused("header", f"tensors of {end} bytes in a payload of {payload_len}")
+    if expect is not None and list(specs) != [TensorSpec(e.dtype, tuple(e.shape)) for e in expect]:
+        raise Refused("layout", f"entry holds {_show(specs)}, expected {_show(expect)}")
+    h = _hasher(secret)
+    h.update(view[: header_len - DIGEST_BYTES])
+    h.update(view[header_len:])
+    if h.digest() != view[header_len - DIGEST_BYTES : header_len]:
+        raise Refused("checksum", "checksum mismatch: the entry was corrupted or forged")
+    return Decoded(_tensors(view, specs, sizes, [header_len + o for o in offsets]), sum(sizes))
+
+
+def _specs(view: memoryview, pos: int, count: int, limit: int) -> list[TensorSpec]:
+    specs = []
+    try:
+        for _ in range(count):
+            n = view[pos]
+            name = bytes(view[pos + 1 : pos + 1 + n]).decode("ascii")
+            pos += 1 + n
+            ndim = view[pos]
+            if name not in ALLOWED_DTYPES or ndim > MAX_NDIM:
+                raise Refused("header", f"tensor of dtype {name!r} with {ndim} dims is not allowed")
+            dims = struct.unpack_from(f"<{ndim}Q", view, pos + 1)
+            pos += 1 + 8 * ndim
+            if any(d > MAX_EXTENT for d in dims):
+                raise Refused("header", f"tensor shape {dims} is out of range")
+            specs.append(TensorSpec(name, tuple(dims)))
+    except (IndexError, struct.error, UnicodeDecodeError):
+        raise Refused("header", "tensor descriptors run past the header") from None
+    if pos > limit or any(view[pos:limit]):
+        raise Refused("header", "tensor descriptors run past the header or padding is not zero")
+    return specs
+
+
+def _nbytes(s: TensorSpec) -> int:
+    n = _itemsize(s.dtype)
+    for d in s.shape:
+        n *= d
+    if n > MAX_EXTENT:
+        raise Refused("header", f"tensor of {s.shape} is out of range")
+    return n
+
+
+def _show(specs: Sequence[TensorSpec]) -> str:
+    return ", ".join(f"{s.dtype}{list(s.shape)}" for s in specs)
+
+
+def _tensors(
+    view: memoryview,
+    specs: Sequence[TensorSpec],
+    sizes: Sequence[int],
+    starts: Sequence[int],
+) -> list[torch.Tensor]:
+    """Views of ``data`` (no copy) where the bytes are aligned for the dtype, copies elsewhere."""
+    import torch
+
+    from .._ipc_wrapper import dtype_from_name
+
+    _quiet_frombuffer()
+    out = []
+    for s, size, start in zip(specs, sizes, starts, strict=True):
+        dtype = dtype_from_name(s.dtype)
+        if size == 0:
+            out.append(torch.empty(s.shape, dtype=dtype))
+            continue
+        flat = torch.frombuffer(view, dtype=torch.uint8, count=size, offset=start)
+        if flat.data_ptr() % dtype.itemsize:
+            flat = flat.clone()  # a store's buffer at an odd address: one copy, aligned
+        out.append(flat.view(dtype).view(s.shape))
+    return out
+
+
+_primed = False
+
+
+def _quiet_frombuffer() -> None:
+    """Take torch's once-per-process "buffer is not writable" warning here, silently, once.
+
+    Fetched entries are immutable ``bytes``; the tensors over them are only ever read
+    (copied into an engine's blocks), so the warning says nothing useful, and torch emits
+    it only for the first read-only buffer of the process.
+    """
+    global _primed
+    if _primed:
+        return
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+    _primed = True

