@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,60 +17,12 @@ from typing import Any
 
 import pytest
 
-from lmcache_platform.server import ReferenceServer, ServerClient, ServerError, new_lease_id
+from lmcache_platform.server import ServerClient, ServerError, new_lease_id
 from lmcache_platform.server import _protocol as P
-from support.serve import CHUNK_BYTES, TinyEngine, namespace
+from support.serve import CHUNK_BYTES, InProcess, TinyEngine, namespace
 
 WAIT_S = 60  # a bound for waits, never a measured time
 MS = 1_000_000
-
-
-class Held:
-    """Wraps a context method: the first call stops inside it until :meth:`release`."""
-
-    def __init__(self, method: Callable[..., Any]) -> None:
-        self.method = method
-        self.entered = threading.Event()
-        self.go = threading.Event()
-        self.calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls == 1:
-            self.entered.set()
-            assert self.go.wait(WAIT_S), "the held transfer was never released"
-        return self.method(*args, **kwargs)
-
-    def release(self) -> None:
-        self.go.set()
-
-
-class InProcess:
-    def __init__(self, max_host_bytes: int) -> None:
-        self.directory = tempfile.mkdtemp(prefix="lmcache-dl-")
-        self.server = ReferenceServer(os.path.join(self.directory, "kv.sock"), max_host_bytes=max_host_bytes)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def client(self) -> ServerClient:
-        return ServerClient(self.server.socket_path, timeout=WAIT_S)
-
-    def ctx(self, context: int) -> Any:
-        return self.server._entries[context].ctx
-
-    def hold(self, context: int, method: str) -> Held:
-        held = Held(getattr(self.ctx(context), method))
-        setattr(self.ctx(context), method, held)
-        return held
-
-    def counters(self) -> dict[str, Any]:
-        return self.server.counters()
-
-    def close(self) -> None:
-        self.server.stop()
-        self.thread.join(WAIT_S)
-        os.rmdir(self.directory)
 
 
 @pytest.fixture

@@ -8,62 +8,15 @@ first test would block (and fail on its socket timeout) instead of passing.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from lmcache_platform.server import ReferenceServer, ServerClient
-from support.serve import CHUNK_BYTES, TinyEngine, namespace
+from support.serve import CHUNK_BYTES, InProcess, TinyEngine, namespace
 
 WAIT_S = 60  # a bound for the waits below, never a measured time
-
-
-class Held:
-    """Wraps a context method: the first call stops inside it until :meth:`release`."""
-
-    def __init__(self, method: Callable[..., Any]) -> None:
-        self.method = method
-        self.entered = threading.Event()
-        self.go = threading.Event()
-        self.calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls == 1:
-            self.entered.set()
-            assert self.go.wait(WAIT_S), "the held transfer was never released"
-        return self.method(*args, **kwargs)
-
-    def release(self) -> None:
-        self.go.set()
-
-
-class InProcess:
-    def __init__(self, max_host_bytes: int) -> None:
-        self.directory = tempfile.mkdtemp(prefix="lmcache-par-")
-        self.server = ReferenceServer(os.path.join(self.directory, "kv.sock"), max_host_bytes=max_host_bytes)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def client(self) -> ServerClient:
-        return ServerClient(self.server.socket_path, timeout=WAIT_S)
-
-    def hold(self, context: int, method: str) -> Held:
-        """Hold the next call of ``method`` on the server's cache context ``context``."""
-        ctx = self.server._entries[context].ctx
-        held = Held(getattr(ctx, method))
-        setattr(ctx, method, held)  # an instance attribute: the server's next call lands here
-        return held
-
-    def close(self) -> None:
-        self.server.stop()
-        self.thread.join(WAIT_S)
-        os.rmdir(self.directory)
 
 
 @pytest.fixture

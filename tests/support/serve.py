@@ -13,7 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import torch
 
 import lmcache_platform
 from lmcache_platform import KVFormat, LayoutHints
-from lmcache_platform.server import ServerClient, cache_namespace
+from lmcache_platform.server import ReferenceServer, ServerClient, cache_namespace
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 2, 32, 4, 2, 8
 CHUNK = 8  # tokens: two blocks per chunk
@@ -154,3 +157,58 @@ class TinyEngine:
     def close(self) -> None:
         for w in self.wrappers:
             w.close()
+
+
+#: A bound for in-process waits, never a measured time.
+IN_PROCESS_WAIT_S = 60
+
+
+class Held:
+    """Wraps a context method: the first call stops inside it until :meth:`release`."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            assert self.go.wait(IN_PROCESS_WAIT_S), "the held transfer was never released"
+        return self.method(*args, **kwargs)
+
+    def release(self) -> None:
+        self.go.set()
+
+
+class InProcess:
+    """A ReferenceServer on a thread of this process, so tests can reach its contexts."""
+
+    def __init__(self, max_host_bytes: int) -> None:
+        self.directory = tempfile.mkdtemp(prefix="lmcache-inproc-")
+        self.server = ReferenceServer(os.path.join(self.directory, "kv.sock"), max_host_bytes=max_host_bytes)
+        self.server.bind()
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def client(self) -> ServerClient:
+        return ServerClient(self.server.socket_path, timeout=IN_PROCESS_WAIT_S)
+
+    def ctx(self, context: int) -> Any:
+        return self.server._entries[context].ctx
+
+    def hold(self, context: int, method: str) -> Held:
+        """Hold the next call of ``method`` on the server's cache context ``context``."""
+        held = Held(getattr(self.ctx(context), method))
+        setattr(self.ctx(context), method, held)  # an instance attribute: the server's next call lands here
+        return held
+
+    def counters(self) -> dict[str, Any]:
+        return self.server.counters()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.thread.join(IN_PROCESS_WAIT_S)
+        os.rmdir(self.directory)
