@@ -53,7 +53,9 @@ def main() -> None:
         model="put-get probe", kv_layout="vllm LBHNC", dtype=args.dtype, block_size=block, chunk_size=CHUNK
     )
     rnd = random.Random(0)
-    copy_src, copy_dst = torch.empty(CHUNKS * CHUNK * LAYERS * HEADS * HEAD * 2, dtype=layers[0].dtype), None
+    # The reference reads real bytes: an untouched torch.empty maps the kernel's zero page,
+    # which a copy reads from cache at several times memory speed.
+    copy_src = torch.empty(CHUNKS * CHUNK * LAYERS * HEADS * HEAD * 2, dtype=layers[0].dtype).normal_()
     with ServerProcess(max_host_bytes=4 << 30) as proc, ServerClient(proc.socket_path, timeout=60) as c:
         ctx = c.register(
             wrappers, namespace=ns, lmcache_tokens_per_chunk=CHUNK, chunk_format=args.format

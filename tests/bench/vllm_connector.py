@@ -75,6 +75,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
+from procs import sigstop  # noqa: E402
 from vllm_models import make_tiny_model  # noqa: E402
 
 #: config.json of the model (vllm_ttft.py's MODEL, on make_tiny_model's Qwen2 kind).
@@ -676,7 +677,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         # 6. Workload 3: the same, with the server hung (SIGSTOP): connector on (B) against off (P).
         if "hung" in sections:
             hung_runs: list[dict[str, Any]] = []
-            os.kill(serve.proc.pid, signal.SIGSTOP)
+            sigstop(serve.proc.pid)
             try:
                 for pair in range(args.hung_pairs):
                     section(f"hung server, pair {pair + 1}")

@@ -19,6 +19,7 @@ import pytest
 from lmcache_platform.server import ServerClient, ServerError
 from lmcache_platform.server import _protocol as P
 from lmcache_platform.server._metrics import METRICS, PREFIX, prometheus_text
+from support.procs import sigstop
 from support.serve import Serve, TinyEngine, namespace, private_dir
 
 
@@ -125,7 +126,7 @@ def test_status_says_why_when_no_server_answers(serve: Serve, tmp_path: Path) ->
     assert "no server answered at" in out.stderr and "No such file" in out.stderr
     out = cli("status", env={"LMCACHE_PLATFORM_SOCKET": ""})
     assert out.returncode == 2 and "no socket path" in out.stderr
-    os.kill(serve.proc.pid, signal.SIGSTOP)  # hung: the deadline, not a hang
+    sigstop(serve.proc.pid)  # hung: the deadline, not a hang
     try:
         start = time.monotonic()
         out = cli("status", "--socket", str(serve.socket_path), "--timeout", "1")

@@ -40,6 +40,8 @@ from typing import Any
 
 import pytest
 
+from support.procs import sigstop
+
 BINARY_ENV = "LMCACHE_VALKEY_SERVER"
 START_TIMEOUT_S = 20.0
 CLUSTER_SLOTS = 16384
@@ -169,7 +171,7 @@ class ValkeyNode:
     def pause(self) -> None:
         """SIGSTOP: connections stay open and nothing answers (a hung server)."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        sigstop(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -95,7 +95,9 @@ class Server:
     # -- signals ---------------------------------------------------------------------------
 
     def sigstop(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
+        from support.procs import sigstop  # not at the top: this file also runs as a script
+
+        sigstop(self.proc.pid)
 
     def sigcont(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
