@@ -10,7 +10,9 @@ of 64), wrapped by the installed cpu backend; the server is a ``ServerProcess``.
 round puts 8 chunks of 256 tokens (32 MiB in bf16) from random blocks into the server,
 which holds them in memory it maps fresh, then gets them into other random blocks: the
 same requests the connector's worker sends for one 2,048-token prompt, timed from the
-client's call to the server's answer. Prints figures; asserts nothing.
+client's call to the server's answer, against ``copy_`` of the same bytes with as many
+torch threads as the server uses (``--threads``, default the server's 1). Prints figures;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 import lmcache_platform
 from lmcache_platform import KVFormat, allocate_kv_caches
-from lmcache_platform.server import ServerClient, ServerProcess, cache_namespace
+from lmcache_platform.server import DEFAULT_TORCH_THREADS, ServerClient, ServerProcess, cache_namespace
 
 LAYERS, BLOCKS, HEADS, HEAD, CHUNK, CHUNKS = 8, 512, 8, 64, 256, 8
 
@@ -34,7 +36,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--format", default="blocks", choices=("blocks", "tokens"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=DEFAULT_TORCH_THREADS, help="torch threads, server and copy_ alike"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     block, per = args.block_size, CHUNK // args.block_size
     views = allocate_kv_caches(
         KVFormat.VLLM,
@@ -56,7 +62,10 @@ def main() -> None:
     # The reference reads real bytes: an untouched torch.empty maps the kernel's zero page,
     # which a copy reads from cache at several times memory speed.
     copy_src = torch.empty(CHUNKS * CHUNK * LAYERS * HEADS * HEAD * 2, dtype=layers[0].dtype).normal_()
-    with ServerProcess(max_host_bytes=4 << 30) as proc, ServerClient(proc.socket_path, timeout=60) as c:
+    with (
+        ServerProcess(max_host_bytes=4 << 30, torch_threads=args.threads) as proc,
+        ServerClient(proc.socket_path, timeout=60) as c,
+    ):
         ctx = c.register(
             wrappers, namespace=ns, lmcache_tokens_per_chunk=CHUNK, chunk_format=args.format
         ).context

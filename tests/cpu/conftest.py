@@ -12,8 +12,19 @@ from collections.abc import Iterator
 
 import pytest
 
+import lmcache_platform as lp
 from lmcache_platform_cpu import _memfd, _shm
 from support.shm import no_segment_left
+
+
+@pytest.fixture(params=["memfd", "shm"])
+def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each export kind in turn, selected as an operator would (``LMCACHE_PLATFORM_CPU_IPC``)."""
+    monkeypatch.setenv("LMCACHE_PLATFORM_CPU_IPC", request.param)
+    lp.refresh()
+    yield request.param
+    monkeypatch.delenv("LMCACHE_PLATFORM_CPU_IPC")
+    lp.refresh()
 
 
 @pytest.fixture(scope="session")

@@ -57,15 +57,6 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-@pytest.fixture(params=["memfd", "shm"])
-def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("LMCACHE_PLATFORM_CPU_IPC", request.param)
-    lp.refresh()
-    yield request.param
-    monkeypatch.delenv("LMCACHE_PLATFORM_CPU_IPC")
-    lp.refresh()
-
-
 def received(wrappers: list[Any]) -> list[Any]:
     """The wrappers as a server gets them: through the wire."""
     return wire.decode(wire.encode(wrappers))

@@ -140,7 +140,12 @@ def test_pipelined_requests_come_back_through_futures(server: ServerProcess, eng
         assert [g.result(WAIT_S)["retrieved"] for g in gets] == [1] * 8
         assert all(engine.holds(8 + i, seed=10 + i) for i in range(8))
         assert client.status().result(WAIT_S)["server"]["leases"] == 0  # the gets used it up
-        assert client.ping().result(WAIT_S)["pid"] == server.pid
+        ping = client.ping()
+        assert ping.finished_at is None or ping.done()
+        assert ping.result(WAIT_S)["pid"] == server.pid
+        time.sleep(0.2)  # a caller that polls late: the answer's time is when it came, not now
+        assert ping.finished_at is not None and ping.finished_at <= time.monotonic() - 0.2
+        assert all(p.finished_at is not None and p.finished_at >= start for p in [*puts, *gets])
         stats = client.stats()
         assert stats["answered"] >= 19 and stats.get("deadline_misses", 0) == 0
         print(f"8 pipelined puts submitted in {submitted * 1e3:.2f} ms")

@@ -35,6 +35,7 @@ def test_help_documents_every_option_and_environment_variable() -> None:
         "--socket",
         "--max-host-bytes",
         "--max-connections",
+        "--torch-threads",
         "--json-log",
         "LMCACHE_PLATFORM_SOCKET",
         "LMCACHE_PLATFORM_MAX_HOST_BYTES",
@@ -141,6 +142,17 @@ def test_socket_and_memory_cap_from_the_environment(tmp_path: Path) -> None:
     with Serve(sock, env=env) as serve, ServerClient(str(sock), timeout=30) as c:
         assert c.status()["server"]["max_host_bytes"] == 64 << 10
         assert serve.stop() == 0
+
+
+@pytest.mark.parametrize("args", [(), ("--torch-threads", "2")], ids=["default", "two"])
+def test_torch_threads_are_set_and_logged(tmp_path: Path, args: tuple[str, ...]) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    with Serve(sock, "--json-log", *args) as serve:
+        assert serve.stop() == 0
+    (torch_line,) = [e for e in serve.events() if e["event"] == "torch"]
+    assert torch_line["threads"] == (int(args[1]) if args else 1)  # what torch says it uses
+    out = serve_cmd("--socket", str(sock), "--torch-threads", "0")
+    assert out.returncode == 2 and "--torch-threads" in out.stderr
 
 
 def test_a_bad_memory_cap_is_a_usage_error(tmp_path: Path) -> None:

@@ -171,13 +171,19 @@ def test_hybrid_refused_gets_are_recomputed_and_the_engine_lives(lab):
         store(a, server, p1, chunks=3)
         store(a, server, p2, chunks=3)
         server.set_mode(lookup="miss")  # A computes everything: the no-connector output
-        # As one batch, as B recomputes them: vLLM's CPU numerics depend on the batch.
-        a.reset_prefix_cache()
-        refs = a.generate([p1, p2])
-        b.reset_prefix_cache()
+        # One request at a time on both engines: vLLM's CPU numerics depend on the batch, and
+        # B's two failed loads need not end in the same scheduling step (their lookups are
+        # answered asynchronously), so a batch of two in B need not match one in A.
+        refs = []
+        for p in (p1, p2):
+            a.reset_prefix_cache()
+            refs += a.generate([p])
         server.set_mode(get="refuse")
         try:
-            results = b.generate([p1, p2])
+            results = []
+            for p in (p1, p2):
+                b.reset_prefix_cache()
+                results += b.generate([p])
             died = None
         except DriverError as exc:
             results, died = [], str(exc).splitlines()[0]

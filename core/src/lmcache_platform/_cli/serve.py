@@ -21,7 +21,7 @@ from typing import Any
 
 from .._env import BACKEND_ENV, DISABLE_ENV, MAX_HOST_BYTES_ENV, SOCKET_ENV
 from .._units import parse_bytes
-from ..server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HOST_BYTES
+from ..server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HOST_BYTES, DEFAULT_TORCH_THREADS
 from . import _remote
 from . import positive_int as _positive
 
@@ -73,6 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=DEFAULT_MAX_CONNECTIONS,
         help=f"concurrent client connections; more are refused (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        metavar="N",
+        type=_positive,
+        default=DEFAULT_TORCH_THREADS,
+        help="torch's intra-op threads for the server's copies (default: "
+        f"{DEFAULT_TORCH_THREADS}: the server shares cores with the engines; transfers of several "
+        "engines run in parallel anyway)",
     )
     parser.add_argument("--json-log", action="store_true", help="log one JSON object per line")
     parser.add_argument(
@@ -178,12 +187,21 @@ def run(args: argparse.Namespace) -> int:
             keyed=tier.keyed,
         )
     try:  # after bind, so a taken socket fails fast; clients wait in the backlog meanwhile
-        import torch  # noqa: F401 - pay the import now, not in the first registration
+        import torch  # pay the import now, not in the first registration
     except ImportError as exc:
         log_event(logging.ERROR, "error", f"cannot start: torch is not importable: {exc}", socket=path)
         server.stop()
         server.serve_forever()  # returns at once: removes the socket
         return 2
+    torch.set_num_threads(args.torch_threads)
+    log_event(
+        logging.INFO,
+        "torch",
+        f"torch {torch.__version__}: {args.torch_threads} intra-op thread"
+        f"{'' if args.torch_threads == 1 else 's'} for copies",
+        version=str(torch.__version__),
+        threads=torch.get_num_threads(),
+    )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

@@ -38,6 +38,9 @@ Contract with backends (stable within an API major):
   - :meth:`synchronize` -- wait for enqueued transfers (default: ``stream.synchronize()``).
   - :meth:`release` -- free device resources on :meth:`close`, after
     :meth:`synchronize` and before the wrappers are closed.
+  - :meth:`prefault_memory` -- make the engine's memory cheap to touch from this
+    process before the first transfer does (default: nothing; host contexts map
+    every page, see :class:`~lmcache_platform.hostmem.HostMemoryCacheContext`).
 
   Hooks run inside the base ``__init__``, so a subclass sets any attribute they
   need *before* calling ``super().__init__``. If a subclass's own ``__init__``
@@ -409,6 +412,15 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     def release(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free device resources (registrations, events). Called once by :meth:`close`."""
+
+    def prefault_memory(self) -> int:
+        """Prepare the engine's memory for transfers ahead of them; bytes prepared.
+
+        A server calls it once after registering the context, on a thread of its own,
+        while transfers may already run: an override must be safe beside them and stop
+        soon once :meth:`close` begins. Default: nothing to do (0).
+        """
+        return 0
 
     # -- properties --------------------------------------------------------------------
 

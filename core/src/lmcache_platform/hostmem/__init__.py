@@ -37,6 +37,9 @@ which every such backend needs and which is easy to get subtly wrong, is here:
   from one wire record map that memory once between them; wrapping a tensor that
   already lives in a mapping of the store (made here, or reopened here) names it
   instead of copying.
+* **Prefaulting.** :meth:`HostMemoryCacheContext.prefault_memory` maps every page of
+  an engine's memory into the consumer (a server) ahead of its transfers, which would
+  otherwise take a page fault per 4 KiB page they touch first.
 * **Fork safety.** A forked child starts with no memory of its own, so nothing it
   does releases its parent's memory.
 * **Names** (:class:`SegmentNames`) that are unguessable yet tell a garbage collector
@@ -54,6 +57,7 @@ from ._context import HostMemoryCacheContext
 from ._headroom import CGROUP_ROOT as CGROUP_ROOT  # constants: importable, not curated
 from ._headroom import Headroom, memory_headroom
 from ._names import SegmentNames, find_stale, pid_namespace, producer_alive
+from ._populate import PopulateUnsupported
 from ._store import STORE_MEMBERS as STORE_MEMBERS
 from ._store import Handle, HostMemoryStore, InPlaceStore, SideBySideStore
 from ._wrapper import HOST_UUID as HOST_UUID
@@ -66,6 +70,7 @@ __all__ = [
     "HostMemoryIPCWrapper",
     "HostMemoryStore",
     "InPlaceStore",
+    "PopulateUnsupported",
     "SegmentNames",
     "SideBySideStore",
     "find_stale",

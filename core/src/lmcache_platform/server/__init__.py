@@ -16,6 +16,7 @@ from ._keys import KEY_BYTES, cache_namespace, chunk_keys
 from ._server import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HOST_BYTES,
+    DEFAULT_TORCH_THREADS,
     SOCKET_NAME,
     ReferenceServer,
     ServerProcess,
@@ -24,6 +25,7 @@ from ._server import (
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_HOST_BYTES",
+    "DEFAULT_TORCH_THREADS",
     "KEY_BYTES",
     "SOCKET_NAME",
     "AsyncClient",

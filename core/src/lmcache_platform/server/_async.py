@@ -102,6 +102,9 @@ class Pending(Future[Json]):
         self.control = control
         #: Set when the server answered, the connection died, or it was never sent.
         self.resolved = threading.Event()
+        #: ``time.monotonic()`` when its outcome was set (None while pending): a transfer's
+        #: time without the caller's polling delay.
+        self.finished_at: float | None = None
         self._frame_end = 0  # where its frame ends in its link's byte stream
         self.set_running_or_notify_cancel()  # only the client settles it
 
@@ -731,6 +734,7 @@ def _settle(pending: Pending, outcome: Json | BaseException) -> None:
     """Set the future's result or exception once; later outcomes are dropped."""
     if pending.done():
         return
+    pending.finished_at = time.monotonic()
     if isinstance(outcome, BaseException):
         pending.set_exception(outcome)
     else:

