@@ -39,8 +39,6 @@ def populate(address: int, nbytes: int, *, lock: threading.Lock, stopped: Callab
     :class:`PopulateUnsupported`, or :class:`OSError` with the kernel's errno.
     """
     libc = _libc()
-    libc.madvise.restype = ctypes.c_int
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = address - address % mmap.PAGESIZE
     end = address + nbytes
     done = start

@@ -248,5 +248,7 @@ def _libc() -> ctypes.CDLL:
         ]
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _LIBC = libc
     return _LIBC
