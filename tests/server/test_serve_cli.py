@@ -151,6 +151,7 @@ def test_torch_threads_are_set_and_logged(tmp_path: Path, args: tuple[str, ...])
         assert serve.stop() == 0
     (torch_line,) = [e for e in serve.events() if e["event"] == "torch"]
     assert torch_line["threads"] == (int(args[1]) if args else 1)  # what torch says it uses
+    assert torch_line["frozen"] > 50_000  # torch's own objects: out of every GC pass
     out = serve_cmd("--socket", str(sock), "--torch-threads", "0")
     assert out.returncode == 2 and "--torch-threads" in out.stderr
 

@@ -152,7 +152,7 @@ def _configure_logging(json_log: bool, verbose: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..remote import RemoteConfigError, RemoteStoreLoadError
     from ..server import ReferenceServer, ServerError
-    from ..server._server import log_event
+    from ..server._server import freeze_startup_objects, log_event
 
     _configure_logging(args.json_log, getattr(args, "verbose", False))
     if not args.socket:
@@ -194,13 +194,16 @@ def run(args: argparse.Namespace) -> int:
         server.serve_forever()  # returns at once: removes the socket
         return 2
     torch.set_num_threads(args.torch_threads)
+    frozen = freeze_startup_objects()
     log_event(
         logging.INFO,
         "torch",
         f"torch {torch.__version__}: {args.torch_threads} intra-op thread"
-        f"{'' if args.torch_threads == 1 else 's'} for copies",
+        f"{'' if args.torch_threads == 1 else 's'} for copies; {frozen} objects of the imports "
+        "left out of garbage collection",
         version=str(torch.__version__),
         threads=torch.get_num_threads(),
+        frozen=frozen,
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
