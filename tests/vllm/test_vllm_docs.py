@@ -200,11 +200,15 @@ def test_the_pages_commands_serve_a_completion(tmp_path: Path) -> None:
         assert counters["contexts"] == 1 and counters["chunks"] >= 1, counters
 
         # vLLM's own metrics show the connector's counters: its Prometheus series and its
-        # "KV Transfer metrics" log line (VLLM_LOG_STATS_INTERVAL is 1 s here).
+        # "KV Transfer metrics" log line (VLLM_LOG_STATS_INTERVAL is 1 s here). vLLM takes
+        # connector stats only when it runs a step: a store answered after the engine went
+        # idle is counted with the next request's step, so keep a trickle of requests going.
         deadline = time.monotonic() + 60
+        tick = {"model": str(model), "prompt": "hello", "max_tokens": 1, "ignore_eos": True}
         while (stored := metric(port, "vllm:lmcache_platform_stored_chunks_total")) == 0:
             assert time.monotonic() < deadline, "vllm:lmcache_platform_stored_chunks_total stayed 0"
             time.sleep(0.5)
+            assert http_json(port, "POST", "/v1/completions", tick)[0] == 200
         assert stored == counters["chunks"]
         assert metric(port, "vllm:lmcache_platform_lookups_total") >= 1
         while "KV Transfer metrics" not in vllm.log.read_text(errors="replace"):
