@@ -42,6 +42,8 @@ nitpick_ignore = [
     # pytest (MonkeyPatch is defined in _pytest.monkeypatch).
     *(("py:class", name) for name in ("pytest.MonkeyPatch", "_pytest.monkeypatch.MonkeyPatch")),
 ]
+# The type variables of generic classes and methods (a request's result type ``R``).
+nitpick_ignore_regex = [("py:class", r"lmcache_platform(\.\w+)*\.R")]
 
 # Private aliases in public signatures, shown as the public types they stand for.
 _PRIVATE_ALIASES = {

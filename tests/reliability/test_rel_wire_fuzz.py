@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_platform import DeviceIPCWrapper, EngineGroupInfo, KVFormat, LayoutHints, WireFormatError, wire
+from lmcache_platform.server import RegisterRequest
 from lmcache_platform.server import _protocol as P
 from lmcache_platform_cpu import CpuShmIPCWrapper
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
@@ -175,7 +176,7 @@ def decode_request_like_the_server(data: bytes) -> None:
     rid = P.request_id_of(data)
     assert type(rid) is int and 0 <= rid <= P.MAX_ID
     req = P.decode_request(data)
-    if req.op == "register":
+    if isinstance(req, RegisterRequest):
         decode_wrappers(req.wrappers)
 
 

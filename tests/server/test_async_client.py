@@ -26,6 +26,7 @@ import pytest
 from lmcache_platform import WireFormatError
 from lmcache_platform.server import (
     AsyncClient,
+    LookupResult,
     Pending,
     ReferenceServer,
     ServerClient,
@@ -131,21 +132,22 @@ def test_pipelined_requests_come_back_through_futures(server: ServerProcess, eng
         puts = [client.put(CTX, [(key(i), [engine.blocks(i)])]) for i in range(8)]
         submitted = time.monotonic() - start
         assert all(isinstance(p, Pending) and p.future is p for p in puts)
-        assert [p.result(WAIT_S)["stored"] for p in puts] == [1] * 8
+        assert [p.result(WAIT_S).stored for p in puts] == [1] * 8
         assert all(p.resolved.is_set() for p in puts)
         lease = new_lease_id()
         look = client.lookup([ns], [key(i) for i in range(10)], lease=lease, lease_ms=10_000)
-        assert look.result(WAIT_S) == {"hits": 8, "remote": 0}
+        assert look.result(WAIT_S) == LookupResult(hits=8, remote=0)
         gets = [client.get(CTX, [(key(i), [engine.blocks(8 + i)])], lease=lease) for i in range(8)]
-        assert [g.result(WAIT_S)["retrieved"] for g in gets] == [1] * 8
+        assert [g.result(WAIT_S).retrieved for g in gets] == [1] * 8
         assert all(engine.holds(8 + i, seed=10 + i) for i in range(8))
         assert client.status().result(WAIT_S)["server"]["leases"] == 0  # the gets used it up
         ping = client.ping()
         assert ping.finished_at is None or ping.done()
-        assert ping.result(WAIT_S)["pid"] == server.pid
+        assert ping.result(WAIT_S).pid == server.pid
         time.sleep(0.2)  # a caller that polls late: the answer's time is when it came, not now
         assert ping.finished_at is not None and ping.finished_at <= time.monotonic() - 0.2
-        assert all(p.finished_at is not None and p.finished_at >= start for p in [*puts, *gets])
+        done: list[Pending[Any]] = [*puts, *gets]
+        assert all(p.finished_at is not None and p.finished_at >= start for p in done)
         stats = client.stats()
         assert stats["answered"] >= 19 and stats.get("deadline_misses", 0) == 0
         print(f"8 pipelined puts submitted in {submitted * 1e3:.2f} ms")
@@ -189,7 +191,7 @@ def test_submit_is_thread_safe(server: ServerProcess, engine: TinyEngine) -> Non
             t.start()
         for t in threads:
             t.join(WAIT_S)
-        assert [p.result(WAIT_S)["hits"] for p in out] == [0] * 400
+        assert [p.result(WAIT_S).hits for p in out] == [0] * 400
         assert len({p.request_id for p in out}) == 400
 
 
@@ -204,7 +206,7 @@ def test_on_connect_failures_are_logged_once_and_retried(
     with client:
         healthy(client)
         assert hook.runs == 4 and "context" in client.session
-        assert client.put(CTX, []).result(WAIT_S)["stored"] == 0
+        assert client.put(CTX, []).result(WAIT_S).stored == 0
     lines = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.INFO]
     text = [r.getMessage() for r in lines]
     assert len([t for t in text if "unavailable" in t]) == 1, text
@@ -235,7 +237,7 @@ def test_a_slow_transfer_fails_its_future_but_the_server_stays_healthy(
             )
         ) as client:
             engine.fill(0, seed=4)
-            assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S)["stored"] == 1
+            assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S).stored == 1
             ctx = server._entries[client.session["context"]].ctx
             go = threading.Event()
             retrieve = ctx.write_chunk
@@ -285,7 +287,7 @@ def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
         healthy(client)
         first_context = client.session["context"]
         engine.fill(0, seed=7)
-        assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S)["stored"] == 1
+        assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S).stored == 1
         assert own_server.pid is not None
         sigstop(own_server.pid)
 
@@ -315,7 +317,7 @@ def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
         assert engine.is_zero(5), "the server wrote into blocks after the load's deadline"
         healthy_s = wait_until(lambda: client.state == "healthy", "recovery", bound=10)
         assert hook.runs == 2 and client.session["context"] != first_context  # registered anew
-        assert client.get(CTX, [(key(0), [engine.blocks(6)])]).result(WAIT_S)["retrieved"] == 1
+        assert client.get(CTX, [(key(0), [engine.blocks(6)])]).result(WAIT_S).retrieved == 1
         assert engine.holds(6, seed=7)
         status = client.status().result(WAIT_S)["server"]
         assert status["deadline_drops"] >= 1  # the load, dropped when the server woke
@@ -497,7 +499,7 @@ def test_no_thread_or_fd_leaks(own_server: ServerProcess, engine: TinyEngine) ->
     threads, files = threading.active_count(), fds()
     for _ in range(3):
         client = healthy(AsyncClient(own_server.socket_path, name="t", on_connect=Registrar(engine, fresh())))
-        assert client.lookup(fresh(), [key(0)]).result(WAIT_S)["hits"] == 0
+        assert client.lookup(fresh(), [key(0)]).result(WAIT_S).hits == 0
         assert threading.active_count() == threads + 1  # one I/O thread per client
         client.close()
     # the hung case: a zombie link, reconnect attempts, then close

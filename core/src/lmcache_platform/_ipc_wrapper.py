@@ -11,6 +11,8 @@ backend never parses wire input by hand.
 from __future__ import annotations
 
 import abc
+import contextlib
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ ALLOWED_DTYPES: tuple[str, ...] = (
 )
 
 MAX_NDIM = 8
+#: Largest file descriptor number a descriptor field may hold (``WireField(fds=True)``).
+MAX_FD = (1 << 31) - 1
 #: Upper bound for any dimension, stride or offset (in elements): 2**48.
 MAX_EXTENT = 1 << 48
 
@@ -52,12 +56,28 @@ class WireField:
 
     ``kind`` is ``int``, ``str``, ``bytes`` or ``list`` (a list of ints). ``lo``/``hi``
     bound an int or every element of a list; ``max_len`` bounds a str, bytes or list.
+
+    ``fds=True`` (an ``int`` or a ``list``) makes the values file descriptors: the
+    memory is named by fds that travel beside the message (``SCM_RIGHTS`` over the
+    server's socket; :func:`lmcache_platform.wire.encode_with_fds`), never by numbers
+    another process could not use. In the engine the values are fds of the engine's
+    (the wrapper keeps them open until it is closed); in the receiver they are fds the
+    decoder received, owned by the wrappers of that export and closed with the last of
+    them. Bounds are implied (non-negative ints).
     """
 
     kind: type
     lo: int | None = None
     hi: int | None = None
     max_len: int | None = None
+    fds: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fds:
+            if self.kind not in (int, list):
+                raise TypeError(f"WireField(fds=True) is an int or a list of ints, not {self.kind!r}")
+            object.__setattr__(self, "lo", 0)
+            object.__setattr__(self, "hi", MAX_FD)
 
     def check(self, cls_name: str, name: str, value: object) -> Primitive:
         """Return ``value`` if it matches this declaration, else raise ``DescriptorError``.
@@ -150,6 +170,30 @@ def _hashable(fields: Mapping[str, Primitive]) -> tuple[Any, ...]:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields.items())
 
 
+class SharedFds:
+    """File descriptors a decoder received for one export, closed with its last wrapper."""
+
+    def __init__(self, fds: Sequence[int], users: int) -> None:
+        self.fds = tuple(fds)
+        self._users = users
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        """One wrapper is done with them; the last one closes them."""
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            for fd in self.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def fd_fields(cls: type[DeviceIPCWrapper]) -> list[str]:
+    """Names of the ``WireField(fds=True)`` fields of ``cls``, in declaration order."""
+    return [name for name, spec in cls.wire_fields.items() if spec.fds]
+
+
 class DeviceIPCWrapper(abc.ABC):
     """Base of every IPC wrapper: a hashable value describing a shareable tensor.
 
@@ -166,6 +210,8 @@ class DeviceIPCWrapper(abc.ABC):
     #: Extra primitive fields of this class, beyond the base fields every wrapper has
     #: (``dtype``, ``shape``, ``stride``, ``storage_offset``, ``device_uuid``).
     wire_fields: ClassVar[Mapping[str, WireField]] = {}
+    #: The received fds this wrapper shares with the other wrappers of its export.
+    _fd_owner: SharedFds | None = None
 
     def __init__(
         self,
@@ -246,12 +292,21 @@ class DeviceIPCWrapper(abc.ABC):
     # -- provided ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release what this wrapper holds in this process. Idempotent."""
+        """Release what this wrapper holds in this process. Idempotent.
+
+        Received file descriptors (``WireField(fds=True)``) are closed with the last
+        wrapper of their export, after :meth:`release`.
+        """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        self.release()
+        try:
+            self.release()
+        finally:
+            owner, self._fd_owner = self._fd_owner, None
+            if owner is not None:
+                owner.drop()
 
     @property
     def closed(self) -> bool:

@@ -26,17 +26,25 @@ and every view's fields. Nothing is mapped while decoding;
 Every malformed, unknown, truncated or oversized input raises
 :class:`~lmcache_platform.WireFormatError` and nothing else; the original error,
 if any, is its ``__cause__``. See ``docs/wire-format.md``.
+
+Memory named by file descriptors (``WireField(fds=True)``: a CUDA VMM allocation
+exported as a POSIX fd) cannot travel as numbers: :func:`encode_with_fds` puts each
+distinct fd once in a list to send beside the message (``SCM_RIGHTS``) and writes its
+index into the field; :func:`decode` takes the fds that arrived (``fds=``) and writes
+them back, each index checked, every received fd owned by the wrappers of its export or
+closed.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 
 from . import _checks, _codec
 from ._env import BACKEND_ENV
 from ._errors import LMCachePlatformError, WireFormatError
-from ._ipc_wrapper import VIEW_FIELDS, DeviceIPCWrapper, Primitive
+from ._ipc_wrapper import VIEW_FIELDS, DeviceIPCWrapper, Primitive, SharedFds, fd_fields
 
 #: First bytes of every encoded wrapper list.
 MAGIC = b"LMCW"
@@ -50,6 +58,8 @@ MAX_WRAPPERS = 4096
 MAX_MESSAGE_BYTES = 4 << 20
 #: Most fields in one record.
 MAX_FIELDS = 64
+#: Most file-descriptor values one message may name (repeats count: each becomes an fd).
+MAX_FDS_HANDED = 4096
 
 #: Device types are torch device-type names: ``cpu``, ``cuda``, ``xpu``, ``npu``...
 DEVICE_TYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -72,12 +82,30 @@ def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
     Consecutive wrappers of one class with equal
     :meth:`~lmcache_platform.DeviceIPCWrapper.export_fields` share one record. Raises
     :class:`~lmcache_platform.WireFormatError` if an item is not a wrapper, its
-    class has no valid ``device_type``/``wire_tag``, or the message would exceed the limits.
+    class has no valid ``device_type``/``wire_tag``, the message would exceed the
+    limits, or a wrapper names its memory by file descriptors (those need a transport
+    that passes fds: :func:`encode_with_fds`).
+    """
+    data, fds = encode_with_fds(wrappers)
+    if fds:
+        raise WireFormatError(
+            f"these wrappers name their memory by {len(fds)} file descriptor(s), which bytes alone cannot "
+            "carry: send them with wire.encode_with_fds over a UNIX socket (ServerClient.register does)"
+        )
+    return data
+
+
+def encode_with_fds(wrappers: Sequence[DeviceIPCWrapper]) -> tuple[bytes, list[int]]:
+    """Like :func:`encode`, for wrappers that may name memory by file descriptors.
+
+    Returns the message and the fds to send beside it, in the order its indices name
+    them (each distinct fd once; the caller keeps its own copies open).
     """
     if len(wrappers) > MAX_WRAPPERS:
         raise WireFormatError(f"{len(wrappers)} wrappers exceed the limit of {MAX_WRAPPERS}")
     records: list[list[object]] = []
     named: set[type[DeviceIPCWrapper]] = set()  # classes whose device type and tag passed
+    fds: list[int] = []
     last: tuple[type[DeviceIPCWrapper], dict[str, Primitive]] | None = None
     views: list[list[Primitive]] = []
     for i, wrapper in enumerate(wrappers):
@@ -97,32 +125,117 @@ def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
             raise WireFormatError(f"item {i} ({cls.wire_tag}): {exc}") from exc
         if last is None or last[0] is not cls or last[1] != export:
             last, views = (cls, export), []
-            records.append([cls.device_type, cls.wire_tag, export, views])
+            records.append([cls.device_type, cls.wire_tag, _fds_to_indices(cls, export, fds), views])
         views.append([view[name] for name in VIEW_FIELDS])
-    return _codec.pack(MAGIC, VERSION, records, max_bytes=MAX_MESSAGE_BYTES, what=_WHAT)
+    return _codec.pack(MAGIC, VERSION, records, max_bytes=MAX_MESSAGE_BYTES, what=_WHAT), fds
+
+
+def _fds_to_indices(
+    cls: type[DeviceIPCWrapper], export: dict[str, Primitive], fds: list[int]
+) -> dict[str, Primitive]:
+    """``export`` with the values of its fd fields replaced by their indices in ``fds`` (grown)."""
+    names = fd_fields(cls)
+    if not names:
+        return export
+
+    def index(fd: int) -> int:
+        if fd not in fds:
+            fds.append(fd)
+        return fds.index(fd)
+
+    out = dict(export)
+    for name in names:
+        value = export[name]
+        if isinstance(value, list):
+            out[name] = [index(fd) for fd in value]
+        elif isinstance(value, int):
+            out[name] = index(value)
+        else:
+            raise WireFormatError(f"{cls.__qualname__}.{name}: a file descriptor field holds {value!r}")
+    return out
+
+
+class _Received:
+    """The fds that came with a message: handed to exports by index, the rest closed."""
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self.fds = list(fds)
+        self._taken: set[int] = set()
+        self._loose: list[int] = []  # handed out, not yet owned by a wrapper
+        self._handed = 0
+
+    def take(self, where: str, index: object) -> int:
+        """The fd at ``index`` for one field (a duplicate when another field took it already)."""
+        if type(index) is not int or not 0 <= index < len(self.fds):
+            raise WireFormatError(
+                f"{where}: file descriptor index {index!r} names none of the {len(self.fds)} that came "
+                "with the message"
+            )
+        if self._handed >= MAX_FDS_HANDED:
+            raise WireFormatError(
+                f"{where}: more than {MAX_FDS_HANDED} file descriptor fields in one message"
+            )
+        self._handed += 1
+        fd = self.fds[index]
+        if index in self._taken:
+            fd = os.dup(fd)  # one export's owner closes its fds: never share one between owners
+        self._taken.add(index)
+        self._loose.append(fd)
+        return fd
+
+    def own(self, wrappers: Sequence[DeviceIPCWrapper]) -> None:
+        """Hand every fd taken since the last call to ``wrappers`` (one export)."""
+        if self._loose:
+            owner = SharedFds(self._loose, len(wrappers))
+            for wrapper in wrappers:
+                wrapper._fd_owner = owner
+            self._loose = []
+
+    def close_rest(self) -> None:
+        """Close the fds no wrapper owns: never taken, or taken by a record that failed."""
+        rest = self._loose + [fd for i, fd in enumerate(self.fds) if i not in self._taken]
+        self._loose, self._taken = [], set(range(len(self.fds)))
+        for fd in rest:
+            try:
+                os.close(fd)
+            except OSError:
+                continue
 
 
 def decode(
-    data: bytes, *, allowed: Mapping[str, type[DeviceIPCWrapper]] | None = None
+    data: bytes,
+    *,
+    allowed: Mapping[str, type[DeviceIPCWrapper]] | None = None,
+    fds: Sequence[int] = (),
 ) -> list[DeviceIPCWrapper]:
     """Decode bytes from :func:`encode`, instantiating only allow-listed classes.
 
     ``allowed`` maps wire tags to classes. By default each record's device type is
     resolved in this process and only the wire classes of the backend selected for it
-    are accepted. Raises :class:`~lmcache_platform.WireFormatError` on any bad input.
+    are accepted. ``fds`` are the file descriptors that came with the message
+    (:func:`encode_with_fds`): the decoder owns them from the call on, hands each to the
+    wrappers whose fields name it and closes the rest, also when it raises. Raises
+    :class:`~lmcache_platform.WireFormatError` on any bad input.
     """
-    body = _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT, older=OLDER_VERSIONS)
-    version = bytes(data[4:5])[0]  # unpack checked the header
-    records = _checks.expect_list(body, _WHAT, max_len=MAX_WRAPPERS)
-    classes_by_type: dict[str, Mapping[str, type[DeviceIPCWrapper]]] = {}
+    received = _Received(fds)
     out: list[DeviceIPCWrapper] = []
     try:
+        body = _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT, older=OLDER_VERSIONS)
+        version = bytes(data[4:5])[0]  # unpack checked the header
+        records = _checks.expect_list(body, _WHAT, max_len=MAX_WRAPPERS)
+        classes_by_type: dict[str, Mapping[str, type[DeviceIPCWrapper]]] = {}
         for i, record in enumerate(records):
-            out += _decode_record(i, record, version, allowed, classes_by_type, room=MAX_WRAPPERS - len(out))
+            made = _decode_record(
+                i, record, version, allowed, classes_by_type, received, room=MAX_WRAPPERS - len(out)
+            )
+            received.own(made)
+            out += made
     except BaseException:
         for wrapper in out:  # nothing is mapped yet, but leave nothing half-built
             wrapper.close()
         raise
+    finally:
+        received.close_rest()
     return out
 
 
@@ -132,6 +245,7 @@ def _decode_record(
     version: int,
     allowed: Mapping[str, type[DeviceIPCWrapper]] | None,
     cache: dict[str, Mapping[str, type[DeviceIPCWrapper]]],
+    received: _Received,
     *,
     room: int,
 ) -> list[DeviceIPCWrapper]:
@@ -177,6 +291,17 @@ def _decode_record(
         raise WireFormatError(
             f"{where}: wire tag {tag!r} belongs to device type {cls.device_type!r}, not {device_type!r}"
         )
+    for name in fd_fields(cls):  # indices into the message's fds, before any other check
+        if name in fields:
+            value = fields[name]
+            spot = f"{where} ({tag}) field {name!r}"
+            if isinstance(value, list):
+                limit = cls.wire_fields[name].max_len
+                if limit is not None and len(value) > limit:
+                    raise WireFormatError(f"{spot}: {len(value)} file descriptors, at most {limit}")
+                fields = {**fields, name: [received.take(spot, v) for v in value]}
+            else:
+                fields = {**fields, name: received.take(spot, value)}
     try:
         return [cls.from_fields(fields)] if views is None else list(cls.from_views(fields, views))
     except Exception as exc:  # a constructor refusing hostile fields is the input's fault
@@ -211,4 +336,13 @@ def _classes_for(where: str, device_type: str) -> Mapping[str, type[DeviceIPCWra
         ) from exc
 
 
-__all__ = ["MAGIC", "MAX_MESSAGE_BYTES", "MAX_WRAPPERS", "OLDER_VERSIONS", "VERSION", "decode", "encode"]
+__all__ = [
+    "MAGIC",
+    "MAX_MESSAGE_BYTES",
+    "MAX_WRAPPERS",
+    "OLDER_VERSIONS",
+    "VERSION",
+    "decode",
+    "encode",
+    "encode_with_fds",
+]

@@ -4,6 +4,8 @@
 (``lmcache-platform serve`` runs it in the foreground, :class:`ServerProcess` in a
 spawned process); :class:`ServerClient` is a blocking client, :class:`AsyncClient` the
 one an engine's hot path uses (it never blocks: requests in, :class:`Pending` futures out).
+Both send the same typed requests (one type per op, with its result type: :class:`GetRequest`
+answers with a :class:`GetResult`) through ``execute``.
 :func:`cache_namespace` and :func:`chunk_keys` compute the keys under which engines
 share chunks. The request format is in ``docs/wire-format.md``. Importing this
 package imports neither torch nor a backend.
@@ -11,8 +13,31 @@ package imports neither torch nor a backend.
 
 from .._errors import ServerError, ServerUnavailable
 from ._async import AsyncClient, Pending, SessionField, new_lease_id
-from ._client import ChunkSpec, GetResult, KeyedChunkSpec, PutResult, Registration, ServerClient
+from ._client import ChunkSpec, KeyedChunkSpec, ServerClient
 from ._keys import KEY_BYTES, cache_namespace, chunk_keys
+from ._ops import (
+    Chunk,
+    GetRequest,
+    GetResult,
+    LookupRequest,
+    LookupResult,
+    PingRequest,
+    PingResult,
+    PutRequest,
+    PutResult,
+    RawRequest,
+    RegisterRequest,
+    Registration,
+    ReleaseRequest,
+    Request,
+    RetrieveRequest,
+    RetrieveResult,
+    ShutdownRequest,
+    StatusRequest,
+    StoreRequest,
+    StoreResult,
+    UnregisterRequest,
+)
 from ._server import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HOST_BYTES,
@@ -29,18 +54,36 @@ __all__ = [
     "KEY_BYTES",
     "SOCKET_NAME",
     "AsyncClient",
+    "Chunk",
     "ChunkSpec",
+    "GetRequest",
     "GetResult",
     "KeyedChunkSpec",
+    "LookupRequest",
+    "LookupResult",
     "Pending",
+    "PingRequest",
+    "PingResult",
+    "PutRequest",
     "PutResult",
+    "RawRequest",
     "ReferenceServer",
+    "RegisterRequest",
     "Registration",
+    "ReleaseRequest",
+    "Request",
+    "RetrieveRequest",
+    "RetrieveResult",
     "ServerClient",
     "ServerError",
     "ServerProcess",
     "ServerUnavailable",
     "SessionField",
+    "ShutdownRequest",
+    "StatusRequest",
+    "StoreRequest",
+    "StoreResult",
+    "UnregisterRequest",
     "cache_namespace",
     "chunk_keys",
     "new_lease_id",

@@ -45,35 +45,55 @@ import collections
 import contextlib
 import itertools
 import logging
-import operator
 import os
 import secrets
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, Generic, TypeVar
 
 from .._env import SOCKET_ENV
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _protocol
-from ._client import ServerClient
-from ._protocol import Chunk
+from . import _frames, _protocol
+from ._client import ServerClient, lookup_request
+from ._ops import (
+    REQUEST_TYPES,
+    ChunkLike,
+    GetRequest,
+    GetResult,
+    Json,
+    LookupResult,
+    PingRequest,
+    PingResult,
+    PutRequest,
+    PutResult,
+    RawRequest,
+    ReleaseRequest,
+    Request,
+    StatusRequest,
+    as_chunks,
+)
 
 logger = logging.getLogger("lmcache_platform.server.client")
 
+R = TypeVar("R")
+#: What :meth:`AsyncClient.execute` takes: a request, or a function of the session
+#: (what ``on_connect`` returned) that makes it when it is sent.
+RequestLike = Request[R] | Callable[[Mapping[str, Any]], Request[R]]
+
 #: Ops sent on the control connection unless ``submit(control=...)`` says otherwise.
-CONTROL_OPS: Final = frozenset({"ping", "lookup", "release", "status"})
+CONTROL_OPS: Final = frozenset(op for op, cls in REQUEST_TYPES.items() if cls.control)
+#: How often an unavailable client looks at the socket path for a restarted server.
+WATCH_S: Final = 0.25
 #: Largest difference between the server's monotonic clock and ours: beyond it the two do
 #: not share a clock (another host or time namespace) and deadlines would mean nothing.
 MAX_CLOCK_SKEW_NS: Final = 1_000_000_000
 _POLL_S = 0.05  # the watchdog's granularity: a deadline is noticed within this
 _READ_BYTES = 1 << 16
-
-Json = dict[str, Any]
 
 
 def new_lease_id() -> int:
@@ -81,8 +101,8 @@ def new_lease_id() -> int:
     return secrets.randbits(63) or 1
 
 
-class Pending(Future[Json]):
-    """A submitted request: a :class:`concurrent.futures.Future` of its result map.
+class Pending(Future[R], Generic[R]):
+    """A submitted request: a :class:`concurrent.futures.Future` of its typed result.
 
     ``result()`` raises :class:`~lmcache_platform.ServerError` (``remote_type`` names the
     server's error, ``"DeadlineExceeded"`` for a request it dropped as late) or
@@ -106,10 +126,12 @@ class Pending(Future[Json]):
         #: time without the caller's polling delay.
         self.finished_at: float | None = None
         self._frame_end = 0  # where its frame ends in its link's byte stream
+        #: Turns the reply's result map into the typed result (set when it is sent).
+        self._decode: Callable[[Json], R] | None = None
         self.set_running_or_notify_cancel()  # only the client settles it
 
     @property
-    def future(self) -> Future[Json]:
+    def future(self) -> Future[R]:
         """The future itself (a :class:`Pending` is one)."""
         return self
 
@@ -140,7 +162,7 @@ class _Link:
     inbuf: bytearray = field(default_factory=bytearray)
     queued: int = 0  # bytes ever queued on it
     sent: int = 0  # bytes ever sent
-    pending: dict[int, Pending] = field(default_factory=dict)
+    pending: dict[int, Pending[Any]] = field(default_factory=dict)
     zombie: bool = False
 
     def close(self) -> None:
@@ -156,11 +178,10 @@ class _SessionClient(ServerClient):
         self._ids = ids
         self._usable = True
 
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+    def _check_usable(self) -> None:
         if not self._usable:
             raise ServerError("the client given to on_connect is valid only while on_connect runs")
-        self._next_id = next(self._ids)
-        return super().call(op, **fields)
+        self._next_id = next(self._ids)  # ids unique across both links: replies are matched by them
 
     def close(self) -> None:  # the AsyncClient owns the socket
         self._usable = False
@@ -218,12 +239,12 @@ class AsyncClient:
         self._counts: collections.Counter[str] = collections.Counter()
         self._counts_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._submitted: collections.deque[tuple[Pending, dict[str, Any]]] = collections.deque()
+        self._submitted: collections.deque[tuple[Pending[Any], RequestLike[Any]]] = collections.deque()
         self._submit_lock = threading.Lock()  # held for an append: orders submit against close
         self._closed = False
         self._links: dict[str, _Link] = {}
         self._zombies: list[_Link] = []
-        self._health: Pending | None = None
+        self._health: Pending[Any] | None = None
         self._slow = False  # in a slow episode (logged once)
         self._backoff = retry_first_s
         self._next_attempt = 0.0
@@ -236,26 +257,52 @@ class AsyncClient:
 
     # -- the caller's side -------------------------------------------------------------
 
-    def submit(
-        self, op: str, *, control: bool | None = None, deadline_ms: float | None = None, **fields: Any
-    ) -> Pending:
-        """Queue request ``op`` with ``fields`` (the protocol's, see ``docs/wire-format.md``).
+    def execute(self, request: RequestLike[R], *, deadline_ms: float | None = None) -> Pending[R]:
+        """Queue ``request`` (or a function of :attr:`session` that makes it when sent).
 
         Never blocks and never raises for the server's sake: when the server is not
-        healthy the returned :class:`Pending` has already failed (and is resolved).
-        ``control`` picks the connection (by default ``ping``, ``lookup``, ``release`` and
-        ``status`` go on the control connection, every other op on the data connection).
-        Chunks may be given as ``(name, [[block ids of group 0], ...])`` pairs; a field
-        set to :data:`SESSION_CONTEXT` (or another :class:`SessionField`) is replaced
-        when sent; ``None`` fields are left out.
+        healthy the returned :class:`Pending` has already failed (and is resolved). The
+        request's class says which connection carries it (``Request.control``); its id
+        and deadline (``deadline_ms``, default the client's ``deadline_ms``) are the client's.
+        """
+        ms = self.deadline_ms if deadline_ms is None else deadline_ms
+        kind = request if isinstance(request, Request) else None
+        on_control = kind is not None and type(kind).control
+        if isinstance(kind, RawRequest):
+            on_control = kind.raw_op in CONTROL_OPS
+        return self._queue_request(request, ms, on_control, kind.wire()[0] if kind is not None else "")
+
+    def submit(
+        self, op: str, *, control: bool | None = None, deadline_ms: float | None = None, **fields: Any
+    ) -> Pending[Json]:
+        """Queue op ``op`` with raw wire ``fields``; the result is the reply's map, unchecked.
+
+        For tools and tests (typed callers use :meth:`execute` and the methods below).
+        ``control`` picks the connection (by default the ops in ``CONTROL_OPS`` go on
+        the control connection, every other op on the data connection). Chunks may be
+        given as ``(name, [[block ids of group 0], ...])`` pairs; a field set to
+        :data:`SESSION_CONTEXT` (or another :class:`SessionField`) is replaced when
+        sent; ``None`` fields are left out.
         """
         ms = self.deadline_ms if deadline_ms is None else deadline_ms
         on_control = op in CONTROL_OPS if control is None else control
-        pending = Pending(op, next(self._ids), time.monotonic_ns() + int(ms * 1e6), control=on_control)
+
+        def build(session: Mapping[str, Any]) -> Request[Json]:
+            values = {k: _from_session(session, op, k, v) for k, v in fields.items()}
+            if values.get("chunks") is not None:
+                values["chunks"] = as_chunks(values["chunks"])
+            return RawRequest(raw_op=op, raw_fields=values)
+
+        return self._queue_request(build, ms, on_control, op)
+
+    def _queue_request(self, request: RequestLike[R], ms: float, control: bool, op: str) -> Pending[R]:
+        pending: Pending[R] = Pending(
+            op, next(self._ids), time.monotonic_ns() + int(ms * 1e6), control=control
+        )
         with self._submit_lock:
             accepted = not self._closed and self.state == "healthy"
             if accepted:
-                self._submitted.append((pending, fields))
+                self._submitted.append((pending, request))
         if not accepted:
             self._count("refused")
             why = "the client is closed" if self._closed else f"the server is {self.state}"
@@ -274,55 +321,62 @@ class AsyncClient:
         lease_ms: int | None = None,
         *,
         deadline_ms: float | None = None,
-    ) -> Pending:
-        """Leading ``keys`` held in every namespace (result: ``hits``); see ``ServerClient.lookup``."""
-        where: dict[str, Any] = (
-            {"namespace": namespaces} if isinstance(namespaces, bytes) else {"namespaces": list(namespaces)}
-        )
-        return self.submit(
-            "lookup", deadline_ms=deadline_ms, keys=list(keys), lease=lease, lease_ms=lease_ms, **where
-        )
+    ) -> Pending[LookupResult]:
+        """Leading ``keys`` held in every namespace (``hits``); see ``ServerClient.lookup``."""
+        return self.execute(lookup_request(namespaces, keys, lease, lease_ms), deadline_ms=deadline_ms)
 
     def put(
         self,
         context: int | SessionField,
-        chunks: Sequence[Any],
+        chunks: Sequence[ChunkLike],
         *,
         deadline_ms: float | None = None,
         event: bytes | None = None,
-    ) -> Pending:
-        """Keyed store (result: ``stored``, ``present``, ``dropped``, ``evicted``, ``bytes``).
+    ) -> Pending[PutResult]:
+        """Keyed store (``stored``, ``present``, ``dropped``, ``evicted``, ``bytes``).
 
-        ``event``: a device event's handle (:func:`lmcache_platform.record_event`) the
-        server's reads wait for on the device.
+        ``context`` may be :data:`SESSION_CONTEXT`: the context ``on_connect``
+        registered, whichever connection the request is sent on. ``event``: a device
+        event's handle (:func:`lmcache_platform.record_event`) the server's reads wait
+        for on the device.
         """
-        return self.submit("put", deadline_ms=deadline_ms, context=context, chunks=chunks, event=event)
+        moved = as_chunks(chunks)
+
+        def build(session: Mapping[str, Any]) -> PutRequest:
+            ctx = _from_session(session, "put", "context", context)
+            return PutRequest(context=ctx, chunks=moved, event=event or b"")
+
+        return self.execute(build, deadline_ms=deadline_ms)
 
     def get(
         self,
         context: int | SessionField,
-        chunks: Sequence[Any],
+        chunks: Sequence[ChunkLike],
         lease: int | None = None,
         *,
         deadline_ms: float | None = None,
         event: bytes | None = None,
-    ) -> Pending:
-        """Keyed retrieve (result: ``retrieved``, ``bytes``); block id ``-1`` skips positions.
+    ) -> Pending[GetResult]:
+        """Keyed retrieve (``retrieved``, ``bytes``); block id ``-1`` skips positions.
 
         ``event``: a device event's handle the server's writes wait for on the device.
         """
-        return self.submit(
-            "get", deadline_ms=deadline_ms, context=context, chunks=chunks, lease=lease, event=event
-        )
+        moved = as_chunks(chunks)
 
-    def release(self, lease: int, *, deadline_ms: float | None = None) -> Pending:
-        return self.submit("release", deadline_ms=deadline_ms, lease=lease)
+        def build(session: Mapping[str, Any]) -> GetRequest:
+            ctx = _from_session(session, "get", "context", context)
+            return GetRequest(context=ctx, chunks=moved, lease=lease or 0, event=event or b"")
 
-    def ping(self, *, deadline_ms: float | None = None) -> Pending:
-        return self.submit("ping", deadline_ms=deadline_ms)
+        return self.execute(build, deadline_ms=deadline_ms)
 
-    def status(self, *, deadline_ms: float | None = None) -> Pending:
-        return self.submit("status", deadline_ms=deadline_ms)
+    def release(self, lease: int, *, deadline_ms: float | None = None) -> Pending[None]:
+        return self.execute(ReleaseRequest(lease=lease), deadline_ms=deadline_ms)
+
+    def ping(self, *, deadline_ms: float | None = None) -> Pending[PingResult]:
+        return self.execute(PingRequest(), deadline_ms=deadline_ms)
+
+    def status(self, *, deadline_ms: float | None = None) -> Pending[Json]:
+        return self.execute(StatusRequest(), deadline_ms=deadline_ms)
 
     def stats(self) -> dict[str, int]:
         """Counters: ``submitted``, ``refused`` (not healthy), ``answered``, ``errors``
@@ -524,7 +578,7 @@ class AsyncClient:
 
     def _send_submitted(self) -> None:
         while self._submitted:
-            pending, fields = self._submitted.popleft()
+            pending, request = self._submitted.popleft()
             link = self._links.get("control" if pending.control else "data")
             if link is None:
                 _settle(pending, ServerUnavailable(f"{pending.op}: not sent: the server is {self.state}"))
@@ -536,8 +590,8 @@ class AsyncClient:
                 pending.resolved.set()
                 continue
             try:
-                frame = _protocol.frame(self._encode(pending, fields))
-            except Exception as exc:  # the caller's fields: its error, on its future
+                frame = _frames.frame(self._encode(pending, request))
+            except Exception as exc:  # the caller's request: its error, on its future
                 _settle(pending, exc)
                 pending.resolved.set()
                 continue
@@ -550,27 +604,20 @@ class AsyncClient:
         """Still one of ours (an earlier event in this round may have given it up)."""
         return link.sock.fileno() >= 0 and (link in self._zombies or self._links.get(link.kind) is link)
 
-    def _queue(self, link: _Link, pending: Pending, frame: bytes) -> None:
+    def _queue(self, link: _Link, pending: Pending[Any], frame: bytes) -> None:
         link.out += frame
         link.queued += len(frame)
         pending._frame_end = link.queued
         link.pending[pending.request_id] = pending
 
-    def _encode(self, pending: Pending, fields: dict[str, Any]) -> bytes:
-        values: dict[str, Any] = {}
-        for key, value in fields.items():
-            if isinstance(value, SessionField):
-                if value.name not in self.session:
-                    raise ServerError(
-                        f"{pending.op}: {key} names session[{value.name!r}], which on_connect did not set"
-                    )
-                value = self.session[value.name]
-            if value is not None:
-                values[key] = value
-        if "chunks" in values:
-            values["chunks"] = [_chunk(c) for c in values["chunks"]]
-        values["deadline"] = pending.deadline_ns
-        return _protocol.encode_request(pending.op, pending.request_id, **values)
+    def _encode(self, pending: Pending[R], request: RequestLike[R]) -> bytes:
+        """The request's frame payload, with the pending's id and deadline; sets how to read its reply."""
+        made = request if isinstance(request, Request) else request(self.session)
+        made = replace(made, request_id=pending.request_id, deadline=pending.deadline_ns)
+        pending._decode = made.decode_result
+        if not pending.op:
+            pending.op = made.wire()[0]
+        return _protocol.encode(made)
 
     def _flush(self, link: _Link) -> None:
         try:
@@ -630,7 +677,7 @@ class AsyncClient:
                 return
             link.inbuf += data
             try:
-                for payload in _frames(link.inbuf):
+                for payload in _split_frames(link.inbuf):
                     self._reply(link, _protocol.decode_reply(payload))
             except WireFormatError as exc:
                 self._link_failed(link, f"malformed reply: {exc}", dead=True)
@@ -653,7 +700,12 @@ class AsyncClient:
             return
         self._count("answered")
         if reply.ok:
-            _settle(pending, reply.result)
+            try:
+                assert pending._decode is not None  # set when it was encoded
+                _settle(pending, pending._decode(reply.result))
+            except WireFormatError as exc:  # a reply this request cannot have: its failure alone
+                self._count("errors")
+                _settle(pending, exc)
         else:
             self._count("errors")
             _settle(
@@ -717,20 +769,18 @@ class AsyncClient:
 
     def _send_ping(self, *, slow_miss: bool) -> None:
         deadline = time.monotonic_ns() + int(self.ping_deadline_ms * 1e6)
-        ping = Pending("ping", next(self._ids), deadline, control=True)
+        ping: Pending[PingResult] = Pending("ping", next(self._ids), deadline, control=True)
         self._health = ping
         self._slow_miss = slow_miss
         link = self._links["control"]
-        self._queue(
-            link, ping, _protocol.frame(_protocol.encode_request("ping", ping.request_id, deadline=deadline))
-        )
+        self._queue(link, ping, _frames.frame(self._encode(ping, PingRequest())))
         self._flush(link)
 
 
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _settle(pending: Pending, outcome: Json | BaseException) -> None:
+def _settle(pending: Pending[Any], outcome: Any) -> None:
     """Set the future's result or exception once; later outcomes are dropped."""
     if pending.done():
         return
@@ -741,23 +791,25 @@ def _settle(pending: Pending, outcome: Json | BaseException) -> None:
         pending.set_result(outcome)
 
 
-def _frames(buf: bytearray) -> Iterator[bytes]:
+def _split_frames(buf: bytearray) -> Iterator[bytes]:
     """Complete frames at the head of ``buf``, removed from it as they are yielded."""
-    while len(buf) >= _protocol.PREFIX_BYTES:
-        length = _protocol.frame_length(bytes(buf[: _protocol.PREFIX_BYTES]))
-        end = _protocol.PREFIX_BYTES + length
+    while len(buf) >= _frames.PREFIX_BYTES:
+        length = _frames.frame_length(bytes(buf[: _frames.PREFIX_BYTES]))
+        end = _frames.PREFIX_BYTES + length
         if len(buf) < end:
             return
-        payload = bytes(buf[_protocol.PREFIX_BYTES : end])
+        payload = bytes(buf[_frames.PREFIX_BYTES : end])
         del buf[:end]
         yield payload
 
 
-def _chunk(spec: Any) -> Chunk:
-    if isinstance(spec, Chunk):
-        return spec
-    name, groups = spec
-    return Chunk(name, tuple(tuple(map(operator.index, g)) for g in groups))
+def _from_session(session: Mapping[str, Any], op: str, name: str, value: Any) -> Any:
+    """``value``, or the session's value it stands for (a :class:`SessionField`)."""
+    if not isinstance(value, SessionField):
+        return value
+    if value.name not in session:
+        raise ServerError(f"{op}: {name} names session[{value.name!r}], which on_connect did not set")
+    return session[value.name]
 
 
 def _why(exc: BaseException) -> str:

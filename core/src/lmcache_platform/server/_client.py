@@ -15,75 +15,47 @@ every engine that registers with the same namespace.
 
 from __future__ import annotations
 
-import operator
 import socket
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .. import _checks, wire
+from .. import wire
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _protocol
-from ._protocol import Chunk
+from . import _frames, _protocol
+from ._ops import (
+    GetRequest,
+    GetResult,
+    Json,
+    LookupRequest,
+    PingRequest,
+    PutRequest,
+    PutResult,
+    RawRequest,
+    RegisterRequest,
+    Registration,
+    ReleaseRequest,
+    Request,
+    RetrieveRequest,
+    ShutdownRequest,
+    StatusRequest,
+    StoreRequest,
+    UnregisterRequest,
+    as_chunks,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .._ipc_wrapper import DeviceIPCWrapper
 
+R = TypeVar("R")
+
 #: A chunk to move: its chunk id (``str``) or content key (``bytes``) and the engine
 #: block ids of each KV-cache group.
 ChunkSpec = tuple[str, Sequence[Sequence[int]]]
 KeyedChunkSpec = tuple[bytes, Sequence[Sequence[int]]]
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What the server answered to ``register``."""
-
-    context: int
-    device_type: str
-    backend: dict[str, Any]
-    num_layers: int
-    num_object_groups: int
-    max_batch_size: int
-    #: Bytes of one chunk in server memory (all object groups).
-    chunk_bytes: int
-    #: The namespace of this context's keyed chunks; ``b""`` when registered without one.
-    namespace: bytes = b""
-    #: The server's ``time.monotonic_ns()`` when it answered (0 from a server that does not say).
-    now: int = 0
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What a keyed store did with each of its chunks."""
-
-    #: Chunks copied into the server.
-    stored: int
-    #: Chunks not copied because the server already had them (or another engine was
-    #: storing them).
-    present: int
-    #: Chunks not stored because no room could be made (the rest of the request).
-    dropped: int
-    #: Chunks evicted to make room.
-    evicted: int
-    #: Bytes copied.
-    bytes: int
-
-
-@dataclass(frozen=True)
-class GetResult:
-    """What a keyed retrieve wrote."""
-
-    #: Leading chunks of the request written into the engine's blocks; the rest were not
-    #: in the server and their blocks are untouched.
-    retrieved: int
-    bytes: int
-
-
-_REGISTRATION_KEYS = frozenset(Registration.__dataclass_fields__) - {"now"}
 
 
 class ServerClient:
@@ -129,28 +101,15 @@ class ServerClient:
         :func:`lmcache_platform.create_cache_context` after the wrappers. With a
         ``namespace`` (:func:`~lmcache_platform.server.cache_namespace`) the context
         can :meth:`put` and :meth:`get` keyed chunks; the server refuses it if the
-        namespace already holds chunks of another KV layout.
+        namespace already holds chunks of another KV layout. File descriptors the
+        wrappers name (``WireField(fds=True)``) travel with the request.
         """
         if isinstance(wrappers, Mapping):
             config = {"layer_names": list(wrappers), **config}
             wrappers = list(wrappers.values())
-        fields: dict[str, Any] = {"wrappers": wire.encode(wrappers), "config": config}
-        if namespace is not None:
-            fields["namespace"] = namespace
-        r = _checks.expect_map(
-            self.call("register", **fields), "register reply", keys=_REGISTRATION_KEYS, optional={"now"}
-        )
-        backend = r["backend"]
-        if not isinstance(backend, dict):
-            raise WireFormatError("register reply: backend must be a map")
-        counts = {
-            k: _checks.expect_int(r[k], f"register reply {k}", lo=0, hi=_protocol.MAX_ID)
-            for k in ("context", "num_layers", "num_object_groups", "max_batch_size", "chunk_bytes")
-        }
-        device_type = _checks.expect_str(r["device_type"], "register reply device_type", max_len=32)
-        ns = _checks.expect_bytes(r["namespace"], "register reply namespace", max_len=_protocol.MAX_KEY_LEN)
-        now = _checks.expect_int(r.get("now", 0), "register reply now", lo=0, hi=_protocol.MAX_ID)
-        return Registration(device_type=device_type, backend=backend, namespace=ns, now=now, **counts)
+        payload, fds = wire.encode_with_fds(wrappers)
+        request = RegisterRequest(wrappers=payload, config=config, namespace=namespace or b"")
+        return self.execute(request, fds=fds)
 
     def store(self, context: int, chunks: Sequence[ChunkSpec], *, event: bytes | None = None) -> int:
         """Copy chunks from the engine's blocks into server memory; return the bytes stored.
@@ -158,11 +117,13 @@ class ServerClient:
         ``event``: a device event's handle (:func:`lmcache_platform.record_event`) the
         server's reads wait for on the device; likewise for the other transfers.
         """
-        return int(self.call("store", context=context, chunks=_chunks(chunks), event=event)["bytes"])
+        request = StoreRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
+        return self.execute(request).bytes
 
     def retrieve(self, context: int, chunks: Sequence[ChunkSpec], *, event: bytes | None = None) -> int:
         """Copy stored chunks back into the given blocks; return the bytes written."""
-        return int(self.call("retrieve", context=context, chunks=_chunks(chunks), event=event)["bytes"])
+        request = RetrieveRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
+        return self.execute(request).bytes
 
     def put(self, context: int, chunks: Sequence[KeyedChunkSpec], *, event: bytes | None = None) -> PutResult:
         """Keyed store: copy the chunks the server does not have yet into it.
@@ -172,8 +133,7 @@ class ServerClient:
         chunk is being read), the rest of the request is dropped, not refused. With
         ``event``, the server's reads wait on the device for that engine event.
         """
-        r = self.call("put", context=context, chunks=_chunks(chunks), event=event)
-        return PutResult(**_counts(r, "put", ("stored", "present", "dropped", "evicted", "bytes")))
+        return self.execute(PutRequest(context=context, chunks=as_chunks(chunks), event=event or b""))
 
     def get(
         self,
@@ -191,8 +151,8 @@ class ServerClient:
         pins in this context's namespace are released once the get is done. With
         ``event``, the server's writes wait on the device for that engine event.
         """
-        r = self.call("get", context=context, chunks=_chunks(chunks), lease=lease, event=event)
-        return GetResult(**_counts(r, "get", ("retrieved", "bytes")))
+        request = GetRequest(context=context, chunks=as_chunks(chunks), lease=lease or 0, event=event or b"")
+        return self.execute(request)
 
     def lookup(
         self,
@@ -210,46 +170,48 @@ class ServerClient:
         until the lease expires, :meth:`release` ends it, or a :meth:`get` naming it
         has read them (each namespace's share separately).
         """
-        where: dict[str, Any] = (
-            {"namespace": namespace} if isinstance(namespace, bytes) else {"namespaces": list(namespace)}
-        )
-        r = self.call("lookup", keys=list(keys), lease=lease, lease_ms=lease_ms, **where)
-        return _counts(r, "lookup", ("hits",), optional=("remote",))["hits"]
+        return self.execute(lookup_request(namespace, keys, lease, lease_ms)).hits
 
     def release(self, lease: int) -> None:
         """End a lease now (a no-op if it already ended)."""
-        self.call("release", lease=lease)
+        self.execute(ReleaseRequest(lease=lease))
 
     def ping(self) -> dict[str, Any]:
         """``{"now": server monotonic ns, "pid": ...}``, answered without waiting on any transfer."""
-        return self.call("ping")
+        result = self.execute(PingRequest())
+        return {"now": result.now, "pid": result.pid}
 
     def unregister(self, context: int) -> None:
         """Close the context; its keyed chunks stay in the server, its chunk ids go."""
-        self.call("unregister", context=context)
+        self.execute(UnregisterRequest(context=context))
 
     def status(self, context: int | None = None) -> dict[str, Any]:
         """The server's counters under ``"server"`` (see the wire-format page); with a
         ``context`` of this connection, its ``report_status()`` under ``"context"``."""
-        return self.call("status", context=context)
+        return self.execute(StatusRequest(context=context or 0))
 
     def shutdown(self) -> None:
-        self.call("shutdown")
+        self.execute(ShutdownRequest())
 
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request and return the result map.
+    def execute(self, request: Request[R], *, fds: Sequence[int] = ()) -> R:
+        """Send one request (with ``fds`` beside it) and return its typed result.
 
-        Fields given as ``None`` are left out. A refusal raises
-        :class:`~lmcache_platform.ServerError`.
+        The client sets the request's id and, with ``deadline_ms``, its deadline (one
+        the request already has is kept). A refusal raises
+        :class:`~lmcache_platform.ServerError`; a late reply
+        :class:`~lmcache_platform.server.ServerUnavailable`.
         """
-        fields = {k: v for k, v in fields.items() if v is not None}
+        self._check_usable()
         rid, self._next_id = self._next_id, self._next_id + 1
-        deadline = None
-        if self.deadline_ms is not None and "deadline" not in fields:
-            deadline = fields["deadline"] = time.monotonic_ns() + int(self.deadline_ms * 1e6)
-        self.send_raw(_protocol.encode_request(op, rid, **fields))
+        wait_until = None  # the client's own deadline bounds the wait; a request's own does not
+        if request.deadline is None and self.deadline_ms is not None:
+            wait_until = time.monotonic_ns() + int(self.deadline_ms * 1e6)
+            request = replace(request, deadline=wait_until)
+        request = replace(request, request_id=rid)
+        _frames.send_frame(self._sock, _protocol.encode(request), fds)
+        op = request.wire()[0]
         try:
-            reply = self.recv_reply(deadline_ns=deadline)
+            reply = self.recv_reply(deadline_ns=wait_until)
         except TimeoutError:
             self.close()  # a reply may still come: this connection is out of step
             raise ServerUnavailable(
@@ -266,14 +228,25 @@ class ServerClient:
                 f"{op} refused by the server: {reply.error_type}: {reply.error_message}",
                 remote_type=reply.error_type,
             )
-        return reply.result
+        return request.decode_result(reply.result)
+
+    def call(self, op: str, **fields: Any) -> Json:
+        """Send any op with raw wire fields and return the result map unchecked (tools, tests).
+
+        Fields given as ``None`` are left out; a ``deadline`` field is kept as given.
+        """
+        deadline = fields.pop("deadline", None)
+        return self.execute(RawRequest(raw_op=op, raw_fields=fields, deadline=deadline))
+
+    def _check_usable(self) -> None:
+        """Raise if this client may not send now (a hook for borrowed connections)."""
 
     def send_raw(self, payload: bytes) -> None:
         """Send one frame as is (tests use it to send malformed requests)."""
-        _protocol.send_frame(self._sock, payload)
+        _frames.send_frame(self._sock, payload)
 
     def recv_reply(self, *, deadline_ns: int | None = None) -> _protocol.Reply:
-        payload = _protocol.recv_frame(self._sock, deadline_ns=deadline_ns)
+        payload = _frames.recv_frame(self._sock, deadline_ns=deadline_ns)
         if payload is None:
             raise ServerError("the server closed the connection")
         return _protocol.decode_reply(payload)
@@ -288,16 +261,15 @@ class ServerClient:
         self.close()
 
 
-def _chunks(specs: Sequence[ChunkSpec] | Sequence[KeyedChunkSpec]) -> list[Chunk]:
-    return [Chunk(cid, tuple(tuple(map(operator.index, g)) for g in groups)) for cid, groups in specs]
-
-
-def _counts(
-    result: dict[str, Any], op: str, keys: Sequence[str], optional: Sequence[str] = ()
-) -> dict[str, int]:
-    r = _checks.expect_map(result, f"{op} reply", keys=set(keys), optional=set(optional))
-    return {
-        k: _checks.expect_int(r[k], f"{op} reply {k}", lo=0, hi=_protocol.MAX_ID)
-        for k in (*keys, *optional)
-        if k in r
-    }
+def lookup_request(
+    namespace: bytes | Sequence[bytes],
+    keys: Sequence[bytes],
+    lease: int | None = None,
+    lease_ms: int | None = None,
+) -> LookupRequest:
+    """A lookup in one namespace (``bytes``) or in every one of several."""
+    if isinstance(namespace, bytes):
+        where: dict[str, Any] = {"namespace": namespace}
+    else:
+        where = {"namespaces": tuple(namespace)}
+    return LookupRequest(keys=tuple(keys), lease=lease or 0, lease_ms=lease_ms or 0, **where)

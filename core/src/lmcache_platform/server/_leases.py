@@ -11,6 +11,12 @@ until the first of:
   the lease with its last share;
 * the connection that took it closes (leases belong to their connection).
 
+A lease is named by its connection and its id: two engines that drew the same id (the
+ids are random, but an engine seeding a shared generator once made every engine draw the
+same sequence) hold two leases, and neither is refused. A ``get`` arrives on a worker's
+connection, not the scheduler's that took the lease, so it releases its namespace's
+share of a lease by id alone, from whichever lease of that id pinned that namespace.
+
 Expired leases are swept on every request the server handles (:meth:`LeaseTable.sweep`
 is cheap when nothing is due) and by one thread that sleeps until the next expiry, so
 no pin outlives its lease by more than a scheduling delay. Nothing here copies bytes.
@@ -19,6 +25,7 @@ no pin outlives its lease by more than a scheduling delay. Nothing here copies b
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -35,6 +42,10 @@ class _Lease:
     #: namespace -> the chunks pinned there, until that share is released.
     shares: dict[Hashable, list[StoredChunk]] = field(default_factory=dict)
 
+    @property
+    def key(self) -> tuple[object, int]:
+        return self.owner, self.lease
+
 
 class LeaseTable:
     """Live leases over one :class:`ChunkIndex`; every method is thread-safe."""
@@ -42,8 +53,11 @@ class LeaseTable:
     def __init__(self, index: ChunkIndex) -> None:
         self._index = index
         self._cond = threading.Condition()
-        self._leases: dict[int, _Lease] = {}
-        self._expiry: list[tuple[int, int]] = []  # (expires_ns, lease), stale entries skipped
+        self._leases: dict[tuple[object, int], _Lease] = {}  # by (owner, id)
+        self._by_id: dict[int, list[_Lease]] = {}  # for gets, which name the id alone
+        #: (expires_ns, sequence, lease): stale entries are skipped.
+        self._expiry: list[tuple[int, int, _Lease]] = []
+        self._seq = itertools.count()
         self._taken = 0
         self._expired = 0
         self._thread: threading.Thread | None = None
@@ -62,34 +76,34 @@ class LeaseTable:
     ) -> int:
         """Leading ``keys`` stored in every namespace; with ``lease``, pin them in each.
 
-        A live lease of the same id is replaced when ``owner`` took it, refused
-        (:class:`ValueError`) when another connection did.
+        A live lease ``owner`` took with the same id is replaced; another connection's
+        lease of that id is another lease.
         """
         spaces = list(dict.fromkeys(namespaces))  # a namespace twice would pin twice
         if not lease:
             return self._index.lookup_many(spaces, keys)[0]
         with self._cond:
-            old = self._leases.get(lease)
-            if old is not None and old.owner is not owner:
-                raise ValueError(f"lease {lease} is held by another connection; choose a fresh id")
+            old = self._leases.get((owner, lease))
             hits, pinned = self._index.lookup_many(spaces, keys, pin=True)
             if old is not None:
                 self._end(old)
             expires = time.monotonic_ns() + lease_ms * 1_000_000
-            self._leases[lease] = _Lease(lease, owner, expires, dict(zip(spaces, pinned, strict=True)))
+            new = _Lease(lease, owner, expires, dict(zip(spaces, pinned, strict=True)))
+            self._leases[new.key] = new
+            self._by_id.setdefault(lease, []).append(new)
             self._taken += 1
             if len(self._expiry) > 4 * len(self._leases) + 1024:  # mostly ended leases: compact
-                self._expiry = [(x.expires_ns, x.lease) for x in self._leases.values()]
+                self._expiry = [(x.expires_ns, next(self._seq), x) for x in self._leases.values()]
                 heapq.heapify(self._expiry)
-            heapq.heappush(self._expiry, (expires, lease))
-            if self._expiry[0][1] == lease:  # the sweeper may sleep past this one: wake it
+            heapq.heappush(self._expiry, (expires, next(self._seq), new))
+            if self._expiry[0][2] is new:  # the sweeper may sleep past this one: wake it
                 self._cond.notify()
             return hits
 
-    def release(self, lease: int) -> bool:
-        """End a lease now; ``False`` if it is gone already (expired, read or released)."""
+    def release(self, owner: object, lease: int) -> bool:
+        """End ``owner``'s lease now; ``False`` if it is gone already (expired, read or released)."""
         with self._cond:
-            found = self._leases.get(lease)
+            found = self._leases.get((owner, lease))
             if found is not None:
                 self._end(found)
             return found is not None
@@ -97,14 +111,12 @@ class LeaseTable:
     def release_share(self, lease: int, namespace: Hashable) -> None:
         """A ``get`` in ``namespace`` read what the lease pinned there: unpin that share."""
         with self._cond:
-            found = self._leases.get(lease)
+            found = next((x for x in self._by_id.get(lease, ()) if namespace in x.shares), None)
             if found is None:
                 return
-            share = found.shares.pop(namespace, None)
-            if share is not None:
-                self._index.unpin(share)
+            self._index.unpin(found.shares.pop(namespace))
             if not found.shares:
-                del self._leases[lease]
+                self._end(found)
 
     def drop_owner(self, owner: object) -> int:
         """End every lease ``owner`` took (its connection closed); return how many."""
@@ -164,16 +176,19 @@ class LeaseTable:
     def _sweep(self, now: int) -> int:
         ended = 0
         while self._expiry and self._expiry[0][0] <= now:
-            expires, lease = heapq.heappop(self._expiry)
-            found = self._leases.get(lease)
-            if found is not None and found.expires_ns == expires:  # else replaced or gone
-                self._end(found)
+            _, _, lease = heapq.heappop(self._expiry)
+            if self._leases.get(lease.key) is lease:  # else replaced or gone
+                self._end(lease)
                 self._expired += 1
                 ended += 1
         return ended
 
     def _end(self, lease: _Lease) -> None:
-        del self._leases[lease.lease]
+        del self._leases[lease.key]
+        same = self._by_id[lease.lease]
+        same.remove(lease)
+        if not same:
+            del self._by_id[lease.lease]
         for share in lease.shares.values():
             self._index.unpin(share)
         lease.shares.clear()

@@ -1,12 +1,13 @@
-"""The reference server's protocol: length-prefixed frames carrying typed messages.
+"""The reference server's protocol: typed messages in length-prefixed frames.
 
-A frame is a 4-byte big-endian length followed by that many bytes, at most
-:data:`MAX_FRAME_BYTES`; a larger announced length is refused before anything is
-read. Each frame holds one envelope (see :mod:`lmcache_platform._codec`) with magic
-``LMCP``: a request map from the engine, or a reply map from the server. Requests
-are checked field by field against :data:`_SCHEMA`; registration embeds the
-wrapper list as a :mod:`lmcache_platform.wire` message, which the server decodes
-with its own allow-list.
+Frames (``server._frames``) hold one envelope each (see :mod:`lmcache_platform._codec`)
+with magic ``LMCP``: a request map from the engine, or a reply map from the server.
+Requests are the types of ``server._ops`` (one per op, with its result type); this
+module turns them into bytes and back, checking every field of a request against its
+op's type (required fields are those without a default) and refusing anything else.
+Registration embeds the wrapper list as a :mod:`lmcache_platform.wire` message, which
+the server decodes with its own allow-list; fds the wrappers name travel beside the
+frame (``server._frames``).
 
 Two ways to name a chunk: ``store``/``retrieve`` take chunk ids (``str``) private to
 one context; ``put``/``get``/``lookup`` take content keys (``bytes``) in the
@@ -17,16 +18,14 @@ which must be the server's): work still undone when it passes is dropped. Transf
 (``store``, ``retrieve``, ``put``, ``get``) may carry ``event``, a device event's handle
 (:func:`lmcache_platform.record_event`): the server's copies wait on it. Fields
 added after version 1 shipped are optional, and replies gain keys only for requests
-that use one of them (see :attr:`Request.extended`), so older clients keep working.
+that use one of them (see :attr:`~lmcache_platform.server._ops.Request.extended`), so
+older clients keep working.
 """
 
 from __future__ import annotations
 
-import socket
-import struct
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from .. import _codec, wire
@@ -53,21 +52,24 @@ from .._types import (
     KVFormat,
     LayoutHints,
 )
+from ._frames import (  # the protocol's framing, named here too
+    MAX_FRAME_BYTES,
+    PREFIX_BYTES,
+    frame,
+    frame_length,
+    recv_frame,
+    send_frame,
+)
+from ._ops import MAX_ID, MAX_KEY_LEN, OPS, REQUEST_TYPES, Chunk, Request
 
 MAGIC = b"LMCP"
 VERSION = 1
-#: Largest frame either side accepts, length prefix excluded.
-MAX_FRAME_BYTES = 16 << 20
 #: Most chunks in one store, retrieve, put or get request, and keys in one lookup.
 MAX_CHUNKS = 4096
 #: Most KV-cache groups per chunk, and block ids per group.
 MAX_GROUPS = 64
 MAX_BLOCKS_PER_GROUP = 1 << 16
 MAX_CHUNK_ID_LEN = 256
-#: Longest content key and namespace (bytes; both at least 1). Also BLAKE2b's key
-#: limit, which ``chunk_keys`` relies on: it keys the hash with the namespace.
-MAX_KEY_LEN = 64
-MAX_ID = (1 << 63) - 1
 MAX_LAYERS = wire.MAX_WRAPPERS
 #: Most namespaces in one ``lookup``.
 MAX_NAMESPACES = 256
@@ -76,21 +78,38 @@ MAX_LEASE_MS = 600_000
 #: The error type of a reply to a request whose deadline passed before its work was done.
 DEADLINE_EXCEEDED = "DeadlineExceeded"
 
-OPS = (
-    "register",
-    "store",
-    "retrieve",
-    "put",
-    "get",
-    "lookup",
-    "release",
-    "ping",
-    "unregister",
-    "status",
-    "shutdown",
-)
+__all__ = [
+    "DEADLINE_EXCEEDED",
+    "MAGIC",
+    "MAX_BLOCKS_PER_GROUP",
+    "MAX_CHUNKS",
+    "MAX_CHUNK_ID_LEN",
+    "MAX_FRAME_BYTES",
+    "MAX_GROUPS",
+    "MAX_ID",
+    "MAX_KEY_LEN",
+    "MAX_LAYERS",
+    "MAX_LEASE_MS",
+    "MAX_NAMESPACES",
+    "OPS",
+    "PREFIX_BYTES",
+    "VERSION",
+    "Chunk",
+    "Reply",
+    "decode_config",
+    "decode_reply",
+    "decode_request",
+    "encode_config",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+    "frame",
+    "frame_length",
+    "recv_frame",
+    "request_id_of",
+    "send_frame",
+]
 
-_PREFIX = struct.Struct(">I")
 _LIMITS = _codec.Limits(
     max_bytes=MAX_FRAME_BYTES,
     max_array_len=MAX_BLOCKS_PER_GROUP,
@@ -99,181 +118,45 @@ _LIMITS = _codec.Limits(
     max_bin_len=wire.MAX_MESSAGE_BYTES,
 )
 
-# -- framing -----------------------------------------------------------------------------
+
+# -- requests ----------------------------------------------------------------------------
 
 
-def send_frame(sock: socket.socket, payload: bytes) -> None:
-    """Write one frame (blocking)."""
-    sock.sendall(frame(payload))
+def _schema(cls: type[Request[Any]]) -> tuple[frozenset[str], frozenset[str]]:
+    """An op's wire keys beyond "op", "id" and "deadline": (required, optional), from its type."""
+    own = [f for f in fields(cls) if f.name not in ("request_id", "deadline")]
+    required = frozenset(f.name for f in own if f.default is MISSING and f.default_factory is MISSING)
+    return required, frozenset(f.name for f in own) - required
 
 
-def frame_length(head: bytes) -> int:
-    """The body length a 4-byte prefix announces; :class:`WireFormatError` beyond the limit."""
-    (length,) = _PREFIX.unpack(head)
-    if length > MAX_FRAME_BYTES:
-        raise WireFormatError(f"frame of {length} bytes exceeds the limit of {MAX_FRAME_BYTES}")
-    return int(length)
+#: op -> (required keys, optional keys), derived from the request types.
+_SCHEMA = {op: _schema(cls) for op, cls in REQUEST_TYPES.items()}
 
 
-def frame(payload: bytes) -> bytes:
-    """``payload`` with its length prefix, as :func:`send_frame` writes it."""
-    if len(payload) > MAX_FRAME_BYTES:
-        raise WireFormatError(f"frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
-    return _PREFIX.pack(len(payload)) + payload
+def encode(request: Request[Any]) -> bytes:
+    """A request's frame payload; refuses (:class:`WireFormatError`) what the server would refuse."""
+    op, values = request.wire()
+    return encode_request(op, request.request_id, deadline=request.deadline, **values)
 
 
-#: Bytes of a frame's length prefix.
-PREFIX_BYTES = _PREFIX.size
+def encode_request(op: str, request_id: int, **values: Any) -> bytes:
+    """Build a request frame payload from wire fields; ``None`` values are left out.
 
-
-def recv_frame(sock: socket.socket, *, deadline_ns: int | None = None) -> bytes | None:
-    """Read one frame; ``None`` on a clean end of stream between frames.
-
-    Raises :class:`WireFormatError` for an oversized length or a stream cut short
-    inside a frame; the connection is then out of sync and must be closed. With
-    ``deadline_ns`` (``time.monotonic_ns()``), :class:`TimeoutError` once it passes,
-    however the bytes trickle in (the socket's timeout is set to the time left
-    before each read).
+    The low-level form of :func:`encode` (tools and tests craft raw requests with it):
+    chunks may be :class:`Chunk` values, and ``config`` takes ``create_cache_context``'s
+    keywords. The result is checked as :func:`decode_request` checks it.
     """
-    head = _recv_exact(sock, _PREFIX.size, at_boundary=True, deadline_ns=deadline_ns)
-    if head is None:
-        return None
-    length = frame_length(head)
-    body = _recv_exact(sock, length, at_boundary=False, deadline_ns=deadline_ns)
-    assert body is not None
-    return body
-
-
-def _recv_exact(sock: socket.socket, n: int, *, at_boundary: bool, deadline_ns: int | None) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        if deadline_ns is not None:
-            left = deadline_ns - time.monotonic_ns()
-            if left <= 0:
-                raise TimeoutError("deadline passed while reading a reply")
-            sock.settimeout(left / 1e9)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0 and at_boundary:
-                return None
-            raise WireFormatError(f"connection closed inside a frame ({got} of {n} bytes)")
-        got += k
-    return bytes(buf)
-
-
-# -- messages ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One chunk to move: its name in server memory and the engine block ids per group.
-
-    The name is a chunk id (``str``, for ``store``/``retrieve``) or a content key
-    (``bytes``, for ``put``/``get``).
-    """
-
-    chunk_id: str | bytes
-    block_ids: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True)
-class Request:
-    """A validated request. Fields an operation does not use keep their defaults."""
-
-    op: str
-    request_id: int
-    context: int = 0
-    wrappers: bytes = b""
-    config: dict[str, Any] = field(default_factory=dict)
-    chunks: tuple[Chunk, ...] = ()
-    namespace: bytes = b""
-    keys: tuple[bytes, ...] = ()
-    #: ``time.monotonic_ns()`` after which the request must not act; ``None``: no deadline.
-    deadline: int | None = None
-    #: ``lookup`` over several namespaces (the ``namespaces`` field); empty with ``namespace``.
-    namespaces: tuple[bytes, ...] = ()
-    #: ``lookup``/``get``/``release``: the lease id (0: none); ``lease_ms`` its life.
-    lease: int = 0
-    lease_ms: int = 0
-    #: Transfers: the handle of an engine's device event to order the copies after
-    #: (empty: none).
-    event: bytes = b""
-
-    @property
-    def extended(self) -> bool:
-        """Whether the request uses a field added after version 1 shipped.
-
-        Replies carry their newer keys (``now``, ``remote``) only then, so clients
-        that predate those keys, and check reply maps exactly, see what they expect.
-        """
-        return self.deadline is not None or bool(self.namespaces) or bool(self.lease)
-
-    @property
-    def lookup_namespaces(self) -> tuple[bytes, ...]:
-        """The namespaces a ``lookup`` covers, given as ``namespace`` or ``namespaces``."""
-        return self.namespaces or (self.namespace,)
-
-
-_ANY_OP = frozenset({"deadline"})
-
-#: op -> (required keys, optional keys), beyond "op" and "id" (and "deadline", always optional).
-_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "register": (frozenset({"wrappers", "config"}), frozenset({"namespace"})),
-    "store": (frozenset({"context", "chunks"}), frozenset({"event"})),
-    "retrieve": (frozenset({"context", "chunks"}), frozenset({"event"})),
-    "put": (frozenset({"context", "chunks"}), frozenset({"event"})),
-    "get": (frozenset({"context", "chunks"}), frozenset({"lease", "event"})),
-    "lookup": (frozenset({"keys"}), frozenset({"namespace", "namespaces", "lease", "lease_ms"})),
-    "release": (frozenset({"lease"}), frozenset()),
-    "ping": (frozenset(), frozenset()),
-    "unregister": (frozenset({"context"}), frozenset()),
-    "status": (frozenset(), frozenset({"context"})),
-    "shutdown": (frozenset(), frozenset()),
-}
-
-
-def encode_request(
-    op: str,
-    request_id: int,
-    *,
-    context: int | None = None,
-    wrappers: bytes | None = None,
-    config: dict[str, Any] | None = None,
-    chunks: Sequence[Chunk] | None = None,
-    namespace: bytes | None = None,
-    keys: Sequence[bytes] | None = None,
-    deadline: int | None = None,
-    namespaces: Sequence[bytes] | None = None,
-    lease: int | None = None,
-    lease_ms: int | None = None,
-    event: bytes | None = None,
-) -> bytes:
-    """Build a request frame payload; the same schema as :func:`decode_request` checks."""
     msg: dict[str, object] = {"op": op, "id": request_id}
-    if context is not None:
-        msg["context"] = context
-    if wrappers is not None:
-        msg["wrappers"] = wrappers
-    if config is not None:
-        msg["config"] = encode_config(**config)
-    if chunks is not None:
-        msg["chunks"] = [[c.chunk_id, [list(g) for g in c.block_ids]] for c in chunks]
-    if namespace is not None:
-        msg["namespace"] = namespace
-    if keys is not None:
-        msg["keys"] = list(keys)
-    if deadline is not None:
-        msg["deadline"] = deadline
-    if namespaces is not None:
-        msg["namespaces"] = list(namespaces)
-    if lease is not None:
-        msg["lease"] = lease
-    if lease_ms is not None:
-        msg["lease_ms"] = lease_ms
-    if event is not None:
-        msg["event"] = event
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key == "config":
+            value = encode_config(**value)
+        elif key == "chunks":
+            value = [[c.chunk_id, [list(g) for g in c.block_ids]] for c in value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        msg[key] = value
     payload = _codec.pack(MAGIC, VERSION, msg, max_bytes=MAX_FRAME_BYTES, what="request")
     decode_request(payload)  # refuse to send what the server would refuse
     return payload
@@ -289,8 +172,8 @@ def request_id_of(payload: bytes) -> int:
     return rid if type(rid) is int and 0 <= rid <= MAX_ID else 0
 
 
-def decode_request(payload: bytes) -> Request:
-    """Parse and validate a request; raise :class:`WireFormatError` naming the culprit."""
+def decode_request(payload: bytes) -> Request[Any]:
+    """Parse and validate a request into its op's type; raise :class:`WireFormatError` naming the culprit."""
     msg = _codec.unpack(MAGIC, VERSION, payload, _LIMITS, what="request")
     if not isinstance(msg, dict):
         raise WireFormatError(f"request: expected a map, got {type(msg).__name__}")
@@ -298,43 +181,12 @@ def decode_request(payload: bytes) -> Request:
     if not isinstance(op, str) or op not in _SCHEMA:
         raise WireFormatError(f"request: unknown op {show(op)} (known: {', '.join(OPS)})")
     required, optional = _SCHEMA[op]
-    expect_map(msg, f"{op} request", keys=required | {"op", "id"}, optional=optional | _ANY_OP)
+    expect_map(msg, f"{op} request", keys=required | {"op", "id"}, optional=optional | {"deadline"})
     rid = expect_int(msg["id"], f"{op} request id", lo=0, hi=MAX_ID)
-    kwargs: dict[str, Any] = {}
-    if "context" in msg:
-        kwargs["context"] = expect_int(msg["context"], f"{op} context", lo=0, hi=MAX_ID)
-    if "wrappers" in msg:
-        kwargs["wrappers"] = expect_bytes(msg["wrappers"], f"{op} wrappers", max_len=wire.MAX_MESSAGE_BYTES)
-    if "config" in msg:
-        kwargs["config"] = decode_config(msg["config"])
-    if "chunks" in msg:
-        kwargs["chunks"] = _decode_chunks(msg["chunks"], op, keyed=op in ("put", "get"))
-    if "namespace" in msg:
-        kwargs["namespace"] = _key(msg["namespace"], f"{op} namespace")
-    if "keys" in msg:
-        keys = expect_list(msg["keys"], f"{op} keys", max_len=MAX_CHUNKS)
-        kwargs["keys"] = tuple(_key(k, f"{op} key {i}") for i, k in enumerate(keys))
-    if "deadline" in msg:
-        kwargs["deadline"] = expect_int(msg["deadline"], f"{op} deadline", lo=0, hi=MAX_ID)
-    if "namespaces" in msg:
-        spaces = expect_list(msg["namespaces"], f"{op} namespaces", max_len=MAX_NAMESPACES)
-        if not spaces:
-            raise WireFormatError(f"{op} namespaces: must not be empty")
-        kwargs["namespaces"] = tuple(_key(n, f"{op} namespaces[{i}]") for i, n in enumerate(spaces))
-    if "lease" in msg:
-        kwargs["lease"] = expect_int(msg["lease"], f"{op} lease", lo=1, hi=MAX_ID)
-    if "lease_ms" in msg:
-        kwargs["lease_ms"] = expect_int(msg["lease_ms"], f"{op} lease_ms", lo=1, hi=MAX_LEASE_MS)
-    if "event" in msg:
-        kwargs["event"] = expect_bytes(msg["event"], f"{op} event", max_len=MAX_HANDLE_BYTES)
-        if not kwargs["event"]:
-            raise WireFormatError(f"{op} event: must not be empty (leave the field out for no event)")
-    if op == "lookup":
-        if ("namespace" in msg) == ("namespaces" in msg):
-            raise WireFormatError("lookup request: give exactly one of 'namespace' and 'namespaces'")
-        if ("lease" in msg) != ("lease_ms" in msg):
-            raise WireFormatError("lookup request: 'lease' and 'lease_ms' go together")
-    return Request(op=op, request_id=rid, **kwargs)
+    kwargs = {key: _FIELDS[key](value, op) for key, value in msg.items() if key not in ("op", "id")}
+    request = REQUEST_TYPES[op](request_id=rid, **kwargs)
+    request.check()
+    return request
 
 
 def _key(value: object, where: str) -> bytes:
@@ -344,7 +196,8 @@ def _key(value: object, where: str) -> bytes:
     return key
 
 
-def _decode_chunks(value: object, op: str, *, keyed: bool) -> tuple[Chunk, ...]:
+def _decode_chunks(value: object, op: str) -> tuple[Chunk, ...]:
+    keyed = op in ("put", "get")
     chunks = []
     for i, item in enumerate(expect_list(value, f"{op} chunks", max_len=MAX_CHUNKS)):
         where = f"{op} chunk {i}"
@@ -369,6 +222,41 @@ def _decode_chunks(value: object, op: str, *, keyed: bool) -> tuple[Chunk, ...]:
         )
         chunks.append(Chunk(chunk_id, block_ids))
     return tuple(chunks)
+
+
+def _decode_keys(value: object, op: str) -> tuple[bytes, ...]:
+    keys = expect_list(value, f"{op} keys", max_len=MAX_CHUNKS)
+    return tuple(_key(k, f"{op} key {i}") for i, k in enumerate(keys))
+
+
+def _decode_namespaces(value: object, op: str) -> tuple[bytes, ...]:
+    spaces = expect_list(value, f"{op} namespaces", max_len=MAX_NAMESPACES)
+    if not spaces:
+        raise WireFormatError(f"{op} namespaces: must not be empty")
+    return tuple(_key(n, f"{op} namespaces[{i}]") for i, n in enumerate(spaces))
+
+
+def _decode_event(value: object, op: str) -> bytes:
+    event = expect_bytes(value, f"{op} event", max_len=MAX_HANDLE_BYTES)
+    if not event:
+        raise WireFormatError(f"{op} event: must not be empty (leave the field out for no event)")
+    return event
+
+
+#: Wire key -> its decoder ``(value, op) -> field value``: one per field of every request type.
+_FIELDS: dict[str, Callable[[object, str], Any]] = {
+    "deadline": lambda v, op: expect_int(v, f"{op} deadline", lo=0, hi=MAX_ID),
+    "context": lambda v, op: expect_int(v, f"{op} context", lo=0, hi=MAX_ID),
+    "wrappers": lambda v, op: expect_bytes(v, f"{op} wrappers", max_len=wire.MAX_MESSAGE_BYTES),
+    "config": lambda v, op: decode_config(v),
+    "chunks": _decode_chunks,
+    "namespace": lambda v, op: _key(v, f"{op} namespace"),
+    "keys": _decode_keys,
+    "namespaces": _decode_namespaces,
+    "lease": lambda v, op: expect_int(v, f"{op} lease", lo=1, hi=MAX_ID),
+    "lease_ms": lambda v, op: expect_int(v, f"{op} lease_ms", lo=1, hi=MAX_LEASE_MS),
+    "event": _decode_event,
+}
 
 
 # -- the cache-context config ------------------------------------------------------------

@@ -69,13 +69,35 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
-from .._errors import LayoutError, LMCachePlatformError, TransferError, WireFormatError
-from . import _protocol
+from .._errors import DescriptorError, LayoutError, LMCachePlatformError, TransferError, WireFormatError
+from . import _frames, _protocol
 from ._entry import TensorSpec
 from ._index import ChunkIndex, Reservation, StoredChunk
 from ._leases import LeaseTable
 from ._listen import Listener
-from ._protocol import Chunk, Request
+from ._ops import (
+    Chunk,
+    GetRequest,
+    GetResult,
+    Json,
+    LookupRequest,
+    LookupResult,
+    PingRequest,
+    PingResult,
+    PutRequest,
+    PutResult,
+    RegisterRequest,
+    Registration,
+    ReleaseRequest,
+    Request,
+    RetrieveRequest,
+    RetrieveResult,
+    ShutdownRequest,
+    StatusRequest,
+    StoreRequest,
+    StoreResult,
+    UnregisterRequest,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -157,6 +179,8 @@ class _Connection:
     sock: socket.socket
     #: Who connected, for logs (``pid 1234 uid 1000`` from ``SO_PEERCRED``).
     peer: str = ""
+    #: The peer's user id (``SO_PEERCRED``; -1 when the kernel does not say).
+    uid: int = -1
     contexts: set[int] = field(default_factory=set)
     #: Set by a ``shutdown`` request: stop the server once its reply is sent.
     stop_after_reply: bool = False
@@ -215,8 +239,8 @@ class ReferenceServer:
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
         self._listener: Listener | None = None
-        self._handlers: dict[str, Callable[[Request, _Connection], dict[str, Any]]] = {
-            "register": self._register,
+        # op -> its handler, which takes the op's request type and returns its result.
+        self._handlers: dict[str, Callable[[Any, _Connection], Any]] = {
             "store": self._store,
             "retrieve": self._retrieve,
             "put": self._put,
@@ -270,7 +294,7 @@ class ReferenceServer:
             self._teardown()
 
     def _accept(self, client: socket.socket) -> None:
-        peer = _peer(client)
+        peer, uid = _peer(client)
         with self._lock:
             busy = len(self._connections) >= self.max_connections
         if busy:  # bound the memory clients can pin with announced frames
@@ -282,7 +306,7 @@ class ReferenceServer:
                 limit=self.max_connections,
             )
             with contextlib.suppress(OSError):
-                _protocol.send_frame(
+                _frames.send_frame(
                     client,
                     _protocol.encode_error(
                         0, "ServerError", f"too many connections (limit {self.max_connections})"
@@ -291,7 +315,7 @@ class ReferenceServer:
             client.close()
             return
         client.settimeout(None)
-        conn = _Connection(client, peer)
+        conn = _Connection(client, peer, uid)
         thread = threading.Thread(target=self._serve_client, args=(conn,), name="lmcache-client", daemon=True)
         with self._lock:
             self._connections.add(conn)
@@ -336,17 +360,21 @@ class ReferenceServer:
     def _serve_client(self, conn: _Connection) -> None:
         try:
             while True:
+                fds: list[int] = []  # what arrives beside the frame: ours to close or hand on
                 try:
-                    payload = _protocol.recv_frame(conn.sock)
+                    payload = _frames.recv_frame(conn.sock, fds=fds)
                 except WireFormatError as exc:  # stream out of sync: answer, then hang up
+                    _frames.close_fds(fds)
                     self._refused(conn, "frame", 0, exc)
                     self._send(conn, _protocol.encode_error(0, type(exc).__name__, str(exc)))
                     return
                 except OSError:
+                    _frames.close_fds(fds)
                     return
                 if payload is None:
+                    _frames.close_fds(fds)
                     return
-                sent = self._send(conn, self._handle(payload, conn))
+                sent = self._send(conn, self._handle(payload, conn, fds))
                 if conn.stop_after_reply:
                     self.stop()
                 if not sent:
@@ -364,16 +392,26 @@ class ReferenceServer:
     @staticmethod
     def _send(conn: _Connection, payload: bytes) -> bool:
         try:
-            _protocol.send_frame(conn.sock, payload)
+            _frames.send_frame(conn.sock, payload)
         except OSError:
             return False
         return True
 
-    def _handle(self, payload: bytes, conn: _Connection) -> bytes:
-        """Answer one request. Every failure becomes an error reply; the server goes on."""
+    def _handle(self, payload: bytes, conn: _Connection, fds: list[int]) -> bytes:
+        """Answer one request. Every failure becomes an error reply; the server goes on.
+
+        ``fds`` came beside the frame: a ``register`` hands them to the wire decoder,
+        which owns them from then on; any other request closes them and is refused.
+        """
         try:
             req = _protocol.decode_request(payload)
+            if fds and not isinstance(req, RegisterRequest):
+                raise WireFormatError(
+                    f"{req.op} request: {len(fds)} file descriptors came with it; only "
+                    "register takes file descriptors"
+                )
         except Exception as exc:
+            _frames.close_fds(fds)
             rid = _protocol.request_id_of(payload)
             if not isinstance(exc, WireFormatError):  # a decoder bug must not cost the client its reply
                 logger.exception("decoding a request failed")
@@ -386,7 +424,10 @@ class ReferenceServer:
             if req.op != "ping":  # ping takes no lock but its connection's
                 self._leases.sweep()
             check_deadline(req.deadline, "before the server read the request")
-            result = self._handlers[req.op](req, conn)
+            if isinstance(req, RegisterRequest):
+                result = self._register(req, conn, _take(fds))
+            else:
+                result = self._handlers[req.op](req, conn)
         except DeadlineExceeded as exc:  # counted, and logged at most once per period
             self._dropped(req, conn, exc)
             return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
@@ -399,7 +440,9 @@ class ReferenceServer:
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True)
             return _protocol.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
-        return _protocol.encode_reply(req.request_id, result)
+        finally:
+            _frames.close_fds(fds)  # what register did not take
+        return _protocol.encode_reply(req.request_id, req.encode_result(result))
 
     def _count(self, op: str | None, *, error: bool = False) -> None:
         with self._stats_lock:
@@ -407,9 +450,9 @@ class ReferenceServer:
                 self._stats.requests[op] = self._stats.requests.get(op, 0) + 1
             self._stats.errors += error
 
-    def _dropped(self, req: Request, conn: _Connection, exc: DeadlineExceeded) -> None:
+    def _dropped(self, req: Request[Any], conn: _Connection, exc: DeadlineExceeded) -> None:
         """Count a late request; log a summary at most once per period, never per request."""
-        if req.op == "get" and req.lease:
+        if isinstance(req, GetRequest) and req.lease:
             self._leases.release_share(req.lease, self._entries_namespace(req, conn))
         now = time.monotonic_ns()
         with self._stats_lock:
@@ -432,7 +475,7 @@ class ReferenceServer:
             deadline_drops=total,
         )
 
-    def _entries_namespace(self, req: Request, conn: _Connection) -> bytes:
+    def _entries_namespace(self, req: GetRequest, conn: _Connection) -> bytes:
         """The namespace of the request's context, or ``b""`` when it has none here."""
         if req.context not in conn.contexts:
             return b""
@@ -455,17 +498,27 @@ class ReferenceServer:
 
     # -- operations --------------------------------------------------------------------
 
-    def _entry(self, req: Request, conn: _Connection) -> _Entry:
+    def _entry(
+        self,
+        req: StoreRequest | RetrieveRequest | PutRequest | GetRequest | UnregisterRequest | StatusRequest,
+        conn: _Connection,
+    ) -> _Entry:
         if req.context not in conn.contexts:
             raise TransferError(f"unknown context {req.context}: not registered on this connection")
         with self._lock:
             return self._entries[req.context]
 
-    def _register(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _register(self, req: RegisterRequest, conn: _Connection, fds: list[int]) -> Registration:
         from .._facade import create_cache_context
         from .._plugins.registry import selected_backend
 
-        wrappers = wire.decode(req.wrappers)
+        if fds and conn.uid != os.geteuid():
+            _frames.close_fds(fds)
+            raise DescriptorError(
+                f"register from {conn.peer}: {len(fds)} file descriptors from another user (uid {conn.uid}; "
+                f"this server runs as uid {os.geteuid()}); run the engine and the server as one user"
+            )
+        wrappers = wire.decode(req.wrappers, fds=fds)
         if not wrappers:
             raise WireFormatError("register: the wrapper list is empty")
         device_type = type(wrappers[0]).device_type
@@ -509,21 +562,17 @@ class ReferenceServer:
         threading.Thread(
             target=self._prefault, args=(ctx_id, ctx), name=f"lmcache-prefault-{ctx_id}", daemon=True
         ).start()
-        return {
-            "context": ctx_id,
-            "device_type": device_type,
-            "backend": {
-                "name": backend.name,
-                "distribution": backend.distribution,
-                "version": backend.version,
-            },
-            "num_layers": len(wrappers),
-            "num_object_groups": n_groups,
-            "max_batch_size": ctx.max_batch_size,
-            "chunk_bytes": chunk_bytes,
-            "namespace": req.namespace,
-            **({"now": time.monotonic_ns()} if req.extended else {}),
-        }
+        return Registration(
+            context=ctx_id,
+            device_type=device_type,
+            backend={"name": backend.name, "distribution": backend.distribution, "version": backend.version},
+            num_layers=len(wrappers),
+            num_object_groups=n_groups,
+            max_batch_size=ctx.max_batch_size,
+            chunk_bytes=chunk_bytes,
+            namespace=req.namespace,
+            now=time.monotonic_ns(),
+        )
 
     def _prefault(self, ctx_id: int, ctx: BaseCacheContext) -> None:
         """Let the context prepare the engine's memory beside the first transfers; log the outcome.
@@ -576,7 +625,7 @@ class ReferenceServer:
         binding.contexts += 1
         return binding
 
-    def _store(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _store(self, req: StoreRequest, conn: _Connection) -> StoreResult:
         entry = self._entry(req, conn)
         _check_unique(req.chunks)
         with entry.lock:
@@ -584,9 +633,9 @@ class ReferenceServer:
             _precheck(entry.ctx, req.chunks, retrieve=False)
             res = self._index.reserve(entry.context, _names(req.chunks), entry.chunk_bytes, shared=False)
             self._gather(entry, req.chunks, res, req.deadline, req.event)
-        return {"stored": len(res.keys), "bytes": len(res.keys) * entry.chunk_bytes}
+        return StoreResult(stored=len(res.keys), bytes=len(res.keys) * entry.chunk_bytes)
 
-    def _put(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _put(self, req: PutRequest, conn: _Connection) -> PutResult:
         entry = self._entry(req, conn)
         namespace = _namespace_of(entry, "put")
         _check_unique(req.chunks)
@@ -598,13 +647,13 @@ class ReferenceServer:
         if self.tier is not None:  # only chunks computed here: a put skips chunks a get brought
             for key, (tensors, _) in zip(res.keys, payloads, strict=True):
                 self.tier.write_behind(entry.remote_ns, _key(key), tensors)
-        return {
-            "stored": len(res.keys),
-            "present": res.present,
-            "dropped": res.dropped,
-            "evicted": res.evicted,
-            "bytes": len(res.keys) * entry.chunk_bytes,
-        }
+        return PutResult(
+            stored=len(res.keys),
+            present=res.present,
+            dropped=res.dropped,
+            evicted=res.evicted,
+            bytes=len(res.keys) * entry.chunk_bytes,
+        )
 
     def _gather(
         self,
@@ -641,7 +690,7 @@ class ReferenceServer:
         self._index.commit(res, payloads)  # readable only once every byte has landed
         return payloads
 
-    def _retrieve(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _retrieve(self, req: RetrieveRequest, conn: _Connection) -> RetrieveResult:
         entry = self._entry(req, conn)
         names = _names(req.chunks)
         with entry.lock:
@@ -654,9 +703,9 @@ class ReferenceServer:
             _precheck(entry.ctx, req.chunks, retrieve=True)
             held = self._index.acquire(entry.context, names)
             total = self._scatter(entry, req.chunks, held, req.deadline, req.event)
-        return {"retrieved": len(req.chunks), "bytes": total}
+        return RetrieveResult(retrieved=len(req.chunks), bytes=total)
 
-    def _get(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _get(self, req: GetRequest, conn: _Connection) -> GetResult:
         entry = self._entry(req, conn)
         namespace = _namespace_of(entry, "get")
         try:
@@ -674,7 +723,7 @@ class ReferenceServer:
         if done < len(req.chunks):
             with self._stats_lock:
                 self._stats.get_missing += len(req.chunks) - done
-        return {"retrieved": done, "bytes": total}
+        return GetResult(retrieved=done, bytes=total)
 
     def _get_remote(
         self, entry: _Entry, chunks: Sequence[Chunk], start: int, deadline: int | None
@@ -743,7 +792,7 @@ class ReferenceServer:
             self._index.release(held)
         return total
 
-    def _lookup(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _lookup(self, req: LookupRequest, conn: _Connection) -> LookupResult:
         hits = self._leases.lookup(
             conn, req.lookup_namespaces, req.keys, lease=req.lease, lease_ms=req.lease_ms
         )
@@ -753,8 +802,7 @@ class ReferenceServer:
             if remote:
                 with self._stats_lock:
                     self._stats.remote_hits += remote
-        hits += remote
-        return {"hits": hits, "remote": remote} if req.extended else {"hits": hits}
+        return LookupResult(hits=hits + remote, remote=remote)
 
     def _lookup_remote(
         self, namespaces: Sequence[bytes], keys: Sequence[bytes], hits: int, deadline: int | None
@@ -778,18 +826,16 @@ class ReferenceServer:
         )
         return max(min(n + m for n, m in zip(local, more, strict=True)) - hits, 0)
 
-    def _release(self, req: Request, conn: _Connection) -> dict[str, Any]:
-        self._leases.release(req.lease)
-        return {}
+    def _release(self, req: ReleaseRequest, conn: _Connection) -> None:
+        self._leases.release(conn, req.lease)
 
-    def _ping(self, req: Request, conn: _Connection) -> dict[str, Any]:
-        return {"now": time.monotonic_ns(), "pid": os.getpid()}
+    def _ping(self, req: PingRequest, conn: _Connection) -> PingResult:
+        return PingResult(now=time.monotonic_ns(), pid=os.getpid())
 
-    def _unregister(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _unregister(self, req: UnregisterRequest, conn: _Connection) -> None:
         self._entry(req, conn)
         self._close_entry(req.context, "unregister")
         conn.contexts.discard(req.context)
-        return {}
 
     def counters(self) -> dict[str, Any]:
         """What ``status`` reports under ``"server"``: sizes, cache and request counters."""
@@ -819,7 +865,7 @@ class ReferenceServer:
                 "requests": requests,
             }
 
-    def _status(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _status(self, req: StatusRequest, conn: _Connection) -> Json:
         out: dict[str, Any] = {"server": self.counters()}
         if req.context:
             entry = self._entry(req, conn)
@@ -828,9 +874,8 @@ class ReferenceServer:
             out["context"]["namespace"] = entry.namespace
         return out
 
-    def _shutdown(self, req: Request, conn: _Connection) -> dict[str, Any]:
+    def _shutdown(self, req: ShutdownRequest, conn: _Connection) -> None:
         conn.stop_after_reply = True  # stopping now could close this socket before the reply
-        return {}
 
     def _close_entry(self, ctx_id: int, reason: str) -> None:
         """Close one context and drop its own chunks; its keyed chunks stay in the cache."""
@@ -982,15 +1027,22 @@ def _plain(value: Any) -> Any:
 _PEERCRED = struct.Struct("3i")
 
 
-def _peer(sock: socket.socket) -> str:
-    """``pid N uid M`` of the process at the other end (Linux), for logs."""
+def _peer(sock: socket.socket) -> tuple[str, int]:
+    """``("pid N uid M", M)`` of the process at the other end (Linux); uid -1 when unknown."""
     try:
         pid, uid, _gid = _PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
     except (AttributeError, OSError):  # not Linux, or the peer is already gone
-        return "unknown peer"
-    return f"pid {pid} uid {uid}"
+        return "unknown peer", -1
+    return f"pid {pid} uid {uid}", uid
+
+
+def _take(fds: list[int]) -> list[int]:
+    """Move the fds out of ``fds`` (whoever takes them owns them; the list is left empty)."""
+    taken = list(fds)
+    fds.clear()
+    return taken
 
 
 # -- running in a child process ----------------------------------------------------------

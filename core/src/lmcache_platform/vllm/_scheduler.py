@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 from . import _identity
 from ._messages import READY, SKIP, ChunkMove, StepPlan, Transfer, WorkerReport
 from ._settings import Settings
-from ._stats import ConnectorStats, Counters
+from ._stats import Counters
 
 if TYPE_CHECKING:
-    from ..server import AsyncClient, Pending
+    from ..server import AsyncClient, LookupResult, Pending
 
 _log = logging.getLogger("lmcache_platform.vllm")
 #: How long past a transfer's deadline an idle engine keeps stepping to hear how it ended.
@@ -43,7 +42,7 @@ _IDLE_STEP_S = 0.001
 class _Request:
     keys: list[bytes]
     #: The request's pending or answered lookup, and the lease pinning its hits.
-    lookup: Pending | None = None
+    lookup: Pending[LookupResult] | None = None
     lookup_deadline: float = 0.0
     lease: int = 0
     #: Leading chunks the server holds, once the lookup is answered.
@@ -216,7 +215,9 @@ class SchedulerSide:
     def _start_lookup(self, st: _Request) -> None:
         if not st.keys or self._client is None:
             return
-        st.lease = random.getrandbits(62) + 1
+        from ..server import new_lease_id
+
+        st.lease = new_lease_id()  # never from the global generator: vLLM seeds it alike in every engine
         st.hits = None
         st.lookup = self._client.lookup(
             self.namespaces, st.keys, lease=st.lease, lease_ms=self.settings.lease_ms
@@ -241,14 +242,14 @@ class SchedulerSide:
             if st.lookup is None:
                 return 0, False
         if st.hits is None:
-            if not st.lookup.future.done():
+            if not st.lookup.done():
                 if time.monotonic() < st.lookup_deadline:
                     return None, False  # ask again on a later pass
                 self.stats.add("deadline_misses")
                 st.hits = 0
             else:
                 try:
-                    st.hits = int(st.lookup.future.result()["hits"])
+                    st.hits = st.lookup.result().hits
                 except Exception:  # the server failed or refused: no hits; the client logs state changes
                     st.hits = 0
         end = st.hits * self.chunk
@@ -409,9 +410,6 @@ class SchedulerSide:
             st.stored = len(st.keys)  # what running requests computed so far is of the old epoch
         _log.info("lmcache-platform scheduler: cache reset, epoch %d", self.epoch)
         return True
-
-    def take_stats(self) -> ConnectorStats | None:
-        return self.stats.take()
 
     def shutdown(self) -> None:
         if self._client is not None:

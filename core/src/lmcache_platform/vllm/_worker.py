@@ -13,28 +13,29 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._errors import LMCachePlatformError, ServerError
 from .._facade import wrap_kv_caches
 from . import _identity
 from ._messages import DOWN, OFF, READY, StepPlan, Transfer, WorkerReport
 from ._settings import Settings
-from ._stats import ConnectorStats, Counters
+from ._stats import Counters
 
 if TYPE_CHECKING:
     import torch
 
     from .._ipc_wrapper import DeviceIPCWrapper
-    from ..server import AsyncClient, Pending
+    from ..server import AsyncClient, GetResult, Pending, PutResult
 
 _log = logging.getLogger("lmcache_platform.vllm")
+R = TypeVar("R")
 
 
 @dataclass
-class _InFlight:
+class _InFlight(Generic[R]):
     transfer: Transfer
-    pending: Pending
+    pending: Pending[R]
     started: float
     #: When a store's blocks may be reused even without an answer: the server never
     #: commits what it read after the request's deadline.
@@ -66,8 +67,8 @@ class WorkerSide:
         self._device: torch.device | None = None
         self._client: AsyncClient | None = None
         #: By ticket, until vLLM heard how each ended and the server can no longer act on it.
-        self._loads: dict[int, _InFlight] = {}
-        self._stores: dict[int, _InFlight] = {}
+        self._loads: dict[int, _InFlight[GetResult]] = {}
+        self._stores: dict[int, _InFlight[PutResult]] = {}
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -145,7 +146,16 @@ class WorkerSide:
         event = self._event()  # after vLLM's zeroing of new blocks, which it enqueued before us
         for transfer in plan.loads:
             self.stats.add("loads")
-            self._loads[transfer.ticket] = self._submit("get", transfer, event)
+            started = time.monotonic()
+            if self._client is None:
+                pending: Pending[GetResult] = _refused(
+                    "get", f"the connector is off here ({self.off_reason})"
+                )
+            else:
+                pending = self._client.get(
+                    self._client.SESSION_CONTEXT, transfer.chunks, transfer.lease or None, event=event
+                )
+            self._loads[transfer.ticket] = _InFlight(transfer, pending, started)
 
     def wait_for_save(self, plan: Any) -> None:
         """Submit this step's stores; vLLM's scheduler holds their blocks until they resolve."""
@@ -153,22 +163,16 @@ class WorkerSide:
             return
         event = self._event()  # after the forward pass that wrote the blocks
         for transfer in plan.stores:
-            flight = self._submit("put", transfer, event)
-            flight.reusable_at = flight.started + self.settings.transfer_ms / 1e3
+            started = time.monotonic()
+            if self._client is None:
+                pending: Pending[PutResult] = _refused(
+                    "put", f"the connector is off here ({self.off_reason})"
+                )
+            else:
+                pending = self._client.put(self._client.SESSION_CONTEXT, transfer.chunks, event=event)
+            flight = _InFlight(transfer, pending, started)
+            flight.reusable_at = started + self.settings.transfer_ms / 1e3
             self._stores[transfer.ticket] = flight
-
-    def _submit(self, op: str, transfer: Transfer, event: bytes | None) -> _InFlight:
-        from ..server import AsyncClient
-
-        now = time.monotonic()
-        if self._client is None:
-            return _InFlight(transfer, _refused(op, f"the connector is off here ({self.off_reason})"), now)
-        fields: dict[str, Any] = {"context": AsyncClient.SESSION_CONTEXT, "chunks": transfer.chunks}
-        if op == "get" and transfer.lease:
-            fields["lease"] = transfer.lease
-        if event is not None:
-            fields["event"] = event
-        return _InFlight(transfer, self._client.submit(op, **fields), now)
 
     def _event(self) -> bytes | None:
         """A device event after the engine's work so far, for the server's copies to wait on.
@@ -194,7 +198,7 @@ class WorkerSide:
         finished: set[str] = set()
         failed: set[str] = set()
         for flight in self._loads.values():
-            if flight.done or not flight.pending.future.done():
+            if flight.done or not flight.pending.done():
                 continue
             flight.done = True
             req_id = flight.transfer.req_id
@@ -202,11 +206,10 @@ class WorkerSide:
             self.stats.add("load_seconds", _seconds(flight))
             ok = False
             try:
-                result = flight.pending.future.result()
-                retrieved = int(result.get("retrieved", 0))
-                self.stats.add("loaded_chunks", retrieved)
-                self.stats.add("loaded_bytes", int(result.get("bytes", 0)))
-                ok = retrieved == len(flight.transfer.chunks)
+                result = flight.pending.result()
+                self.stats.add("loaded_chunks", result.retrieved)
+                self.stats.add("loaded_bytes", result.bytes)
+                ok = result.retrieved == len(flight.transfer.chunks)
             except Exception as exc:  # the client logs link state changes; this is one load's fate
                 _log.debug("lmcache-platform worker %s: load for %s failed: %s", self.label, req_id, exc)
             if not ok:
@@ -224,31 +227,28 @@ class WorkerSide:
         """
         now = time.monotonic()
         resolved: dict[int, int] = {}
-        for ticket, flight in list(self._loads.items()):
-            if flight.done and flight.pending.resolved.is_set():
+        for ticket, load in list(self._loads.items()):
+            if load.done and load.pending.resolved.is_set():
                 del self._loads[ticket]
                 resolved[ticket] = 1
-        for ticket, flight in list(self._stores.items()):
-            answered = flight.pending.future.done()
-            if answered or now >= flight.reusable_at:
+        for ticket, store in list(self._stores.items()):
+            answered = store.pending.done()
+            if answered or now >= store.reusable_at:
                 del self._stores[ticket]
-                self._count_store(flight, answered)
+                self._count_store(store, answered)
                 resolved[ticket] = 1
         return WorkerReport(resolved, {self.label: self.state})
 
-    def _count_store(self, flight: _InFlight, answered: bool) -> None:
+    def _count_store(self, flight: _InFlight[PutResult], answered: bool) -> None:
         self.stats.add("store_seconds", _seconds(flight))
         try:
             if not answered:
                 raise TimeoutError("no answer by the deadline")
-            result = flight.pending.future.result()
-            self.stats.add("stored_chunks", int(result.get("stored", 0)))
-            self.stats.add("stored_bytes", int(result.get("bytes", 0)))
+            result = flight.pending.result()
+            self.stats.add("stored_chunks", result.stored)
+            self.stats.add("stored_bytes", result.bytes)
         except Exception:  # counted; those chunks stay uncached
             self.stats.add("store_failures")
-
-    def take_stats(self) -> ConnectorStats | None:
-        return self.stats.take()
 
     def shutdown(self) -> None:
         """Close the link (the server drops its mapping of our memory, not the chunks) and the exports."""
@@ -260,17 +260,17 @@ class WorkerSide:
         self.kv_caches = {}
 
 
-def _seconds(flight: _InFlight) -> float:
+def _seconds(flight: _InFlight[Any]) -> float:
     """From submission to the answer (or to now, for one that had none): not the step that saw it."""
     end = flight.pending.finished_at
     return (time.monotonic() if end is None else end) - flight.started
 
 
-def _refused(op: str, why: str) -> Pending:
+def _refused(op: str, off_reason: str | None) -> Pending[Any]:
     """A request that was never sent: failed, and resolved (the server never saw it)."""
     from ..server import Pending, ServerUnavailable
 
-    pending = Pending(op, 0, 0, control=False)
-    pending.set_exception(ServerUnavailable(f"{op}: not sent: {why}"))
+    pending: Pending[Any] = Pending(op, 0, 0, control=False)
+    pending.set_exception(ServerUnavailable(f"{op}: not sent: the connector is off here ({off_reason})"))
     pending.resolved.set()
     return pending
