@@ -36,7 +36,7 @@ marked resolved (logged). Requests on the control connection (``ping``, ``lookup
 ``release``, ``status``) never write into an engine: they are resolved when it is given up.
 
 One log line per change of :attr:`AsyncClient.state`, never one per request (logger
-``lmcache_platform.server.client``).
+``lmcache_platform.server._async``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from . import _protocol
 from ._client import ServerClient
 from ._protocol import Chunk
 
-logger = logging.getLogger("lmcache_platform.server.client")
+logger = logging.getLogger(__name__)
 
 #: Ops sent on the control connection unless ``submit(control=...)`` says otherwise.
 CONTROL_OPS: Final = frozenset({"ping", "lookup", "release", "status"})

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .._ipc_wrapper import DeviceIPCWrapper
     from ..server import AsyncClient, Pending
 
-_log = logging.getLogger("lmcache_platform.vllm")
+_log = logging.getLogger(__name__)
 
 
 @dataclass
