@@ -122,7 +122,7 @@ def test_resolved_factory_is_cached_without_pluggy(lmcache_registry, monkeypatch
     first = lp.get_kv_wrapper_factory("cpu")
     registry = lmcache_registry.registry
     monkeypatch.setattr(registry, "_select", lambda *a: pytest.fail("re-selected"))
-    monkeypatch.setattr(registry, "_call", lambda *a, **k: pytest.fail("hook called"))
+    monkeypatch.setattr(registry.engine, "call", lambda *a, **k: pytest.fail("hook called"))
     assert lp.get_kv_wrapper_factory("cpu") == first
 
 

@@ -178,7 +178,7 @@ def test_bad_and_clashing_entry_point_names_are_reported(site: Path) -> None:
     install(site, "two", {"dup": "m3"}, {"m3.py": store_module()})
     reg = registry(site)
     with pytest.raises(RemoteStoreLoadError, match=r"invalid backend name 'Bad_Scheme'.*URL scheme"):
-        reg._plugin_manager("Bad_Scheme")
+        reg.store("Bad_Scheme")
     with pytest.raises(RemoteStoreLoadError, match="several distributions"):
         reg.open("dup://h")
 

@@ -40,7 +40,7 @@ from support.procs import sigstop
 from support.serve import TinyEngine, namespace
 
 WAIT_S = 60  # a bound for waits, never a measured time
-LOGGER = "lmcache_platform.server.client"
+LOGGER = "lmcache_platform.server._async"
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ from ._kv.context import BaseCacheContext, NullStream
 from ._kv.groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
 from ._kv.layout import allocate_kv_caches, kv_cache_shape
 from ._kv.transfer import ChunkTransfer, GroupTransfer
-from ._plugins.registry import BackendInfo, Status, TableState, list_backends, selected_backend
+from ._plugins.engine import Status
+from ._plugins.registry import BackendInfo, TableState, list_backends, selected_backend
 from ._types import (
     CHUNK_FORMATS,
     Availability,

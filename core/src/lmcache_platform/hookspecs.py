@@ -33,6 +33,20 @@ if TYPE_CHECKING:
     from ._kv.context import BaseCacheContext
     from ._types import Availability, DoctorFinding
 
+__all__ = [
+    "PROJECT_NAME",
+    "hookimpl",
+    "hookspec",
+    "lmcache_platform_api_version",
+    "lmcache_platform_cache_context_class",
+    "lmcache_platform_device_event_class",
+    "lmcache_platform_doctor",
+    "lmcache_platform_gc",
+    "lmcache_platform_ipc_wrapper_class",
+    "lmcache_platform_probe",
+    "lmcache_platform_wire_classes",
+]
+
 PROJECT_NAME = "lmcache_platform"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

@@ -25,6 +25,8 @@ from ._types import Availability
 from ._version import API_VERSION
 from .hookspecs import hookimpl
 
+__all__ = ["RegistryFixture", "fake_backend", "lmcache_registry", "make_distribution"]
+
 
 def fake_backend(
     device_type: str,

@@ -35,7 +35,7 @@ from ._config import ValkeyConfig
 if TYPE_CHECKING:
     import valkey
 
-logger = logging.getLogger("lmcache_platform.remote")
+logger = logging.getLogger(__name__)
 
 _REFRESH_PERIOD_S = 1.0
 #: Bytes the client's parser reads from the socket at once: large, for chunks of many MiB

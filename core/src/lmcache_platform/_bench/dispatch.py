@@ -26,9 +26,8 @@ _NULL_DEVICE = "benchnull"
 
 def bench_dispatch(report: Report, settings: Settings) -> None:
     """Cached ``get_kv_wrapper_factory`` against a dict lookup and a pluggy hook call."""
-    import pluggy
-
     from .. import get_kv_wrapper_factory, hookspecs
+    from .._plugins.engine import plugin_manager
 
     device_type = settings.device
     try:
@@ -38,8 +37,7 @@ def bench_dispatch(report: Report, settings: Settings) -> None:
         return
     table = {device_type: factory}
 
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
+    pm = plugin_manager(hookspecs)
     pm.register(_one_impl(device_type, factory), name="bench")
     hook = pm.hook.lmcache_platform_ipc_wrapper_class
     if hook(device_type=device_type) is not factory:

@@ -22,7 +22,8 @@ from typing import Any
 
 from .._env import preferred_backends
 from .._errors import AmbiguousBackendError
-from .._plugins.registry import REGISTRY, Status
+from .._plugins.engine import Status
+from .._plugins.registry import REGISTRY
 from .._plugins.selection import belongs_to
 from .._version import API_VERSION
 

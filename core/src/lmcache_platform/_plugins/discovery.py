@@ -101,6 +101,11 @@ def _unique(dists: Iterable[Any]) -> Iterable[Any]:
             yield dist
 
 
+def name_problem(name: str, names: re.Pattern[str], rule: str) -> str | None:
+    """What is wrong with entry-point name ``name`` under a group's rule, or ``None``."""
+    return None if names.match(name) else f"invalid backend name {name!r}: {rule}"
+
+
 def collect(
     entry_points: Iterable[importlib_metadata.EntryPoint],
     *,
@@ -117,16 +122,13 @@ def collect(
         if key in seen:  # the same distribution found again further down sys.path
             continue
         seen.add(key)
-        problem = None
-        if not names.match(ep.name):
-            problem = f"invalid backend name {ep.name!r}: {rule}"
         spec = BackendSpec(
             name=ep.name,
             distribution=dist_name,
             version=dist.version if dist is not None else None,
             entry_point=f"{ep.name} = {ep.value}",
             load=ep.load,
-            problem=problem,
+            problem=name_problem(ep.name, names, rule),
         )
         by_name.setdefault(ep.name, []).append(spec)
 

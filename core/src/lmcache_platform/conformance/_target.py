@@ -18,7 +18,8 @@ from .. import _env
 from .._errors import BackendSelectionError
 from .._facade import refresh
 from .._plugins import discovery
-from .._plugins.registry import REGISTRY, BackendInfo, Status
+from .._plugins.engine import Status
+from .._plugins.registry import REGISTRY, BackendInfo
 from .._types import KVFormat
 
 if TYPE_CHECKING:

@@ -76,7 +76,7 @@ def lmcache_device(lmcache_backend: Target) -> torch.device:
 
     A backend that failed to load fails instead, with its traceback.
     """
-    from .._plugins.registry import Status
+    from .._plugins.engine import Status
 
     info = lmcache_backend.info
     if info.status is Status.FAILED:

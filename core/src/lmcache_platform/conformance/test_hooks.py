@@ -7,7 +7,6 @@ import subprocess
 import sys
 from typing import Any
 
-import pluggy
 import pytest
 
 from lmcache_platform import (
@@ -22,6 +21,7 @@ from lmcache_platform import (
     selected_backend,
 )
 from lmcache_platform._ipc_wrapper import BASE_FIELDS
+from lmcache_platform._plugins.engine import plugin_manager
 from lmcache_platform.conformance._target import Target
 from lmcache_platform.wire import DEVICE_TYPE_RE, WIRE_TAG_RE
 
@@ -42,8 +42,7 @@ def plugin(lmcache_backend: Target) -> object:
 @pytest.fixture(scope="module")
 def hooks(plugin: object, lmcache_backend: Target) -> Any:
     """The plugin registered in a fresh plugin manager: pluggy validates every hookimpl."""
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
+    pm = plugin_manager(hookspecs)
     pm.register(plugin, name=lmcache_backend.name)
     return pm.hook
 
@@ -63,8 +62,7 @@ def test_every_hook_function_is_a_marked_implementation_of_a_known_spec(
     named = {n for n in dir(plugin) if n.startswith("lmcache_platform_")}
     unknown = named - SPECS
     assert not unknown, f"not hook specs of lmcache-platform (typo, or a newer API?): {sorted(unknown)}"
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
+    pm = plugin_manager(hookspecs)
     pm.register(plugin, name=lmcache_backend.name)  # raises PluginValidationError on bad arguments
     registered = {caller.name for caller in pm.get_hookcallers(plugin) or ()}
     unmarked = named - registered

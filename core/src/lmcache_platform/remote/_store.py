@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl
 
 from ._errors import RemoteConfigError
 
-logger = logging.getLogger("lmcache_platform.remote")
+logger = logging.getLogger(__name__)
 
 #: Bytes a store takes or returns: ``bytes``, or a ``bytearray``/``memoryview`` over them.
 Buffer = bytes | bytearray | memoryview

@@ -23,6 +23,8 @@ import pluggy
 if TYPE_CHECKING:
     from ._store import RemoteOptions, RemoteStore, RemoteURL
 
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec", "lmcache_remote_api_version", "lmcache_remote_open"]
+
 PROJECT_NAME = "lmcache_platform_remote"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

@@ -36,7 +36,7 @@ marked resolved (logged). Requests on the control connection (``ping``, ``lookup
 ``release``, ``status``) never write into an engine: they are resolved when it is given up.
 
 One log line per change of :attr:`AsyncClient.state`, never one per request (logger
-``lmcache_platform.server.client``).
+``lmcache_platform.server._async``).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from ._ops import (
     as_chunks,
 )
 
-logger = logging.getLogger("lmcache_platform.server.client")
+logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 #: What :meth:`AsyncClient.execute` takes: a request, or a function of the session

@@ -19,7 +19,7 @@ import stat
 
 from .._errors import ServerError
 
-logger = logging.getLogger("lmcache_platform.server")
+logger = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
 

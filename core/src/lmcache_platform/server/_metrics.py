@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-logger = logging.getLogger("lmcache_platform.server")
+logger = logging.getLogger(__name__)
 
 PREFIX = "lmcache_platform_server_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -105,7 +105,7 @@ if TYPE_CHECKING:
     from .._kv.context import BaseCacheContext
     from ._tier import RemoteTier
 
-logger = logging.getLogger("lmcache_platform.server")
+logger = logging.getLogger(__name__)
 
 #: Default cap on the host memory the server uses for stored chunks.
 DEFAULT_MAX_HOST_BYTES = 8 << 30

@@ -51,7 +51,7 @@ from ._entry import Decoded, EntryIdentity, Refused, TensorSpec
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger("lmcache_platform.server")
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

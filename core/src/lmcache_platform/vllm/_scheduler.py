@@ -31,7 +31,7 @@ from ._stats import Counters
 if TYPE_CHECKING:
     from ..server import AsyncClient, LookupResult, Pending
 
-_log = logging.getLogger("lmcache_platform.vllm")
+_log = logging.getLogger(__name__)
 #: How long past a transfer's deadline an idle engine keeps stepping to hear how it ended.
 _IDLE_STEPPING_S = 10.0
 #: The pause of a step that has nothing to compute while transfers are outstanding.

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .._ipc_wrapper import DeviceIPCWrapper
     from ..server import AsyncClient, GetResult, Pending, PutResult
 
-_log = logging.getLogger("lmcache_platform.vllm")
+_log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
