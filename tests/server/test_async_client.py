@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,7 +38,7 @@ from lmcache_platform.server import (
 )
 from lmcache_platform.server import _protocol as P
 from support.procs import sigstop
-from support.serve import TinyEngine, namespace
+from support.serve import Serve, TinyEngine, namespace, private_dir
 
 WAIT_S = 60  # a bound for waits, never a measured time
 LOGGER = "lmcache_platform.server._async"
@@ -531,3 +532,54 @@ def test_no_thread_or_fd_leaks(own_server: ServerProcess, engine: TinyEngine) ->
     os.kill(own_server.pid, signal.SIGCONT)
     wait_until(lambda: threading.active_count() == threads, "the client's threads to end", bound=10)
     assert fds() == files, "file descriptors leaked"
+
+
+# -- a server that comes back ---------------------------------------------------------------
+
+
+def test_a_restarted_server_is_found_at_once_however_long_the_backoff_grew(
+    tmp_path: Path, engine: TinyEngine
+) -> None:
+    path = private_dir(tmp_path) / "kv.sock"
+    ns = fresh()
+    with (
+        Serve(path) as first,
+        AsyncClient(
+            str(path), name="t", retry_first_s=30, retry_max_s=60, on_connect=Registrar(engine, ns)
+        ) as client,
+    ):
+        healthy(client)
+        assert client.sessions == 1
+        first.kill()  # its socket file stays, as a killed server's does
+        wait_until(lambda: client.state == "unavailable", "the client to notice")
+        attempts = client.stats()["connects"]
+        time.sleep(0.5)
+        assert client.stats()["connects"] == attempts  # the dead socket is not retried before the backoff
+        with Serve(path):
+            listening = time.monotonic()
+            wait_until(lambda: client.state == "healthy", "the client to find the new server", bound=20)
+            found = time.monotonic() - listening
+            print(f"a restarted server found {found * 1e3:.0f} ms after it listened (backoff 30 s)")
+            assert client.sessions == 2 and client.healthy_since >= listening
+            engine.fill(0, seed=5)
+            assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S).stored == 1
+
+
+def test_a_hung_server_is_not_asked_more_often_than_the_backoff(tmp_path: Path, engine: TinyEngine) -> None:
+    path = private_dir(tmp_path) / "kv.sock"
+    with (
+        Serve(path) as hung,
+        AsyncClient(
+            str(path), name="t", deadline_ms=300, retry_first_s=30, on_connect=Registrar(engine, fresh())
+        ) as client,
+    ):
+        healthy(client)
+        os.kill(hung.proc.pid, signal.SIGSTOP)
+        try:
+            client.ping()
+            wait_until(lambda: client.state == "unavailable", "the client to give up on the hung server")
+            attempts = client.stats()["connects"]
+            time.sleep(1.0)  # ten looks at the socket path: the same socket, so no new attempt
+            assert client.stats()["connects"] == attempts
+        finally:
+            os.kill(hung.proc.pid, signal.SIGCONT)

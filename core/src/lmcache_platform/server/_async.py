@@ -24,6 +24,16 @@ answer within the ping's deadline means it is *unavailable*: both connections ar
 given up, every pending future fails, and the client reconnects with exponential
 backoff. Submissions while not healthy fail at once.
 
+A restarted server is found at once, however long the backoff has grown: while
+unavailable the client looks at the socket path every :data:`WATCH_S` (a ``stat``, nothing
+the server sees), and while a socket is there that is not the one of its last healthy
+session (another inode or creation time: a new server bound it) it tries to connect
+without waiting for the backoff, which starts again from ``retry_first_s``; a new server
+still starting up (it listens before it answers) is tried again about once per ping
+deadline until it answers. A hung server keeps its socket, so it is not asked more often
+than the backoff allows. :attr:`AsyncClient.healthy_since` and
+:attr:`AsyncClient.sessions` tell a caller that the server came back.
+
 Done versus resolved: a :class:`Pending` is *done* when its future has a result or
 failed (perhaps locally, at its deadline). It is *resolved* (:attr:`Pending.resolved`)
 once the server can no longer act on it: it answered, the connection it was sent on
@@ -88,7 +98,7 @@ RequestLike = Request[R] | Callable[[Mapping[str, Any]], Request[R]]
 #: Ops sent on the control connection unless ``submit(control=...)`` says otherwise.
 CONTROL_OPS: Final = frozenset(op for op, cls in REQUEST_TYPES.items() if cls.control)
 #: How often an unavailable client looks at the socket path for a restarted server.
-WATCH_S: Final = 0.25
+WATCH_S: Final = 0.1
 #: Largest difference between the server's monotonic clock and ours: beyond it the two do
 #: not share a clock (another host or time namespace) and deadlines would mean nothing.
 MAX_CLOCK_SKEW_NS: Final = 1_000_000_000
@@ -248,6 +258,13 @@ class AsyncClient:
         self._slow = False  # in a slow episode (logged once)
         self._backoff = retry_first_s
         self._next_attempt = 0.0
+        #: ``time.monotonic()`` when the client last became healthy (0.0: never yet).
+        self.healthy_since = 0.0
+        #: Sessions established so far (each connect that became healthy; ``stats()["connects"]``
+        #: counts attempts).
+        self.sessions = 0
+        self._known: tuple[int, int] | None = None  # the socket of the last healthy session
+        self._watched_at = 0.0
         self._dialing: list[socket.socket] = []
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -442,6 +459,8 @@ class AsyncClient:
                 self._give_up(f"client error: {type(exc).__name__}: {exc}")
 
     def _step(self) -> None:
+        if not self._links:
+            self._watch_socket()
         if not self._links and time.monotonic() >= self._next_attempt:
             self._attempt()
         self._send_submitted()
@@ -484,6 +503,9 @@ class AsyncClient:
         self._links = links
         self._backoff = self.retry_first_s
         self._slow = False
+        self.sessions += 1
+        self.healthy_since = time.monotonic()
+        self._known = _socket_identity(self.socket_path)
         was, self.state, self.reason = self.state, "healthy", ""
         level = logging.INFO if was == "connecting" else logging.WARNING
         logger.log(
@@ -505,8 +527,21 @@ class AsyncClient:
             raise
         return sock
 
+    def _watch_socket(self) -> None:
+        """Connect at once when a new server bound the socket path (see the module docstring)."""
+        now = time.monotonic()
+        if now < self._watched_at + WATCH_S or now >= self._next_attempt:
+            return
+        self._watched_at = now
+        seen = _socket_identity(self.socket_path)
+        if seen is not None and seen != self._known:
+            logger.debug("lmcache-platform %s: a new server socket at %s", self.name, self.socket_path)
+            self._backoff = self.retry_first_s
+            self._next_attempt = now
+
     def _unavailable(self, why: str) -> None:
         """Enter (or stay in) the unavailable state; schedule the next connect attempt."""
+        self._watched_at = time.monotonic()
         delay = self._backoff
         self._next_attempt = time.monotonic() + delay
         self._backoff = min(self._backoff * 2, self.retry_max_s)
@@ -801,6 +836,15 @@ def _split_frames(buf: bytearray) -> Iterator[bytes]:
         payload = bytes(buf[_frames.PREFIX_BYTES : end])
         del buf[:end]
         yield payload
+
+
+def _socket_identity(path: str) -> tuple[int, int] | None:
+    """``(inode, creation time)`` of the socket at ``path``; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
 
 
 def _from_session(session: Mapping[str, Any], op: str, name: str, value: Any) -> Any:

@@ -88,6 +88,7 @@ class SchedulerSide:
         self._holds: dict[int, _Hold] = {}
         self._tickets = itertools.count(1)
         self._rank_states: dict[str, str] = {}
+        self._states_at = 0.0  # when a rank last reported it cannot reach the server
         self._client: AsyncClient | None = None
         self.off_reason = _identity.cannot_move(vllm_config, kv_cache_config)
         self.loads_enabled = self.off_reason is None
@@ -188,18 +189,27 @@ class SchedulerSide:
 
     @property
     def serving(self) -> bool:
-        """True while every rank that reported can load and store (and sharing is possible)."""
-        return (
-            self._client is not None
-            and bool(self._groups.pools)
-            and all(s == READY for s in self._rank_states.values())
-        )
+        """True while every rank can load and store (and sharing is possible).
+
+        Ranks say so in each step's report. An idle engine makes no steps, so a report
+        that a rank could not reach the server goes stale once this side's own link has
+        reconnected since: the server is back, and the workers' links find it as fast
+        (``AsyncClient`` watches the socket path), so the next request is looked up and
+        stored without waiting for a step to say so.
+        """
+        client = self._client
+        if client is None or not self._groups.pools:
+            return False
+        if all(s == READY for s in self._rank_states.values()):
+            return True
+        return client.state == "healthy" and client.healthy_since > self._states_at
 
     def on_new_request(self, request: Any) -> None:
-        if self.serving:
-            st = self._state(request)  # its keys: the chunks it computes are stored under them
-            if self.loads_enabled:
-                self._start_lookup(st)
+        if self._client is None or not self._groups.pools:
+            return
+        st = self._state(request)  # its keys, even while not serving: a later step can store them
+        if self.serving and self.loads_enabled:
+            self._start_lookup(st)
 
     def _state(self, request: Any) -> _Request:
         st = self._requests.get(request.request_id)
@@ -378,6 +388,8 @@ class SchedulerSide:
                 self._free(hold)
         if report.states:
             was = self.serving
+            if any(s != READY for s in report.states.values()):
+                self._states_at = time.monotonic()  # a fresh "cannot reach": holds until a reconnect
             self._rank_states.update(report.states)
             if was != self.serving:
                 bad = sorted(r for r, s in self._rank_states.items() if s != READY)
