@@ -200,7 +200,7 @@ def fetch_bandwidth(url: str, prompts: int) -> dict[str, float]:
     """Fetches of as many entries as a prompt has (one pipelined GET each), raw and checked, GB/s."""
     import valkey
 
-    from lmcache_platform.server._tier import RemoteTier
+    from lmcache_platform.remote._tier import RemoteTier
 
     host, port = url.removeprefix("valkey://").split("/")[0].split(":")
     keys = sorted(valkey.Valkey(host=host, port=int(port)).keys(f"{PREFIX}:*"))

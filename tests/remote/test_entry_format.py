@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from lmcache_platform.server._entry import (
+from lmcache_platform.remote._entry import (
     MAGIC,
     REASONS,
     EntryIdentity,

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from lmcache_platform.server._tier import RemoteTier
+from lmcache_platform.remote._tier import RemoteTier
 from support.valkey import ValkeyCluster
 
 NS = bytes(range(32))

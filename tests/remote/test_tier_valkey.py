@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_platform.server._entry import EntryIdentity, TensorSpec, encode
-from lmcache_platform.server._tier import RemoteTier, check_prefix, load_key_file
+from lmcache_platform.remote._entry import EntryIdentity, TensorSpec, encode
+from lmcache_platform.remote._tier import RemoteTier, check_prefix, load_key_file
 from support.valkey import ValkeyNode
 
 NS = bytes(range(32))
@@ -143,7 +143,7 @@ def test_bad_entries_written_straight_into_valkey_are_refused_and_counted(
     raw.set(k[5], bytes(encode(chunk(5), EntryIdentity(b"prod", NS, KEYS[5]))))  # another deployment's
     raw.set(k[6], pickle.dumps({"boom": object.__name__}))  # never unpickled
     raw.set(k[7], b"")
-    with caplog.at_level(logging.WARNING, logger="lmcache_platform.server"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_platform.remote._tier"):
         got = tier.fetch(NS, KEYS[:8], deadline_in(5000))
     assert got[0] is not None and got[1:] == [None] * 7
     s = tier.stats()
@@ -191,7 +191,7 @@ def test_remote_killed_mid_run_then_back(
     tier: RemoteTier, valkey_node: ValkeyNode, caplog: pytest.LogCaptureFixture
 ) -> None:
     fill(tier, 5)
-    caplog.set_level(logging.INFO, logger="lmcache_platform.server")
+    caplog.set_level(logging.INFO, logger="lmcache_platform.remote._tier")
     valkey_node.kill()
     times = []
     for i in range(20):
@@ -218,7 +218,7 @@ def test_a_hung_remote_costs_each_call_its_deadline_then_nothing(
     tier: RemoteTier, valkey_node: ValkeyNode, caplog: pytest.LogCaptureFixture
 ) -> None:
     fill(tier, 3)
-    caplog.set_level(logging.INFO, logger="lmcache_platform.server")
+    caplog.set_level(logging.INFO, logger="lmcache_platform.remote._tier")
     valkey_node.pause()
     try:
         hits, took = timed(tier.lookup_more, NS, KEYS[:3], deadline_in(150))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from . import positive_int as _positive
 
 if TYPE_CHECKING:
-    from ..server._tier import RemoteTier
+    from ..remote._tier import RemoteTier
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d)?\s*$")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -112,7 +112,7 @@ def open_tier(args: argparse.Namespace) -> RemoteTier | None:
     :class:`~lmcache_platform.remote.RemoteStoreLoadError` (the store's plugin is broken).
     """
     from ..remote import RemoteConfigError, RemoteOptions
-    from ..server._tier import DEFAULT_CALL_TIMEOUT_S, DEFAULT_QUEUE_BYTES, RemoteTier
+    from ..remote._tier import DEFAULT_CALL_TIMEOUT_S, DEFAULT_QUEUE_BYTES, RemoteTier
 
     if not args.remote:
         given = [name for name in _DEPENDENT if getattr(args, name, None) is not None]

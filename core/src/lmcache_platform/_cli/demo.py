@@ -218,7 +218,7 @@ def _round_trip(args: argparse.Namespace, report: dict[str, Any]) -> None:
     import torch
 
     from .._plugins import registry
-    from ..server._server import ServerProcess
+    from ..server import ServerProcess
 
     plan = _plan(args)
     report["config"] = {

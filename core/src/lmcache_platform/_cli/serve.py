@@ -152,7 +152,8 @@ def _configure_logging(json_log: bool, verbose: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..remote import RemoteConfigError, RemoteStoreLoadError
     from ..server import ReferenceServer, ServerError
-    from ..server._server import freeze_startup_objects, log_event
+    from ..server._process import freeze_startup_objects
+    from ..server._server import log_event
 
     _configure_logging(args.json_log, getattr(args, "verbose", False))
     if not args.socket:

@@ -38,13 +38,13 @@ from ._ops import (
     StoreResult,
     UnregisterRequest,
 )
+from ._process import ServerProcess
 from ._server import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HOST_BYTES,
     DEFAULT_TORCH_THREADS,
     SOCKET_NAME,
     ReferenceServer,
-    ServerProcess,
 )
 
 __all__ = [

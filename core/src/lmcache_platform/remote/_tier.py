@@ -5,7 +5,7 @@
 
 * after a ``put`` committed chunks locally, :meth:`RemoteTier.write_behind` queues each
   one for the store and returns at once: a writer thread encodes queued chunks
-  (``server._entry``) and sends them in pipelined batches. The queue is bounded by bytes;
+  (``remote._entry``) and sends them in pipelined batches. The queue is bounded by bytes;
   when it is full, or while the store is down, a chunk is dropped and counted, never
   waited for;
 * a ``lookup`` counts the leading chunks present locally, then asks
@@ -33,20 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..remote import (
-    Buffer,
-    RemoteConfigError,
-    RemoteError,
-    RemoteOptions,
-    RemotePartialError,
-    RemoteStore,
-    RemoteTimeout,
-    open_remote,
-    read_secret_file,
-)
-from ..remote._store import RemoteURL
 from . import _entry
 from ._entry import Decoded, EntryIdentity, Refused, TensorSpec
+from ._errors import RemoteConfigError, RemoteError, RemotePartialError, RemoteTimeout
+from ._registry import open_remote
+from ._store import Buffer, RemoteOptions, RemoteStore, RemoteURL, read_secret_file
 
 if TYPE_CHECKING:
     import torch
