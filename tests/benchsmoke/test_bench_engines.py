@@ -15,8 +15,8 @@ import torch
 from lmcache_platform import KVFormat
 from lmcache_platform._bench.child import corner_values
 from lmcache_platform._bench.kvsets import EXPECTED_CORNERS, LAYERS, kv_set
-from lmcache_platform._bench.transfer import _one_format, _Server
 from lmcache_platform._bench.stats import Report
+from lmcache_platform._bench.transfer import _one_format, _Server
 
 ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 
