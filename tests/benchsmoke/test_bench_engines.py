@@ -9,6 +9,11 @@ checked here in every vLLM order; for the second, the section's separate engine 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +58,31 @@ def test_the_transfer_section_runs_against_a_separate_engine_process(with_server
     if with_server:
         cases |= {"server put", "server get (blocks)"}
     assert cases <= set(rows) and all(len(rows[c]) == 1 and rows[c][0] > 0 for c in cases)
+
+
+def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) -> None:
+    # What scripts/gpu-check runs with --device cuda, at the smallest size: a real serve,
+    # two engine processes, a fresh and an evicting server.
+    out = tmp_path / "server.json"
+    cmd = [sys.executable, "-m", "lmcache_platform._bench.serverpath", "--device", "cpu"]
+    proc = subprocess.run(
+        [*cmd, "--chunks", "2", "--per-request", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [s["scenario"] for s in report["scenarios"]] == ["fresh", "evicting"]
+    for s in report["scenarios"]:
+        assert s["bytes_identical"] and s["check"] == {
+            "mismatched_elements": 0,
+            "spare_nonzero": 0,
+            "checked_chunks": 2,
+        }
+        assert s["put_gb_s"]["requests"] == (2 if s["scenario"] == "fresh" else 4)
+        assert s["get_gb_s"]["requests"] == 2 and s["copy_to_host_gb_s"] > 0
+    evicting = report["scenarios"][1]
+    assert evicting["working_set_bytes"] < evicting["max_host_bytes"] < 2 * evicting["working_set_bytes"]
+    assert "bytes identical" in proc.stdout

@@ -279,6 +279,8 @@ DTYPES = [
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer_hnd", "mla"])
 def test_dtypes_and_odd_head_sizes(layout: str, dtype: torch.dtype, device: str) -> None:
     # Head sizes whose rows are an odd number of bytes move in narrower words.
+    if device == "cuda" and dtype not in (torch.float8_e4m3fn, torch.float32):
+        pytest.skip("on a GPU two dtypes cover the word types (each case compiles kernels)")
     fmt = {"vllm": KVFormat.VLLM, "flashinfer_hnd": KVFormat.FLASHINFER_HND, "mla": KVFormat.MLA}[layout]
     for d in (D, 3):
         order = "LBNHC" if fmt is KVFormat.VLLM else None
