@@ -343,7 +343,8 @@ def format_report(r: dict[str, Any]) -> str:
     for s in r["scenarios"]:
         put, get = s["put_gb_s"], s["get_gb_s"]
         lines.append(
-            f"  {s['scenario']:<9} cap {s['max_host_bytes'] / mib:.0f} MiB for {s['working_set_bytes'] / mib:.0f} MiB: "
+            f"  {s['scenario']:<9} cap {s['max_host_bytes'] / mib:.0f} MiB for "
+            f"{s['working_set_bytes'] / mib:.0f} MiB: "
             f"put {put['median']:.2f} ({put['min']:.2f}-{put['max']:.2f}) = {s['put_vs_copy']:.2f}x copy_ "
             f"{s['copy_to_host_gb_s']:.1f}; get {get['median']:.2f} ({get['min']:.2f}-{get['max']:.2f}) = "
             f"{s['get_vs_copy']:.2f}x copy_ {s['copy_from_host_gb_s']:.1f}; "
