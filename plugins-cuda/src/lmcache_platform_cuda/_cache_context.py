@@ -80,11 +80,12 @@ class GPUCacheContext(BaseCacheContext):
         super().release()
 
     def report_status(self) -> dict[str, Any]:
-        """The base's summary, plus how transfers run (``transfers``: kernels or torch, and why)."""
+        """The base's summary, plus how transfers run (``transfers``: ``triton`` or ``torch``, and why;
+        ``None`` until the first transfer decides)."""
         status = super().report_status()
         kernels = self._kernels
-        status["transfers"] = {
-            "path": "triton" if kernels is not None and kernels.active else "torch",
-            "reason": None if kernels is None else kernels.reason,
-        }
+        if kernels is None:  # decided on the first transfer
+            status["transfers"] = {"path": None, "reason": "no transfer yet"}
+        else:
+            status["transfers"] = {"path": "triton" if kernels.active else "torch", "reason": kernels.reason}
         return status
