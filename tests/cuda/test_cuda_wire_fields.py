@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, WireFormatError, wire
-from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper, _plugin, _probe
+from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper, _plugin, _probe, _torch_ipc
 from lmcache_platform_cuda._config import IPC_ENV
 from support.cuda_fakes import FakeDevices
 
@@ -206,3 +206,32 @@ def test_to_tensor_checks_before_opening(
     closed.close()
     with pytest.raises(DescriptorError, match="is closed; decode the descriptor again"):
         closed.to_tensor()
+
+
+def test_a_share_reopened_in_its_own_exporting_process_is_refused_up_front(
+    fake_devices: FakeDevices, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench's ``transfer`` crash: ``to_tensor`` in the process that wrapped the tensor.
+
+    CUDA IPC cannot open a handle in the process that exported it (on a GPU torch fails
+    with "invalid device context"). No GPU here: torch's share is faked, so ``wrap`` runs on
+    a CPU tensor; the refusal must come before any CUDA call.
+    """
+    fake_devices.set([UUID])
+    fields = torch_fields(ref_counter_handle=b"/torch_999_123_0")
+    share = (0, fields["handle"], LAYER_BYTES, 0, fields["ref_counter_handle"], 3, bytes(64), True)
+    monkeypatch.setattr(_torch_ipc, "require_cuda", lambda cls, t: 0)
+    monkeypatch.setattr(_torch_ipc, "share_cuda", lambda storage: share)
+    monkeypatch.setattr(_torch_ipc, "EXPORTED_COUNTERS", set())
+    layer = torch.empty(LAYER["shape"], dtype=torch.bfloat16)
+    received = wire.decode(wire.encode([CudaIPCWrapper.wrap(layer)]), allowed=ALLOWED)[0]
+    with pytest.raises(
+        DescriptorError, match=r"this process exported this share \(torch ref counter /torch_999_123_0\)"
+    ):
+        received.to_tensor()
+    # A share another process exported (another counter file) gets past the check, on to
+    # opening it, which needs the GPU this machine lacks.
+    other = CudaIPCWrapper.from_fields(torch_fields(ref_counter_handle=b"/torch_4242_1_0"))
+    with pytest.raises(Exception) as opened:
+        other.to_tensor()
+    assert "exported this share" not in str(opened.value)

@@ -46,6 +46,7 @@ from ._ipc_wrapper import (
     required_elements,
 )
 from ._kv.context import BaseCacheContext, NullStream
+from ._kv.geometry import CopyGeometry, CopyUnit, copy_geometry
 from ._kv.groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
 from ._kv.layout import allocate_kv_caches, kv_cache_shape
 from ._kv.transfer import ChunkTransfer, GroupTransfer
@@ -83,6 +84,8 @@ __all__ = [
     "BaseCacheContext",
     "CacheContextConfig",
     "ChunkTransfer",
+    "CopyGeometry",
+    "CopyUnit",
     "DescriptorError",
     "DeviceEvent",
     "DeviceIPCWrapper",
@@ -108,6 +111,7 @@ __all__ = [
     "WrapError",
     "__version__",
     "allocate_kv_caches",
+    "copy_geometry",
     "create_cache_context",
     "device_event_class",
     "dtype_from_name",

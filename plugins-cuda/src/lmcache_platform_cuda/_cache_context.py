@@ -7,26 +7,33 @@ enqueued on a stream of its own, so a server overlaps them with its other work a
 orders them against an engine's events by entering :meth:`stream_context` and
 waiting there. Callers that read a staging slot or hand blocks back to the engine
 synchronize first (:meth:`synchronize`, or an event recorded inside the context).
-Nothing else is CUDA's: the base's ``close`` synchronizes, then drops every buffer and
-view, which hands the memory back to torch's caching allocator.
+``store``/``retrieve`` launch the fused Triton kernels of ``_kernels`` (one launch per
+kernel group of a chunk) and fall back to the base's torch ops where those cannot run.
+The base's ``close`` synchronizes, then drops every buffer and view, which hands the
+memory back to torch's caching allocator.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache_platform import BaseCacheContext
 
 if TYPE_CHECKING:
     import torch
 
+    from lmcache_platform import ChunkTransfer
+
+    from ._kernels import TritonTransfers
+
 
 class GPUCacheContext(BaseCacheContext):
     """Cache context for KV caches reopened from CUDA IPC wrappers (either kind)."""
 
     device_type: ClassVar[str] = "cuda"
+    _kernels: TritonTransfers | None = None
 
     def create_stream(self) -> torch.cuda.Stream:
         """A dedicated stream, ordered after everything construction enqueued.
@@ -48,3 +55,37 @@ class GPUCacheContext(BaseCacheContext):
 
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             yield
+
+    def store(self, plan: ChunkTransfer) -> None:
+        """Gather ``plan`` with the fused kernels, or the base's torch ops where they cannot run."""
+        if not self.transfer_kernels().run(plan, store=True):
+            super().store(plan)
+
+    def retrieve(self, plan: ChunkTransfer) -> None:
+        """Scatter ``plan`` with the fused kernels, or the base's torch ops where they cannot run."""
+        if not self.transfer_kernels().run(plan, store=False):
+            super().retrieve(plan)
+
+    def transfer_kernels(self) -> TritonTransfers:
+        """The context's fused kernels, made on the first transfer (``reason`` says why not)."""
+        if self._kernels is None:
+            from ._kernels import TritonTransfers
+
+            self._kernels = TritonTransfers(self)
+        return self._kernels
+
+    def release(self) -> None:
+        """Drop the kernels' tables and their views of the engine's memory."""
+        self._kernels = None
+        super().release()
+
+    def report_status(self) -> dict[str, Any]:
+        """The base's summary, plus how transfers run (``transfers``: ``triton`` or ``torch``, and why;
+        ``None`` until the first transfer decides)."""
+        status = super().report_status()
+        kernels = self._kernels
+        if kernels is None:  # decided on the first transfer
+            status["transfers"] = {"path": None, "reason": "no transfer yet"}
+        else:
+            status["transfers"] = {"path": "triton" if kernels.active else "torch", "reason": kernels.reason}
+        return status

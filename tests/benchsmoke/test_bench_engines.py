@@ -1,0 +1,88 @@
+"""The bench's KV sets and its separate engine process, on the host.
+
+Two crashes of ``bench --device cuda`` had host-visible causes: the hand-off set wrote its
+corner values through ``view(-1)``, which a layer view in GPU vLLM's ``LBNHC`` order (not
+contiguous) refuses; and the transfer section reopened its own CUDA exports. The first is
+checked here in every vLLM order; for the second, the section's separate engine process
+(always used on CUDA) is run on the host, where both ways work and must agree in shape.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_platform import KVFormat
+from lmcache_platform._bench.child import corner_values
+from lmcache_platform._bench.kvsets import EXPECTED_CORNERS, LAYERS, kv_set
+from lmcache_platform._bench.stats import Report
+from lmcache_platform._bench.transfer import _one_format, _Server
+
+ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_corner_values_are_written_into_the_engine_memory_in_every_order(order: str) -> None:
+    tensors = kv_set(2 << 20, "cpu", engine_layout=order)
+    assert corner_values(tensors) == EXPECTED_CORNERS
+    backing = torch.empty(0, dtype=torch.float16).set_(tensors[0].untyped_storage())
+    for value in (-1, LAYERS, -LAYERS):  # in the memory itself, not in a copy (the rest is 1)
+        assert int((backing == value).sum()) == 1
+
+
+@pytest.mark.parametrize("with_server", [False, True], ids=["contexts", "contexts-and-server"])
+def test_the_transfer_section_runs_against_a_separate_engine_process(with_server: bool) -> None:
+    sync = lambda: None  # noqa: E731 - the host copies synchronously
+    gen = torch.Generator().manual_seed(0)
+    with _Server(1, Report()) as server:
+        chunk_bytes, rows = _one_format(
+            KVFormat.VLLM,
+            "LBNHC",
+            "cpu",
+            16,
+            8,
+            128,
+            1,
+            sync,
+            gen,
+            server if with_server else None,
+            separate_engine=True,
+        )
+    assert chunk_bytes == 256 * LAYERS * 2 * 8 * 128 * 2
+    cases = {"store_chunk", "retrieve_chunk", "store_chunk (blocks)", "copy_ (store-shaped)"}
+    if with_server:
+        cases |= {"server put", "server get (blocks)"}
+    assert cases <= set(rows) and all(len(rows[c]) == 1 and rows[c][0] > 0 for c in cases)
+
+
+def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) -> None:
+    # What scripts/gpu-check runs with --device cuda, at the smallest size: a real serve,
+    # two engine processes, a fresh and an evicting server.
+    out = tmp_path / "server.json"
+    cmd = [sys.executable, "-m", "lmcache_platform._bench.serverpath", "--device", "cpu"]
+    proc = subprocess.run(
+        [*cmd, "--chunks", "2", "--per-request", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [s["scenario"] for s in report["scenarios"]] == ["fresh", "evicting"]
+    for s in report["scenarios"]:
+        assert s["bytes_identical"] and s["check"] == {
+            "mismatched_elements": 0,
+            "spare_nonzero": 0,
+            "checked_chunks": 2,
+        }
+        assert s["put_gb_s"]["requests"] == (2 if s["scenario"] == "fresh" else 4)
+        assert s["get_gb_s"]["requests"] == 2 and s["copy_to_host_gb_s"] > 0
+    evicting = report["scenarios"][1]
+    assert evicting["working_set_bytes"] < evicting["max_host_bytes"] < 2 * evicting["working_set_bytes"]
+    assert "bytes identical" in proc.stdout

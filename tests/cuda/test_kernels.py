@@ -1,0 +1,516 @@
+"""The fused Triton kernels against the torch path, byte for byte, for every layout.
+
+Each case builds the same paged KV caches twice (same allocation shape, same random
+bytes), one context that moves chunks with the kernels and one that moves them with the
+base's torch ops, runs the same stores and retrieves on both, and compares every byte
+of the staging buffer and of the engine's memory. Without a GPU the kernels run in
+Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``): the same kernel source,
+every address computed as on the device, but executed by numpy. The ``cuda`` cases run
+the compiled kernels on a GPU and print both paths' speed (never asserted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from lmcache_platform import (
+    BaseCacheContext,
+    CacheContextConfig,
+    EngineGroupInfo,
+    EngineType,
+    KVFormat,
+    LayoutHints,
+    NullStream,
+    allocate_kv_caches,
+)
+from lmcache_platform_cuda import GPUCacheContext, _kernels
+from support.cache import HeldWrapper
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
+
+NB, BS, H, D, L = 12, 4, 2, 8, 3
+CHUNK = 2 * BS
+ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+OLDER = [
+    KVFormat.FLASH_ATTN,
+    KVFormat.FLASH_ATTN_HND,
+    KVFormat.FLASHINFER,
+    KVFormat.FLASHINFER_HND,
+    KVFormat.MLA,
+]
+CUDA = pytest.mark.cuda
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[CUDA, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
+]
+
+
+class HeldCudaWrapper(HeldWrapper):
+    device_type = "cuda"
+    wire_tag = "test.held-cuda/1"
+
+
+class InterpretedContext(GPUCacheContext):
+    """``GPUCacheContext``'s transfers on CPU tensors: the kernels run in Triton's interpreter."""
+
+    device_type: ClassVar[str] = "cpu"
+
+    def create_stream(self) -> Any:
+        return NullStream()
+
+    @contextlib.contextmanager
+    def stream_context(self) -> Iterator[None]:
+        yield
+
+
+def torch_path(cls: type[BaseCacheContext]) -> type[BaseCacheContext]:
+    """``cls`` with the base's generic store and retrieve (the reference)."""
+
+    class TorchPath(cls):  # type: ignore[valid-type, misc]
+        def store(self, plan: Any) -> None:
+            BaseCacheContext.store(self, plan)
+
+        def retrieve(self, plan: Any) -> None:
+            BaseCacheContext.retrieve(self, plan)
+
+    return TorchPath
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("LMCACHE_PLATFORM_CUDA_KERNELS", raising=False)
+
+
+def fill(layers: list[Any], seed: int) -> None:
+    """Random bit patterns over every byte of every backing storage (same seed, same bytes)."""
+    gen = torch.Generator().manual_seed(seed)
+    seen: set[int] = set()
+    for t in storages(layers):
+        if t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def storages(layers: list[Any]) -> list[torch.Tensor]:
+    return [t for entry in layers for t in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+def raw_bytes(layers: list[Any]) -> list[torch.Tensor]:
+    out, seen = [], set()
+    for t in storages(layers):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            out.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).cpu())
+    return out
+
+
+Builder = Callable[[str], list[Any]]
+
+
+def engine(
+    fmt: KVFormat,
+    order: str | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    d: int = D,
+    h: int = H,
+    nb: int = NB,
+    bs: int = BS,
+    separate: bool = False,
+) -> Builder:
+    """Layers as the engine of ``fmt`` allocates them (``separate``: one allocation a layer)."""
+
+    def build(device: str) -> list[Any]:
+        layers = allocate_kv_caches(
+            fmt,
+            num_layers=L,
+            num_blocks=nb,
+            block_size=bs,
+            num_kv_heads=h,
+            head_size=d,
+            dtype=dtype,
+            device=device,
+            engine_layout=order,
+        )
+        if separate:
+            return [tuple(x.clone() for x in e) if isinstance(e, tuple) else e.clone() for e in layers]
+        return list(layers)
+
+    return build
+
+
+class Pair:
+    """The same caches twice, a kernel context and a torch-path context over them."""
+
+    def __init__(self, build: Builder, device: str, **config: Any) -> None:
+        config.setdefault("lmcache_tokens_per_chunk", CHUNK)
+        cls: type[GPUCacheContext] = InterpretedContext if device == "cpu" else GPUCacheContext
+        wrapper = HeldWrapper if device == "cpu" else HeldCudaWrapper
+        self.layers = [build(device), build(device)]
+        for layers in self.layers:
+            fill(layers, seed=11)
+        self.contexts = [
+            c([self.entry(wrapper, e) for e in layers], CacheContextConfig(**config))
+            for c, layers in zip((cls, torch_path(cls)), self.layers, strict=True)
+        ]
+        assert isinstance(self.contexts[0], GPUCacheContext)
+        self.kernels: GPUCacheContext = self.contexts[0]
+        for ctx in self.contexts:  # staging starts uninitialised: the same bytes on both sides
+            for og in range(ctx.kv_layer_groups_manager.num_object_groups):
+                for slot in range(ctx.max_batch_size):
+                    ctx.get_temp_object_group_buffer(slot, og).fill_(0xA5)
+
+    @staticmethod
+    def entry(wrapper: type[HeldWrapper], e: Any) -> Any:
+        return tuple(wrapper.wrap(t) for t in e) if isinstance(e, tuple) else wrapper.wrap(e)
+
+    def both(self, op: Callable[[BaseCacheContext], object]) -> None:
+        """Run ``op`` on both contexts and compare staging and KV memory, byte for byte."""
+        kernels, reference = self.contexts
+        before = kernels.transfer_kernels().launches if isinstance(kernels, GPUCacheContext) else 0
+        for ctx in self.contexts:
+            with ctx.stream_context():
+                op(ctx)
+            ctx.synchronize()
+        assert isinstance(kernels, GPUCacheContext)
+        assert kernels.transfer_kernels().launches > before, kernels.transfer_kernels().reason
+        for og in range(kernels.kv_layer_groups_manager.num_object_groups):
+            for slot in range(kernels.max_batch_size):
+                a = kernels.get_temp_object_group_buffer(slot, og).cpu()
+                b = reference.get_temp_object_group_buffer(slot, og).cpu()
+                assert torch.equal(a, b), f"staging slot {slot}, object group {og} differs"
+        for i, (a, b) in enumerate(zip(*map(raw_bytes, self.layers), strict=True)):
+            assert torch.equal(a, b), f"KV storage {i} differs at {int((a != b).nonzero()[0])}"
+
+    def close(self) -> None:
+        for ctx in self.contexts:
+            ctx.close()
+
+
+def round_trip(
+    pair: Pair, src: list[list[int]], dst: list[list[int]], num_tokens: int, slot: int = 0
+) -> None:
+    pair.both(lambda c: c.store_chunk(src, slot=slot, num_tokens=num_tokens))
+    pair.both(lambda c: c.retrieve_chunk(dst, slot=slot, num_tokens=num_tokens))
+
+
+#: Every layout of the layout model: current vLLM in its six physical orders, its MLA, the
+#: older per-layer formats, SGLang's pools (pair and MLA).
+LAYOUTS: dict[str, tuple[Builder, dict[str, Any]]] = {
+    **{f"vllm-{o}": (engine(KVFormat.VLLM, o), {}) for o in ORDERS},
+    "vllm_mla": (engine(KVFormat.VLLM_MLA, "LBNHC", d=24, h=1), {"layout_hints": LayoutHints(head_size=24)}),
+    **{f.value: (engine(f), {"layout_hints": LayoutHints(kv_format=f)}) for f in OLDER},
+    "flash_attn-separate": (
+        engine(KVFormat.FLASH_ATTN, separate=True),
+        {"layout_hints": LayoutHints(kv_format=KVFormat.FLASH_ATTN)},
+    ),
+    "sglang": (
+        engine(KVFormat.SGLANG),
+        {"engine_group_infos": (EngineGroupInfo(layer_indices=range(L), block_size=BS),)},
+    ),
+    "sglang_mla": (
+        engine(KVFormat.SGLANG_MLA, d=24, h=1),
+        {"engine_type": EngineType.SGLANG, "layout_hints": LayoutHints(block_size=BS)},
+    ),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_matches_the_torch_path(layout: str, chunk_format: str, device: str) -> None:
+    build, config = LAYOUTS[layout]
+    pair = Pair(build, device, chunk_format=chunk_format, **config)
+    try:
+        # A full chunk from shuffled blocks, into others; then a partial one (a block and a
+        # part in "tokens", one whole block in "blocks") in another slot.
+        round_trip(pair, [[7, 2]], [[4, 9]], CHUNK)
+        partial = BS + 3 if chunk_format == "tokens" else BS
+        n = -(-partial // BS)
+        round_trip(pair, [[5, 0][:n]], [[11, 1][:n]], partial, slot=1)
+        status = pair.contexts[0].report_status()["transfers"]
+        assert status == {"path": "triton", "reason": None}
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
+@pytest.mark.parametrize("layout", ["vllm-LBNHC", "vllm-BHLNC", "flash_attn", "sglang"])
+def test_retrieve_skips_blocks(layout: str, chunk_format: str, device: str) -> None:
+    build, config = LAYOUTS[layout]
+    pair = Pair(build, device, chunk_format=chunk_format, lmcache_tokens_per_chunk=4 * BS, **config)
+    try:
+        pair.both(lambda c: c.store_chunk([[3, 8, 1, 6]]))
+        pair.both(lambda c: c.retrieve_chunk([[-1, 5, -1, 10]]))  # two parts, around null blocks
+        pair.both(
+            lambda c: c.retrieve_chunk(
+                [[2, -1, -1, 0]], num_tokens=4 * BS - 1 if chunk_format == "tokens" else 4 * BS
+            )
+        )
+    finally:
+        pair.close()
+
+
+DTYPES = [
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer_hnd", "mla"])
+def test_dtypes_and_odd_head_sizes(layout: str, dtype: torch.dtype, device: str) -> None:
+    # Head sizes whose rows are an odd number of bytes move in narrower words.
+    if device == "cuda" and dtype not in (torch.float8_e4m3fn, torch.float32):
+        pytest.skip("on a GPU two dtypes cover the word types (each case compiles kernels)")
+    fmt = {"vllm": KVFormat.VLLM, "flashinfer_hnd": KVFormat.FLASHINFER_HND, "mla": KVFormat.MLA}[layout]
+    for d in (D, 3):
+        order = "LBNHC" if fmt is KVFormat.VLLM else None
+        pair = Pair(
+            engine(fmt, order, dtype=dtype, d=d), device, layout_hints=LayoutHints(kv_format=fmt, head_size=d)
+        )
+        try:
+            round_trip(pair, [[7, 2]], [[4, 9]], CHUNK - 1)
+        finally:
+            pair.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
+@pytest.mark.parametrize("full_sw_kv", [False, True])
+def test_sliding_window_groups(chunk_format: str, full_sw_kv: bool, device: str) -> None:
+    # One allocation, two engine groups: a window of one block (only the chunk's last block
+    # kept unless full_sw_kv) and full attention; separate object groups.
+    def build(dev: str) -> list[Any]:
+        layers: list[Any] = engine(KVFormat.VLLM, "LBNHC")(dev)
+        return layers
+
+    infos = (
+        EngineGroupInfo(layer_indices=[0], block_size=BS, sliding_window=BS),
+        EngineGroupInfo(layer_indices=[1, 2], block_size=BS),
+    )
+    pair = Pair(
+        build,
+        device,
+        chunk_format=chunk_format,
+        engine_group_infos=infos,
+        full_sw_kv=full_sw_kv,
+        lmcache_tokens_per_chunk=3 * BS,
+    )
+    try:
+        pair.both(lambda c: c.store_chunk([[1, 2, 3], [4, 5, 6]]))
+        pair.both(lambda c: c.retrieve_chunk([[7, 8, 9], [10, 11, 0]]))
+        pair.both(lambda c: c.retrieve_chunk([[-1, 8, 2], [-1, 3, 1]], num_tokens=3 * BS))
+        if chunk_format == "tokens":
+            pair.both(lambda c: c.store_chunk([[1, 2, 3], [4, 5, 6]], num_tokens=2 * BS + 1, slot=1))
+            pair.both(lambda c: c.retrieve_chunk([[9, 10, 11], [6, 7, 8]], num_tokens=2 * BS + 1, slot=1))
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
+def test_kernel_blocks_smaller_than_the_engine_block(chunk_format: str, device: str) -> None:
+    build = engine(KVFormat.VLLM, "LBNHC", nb=2 * NB)
+    infos = (EngineGroupInfo(layer_indices=range(L), block_size=2 * BS),)
+    pair = Pair(
+        build, device, chunk_format=chunk_format, engine_group_infos=infos, lmcache_tokens_per_chunk=4 * BS
+    )
+    try:
+        round_trip(pair, [[3, 6]], [[1, 9]], 4 * BS)
+    finally:
+        pair.close()
+
+
+def test_the_kernel_itself_writes_no_block_of_id_minus_one() -> None:
+    # Plans never carry -1 (a retrieve splits around null blocks); the kernel masks it anyway.
+    from lmcache_platform import ChunkTransfer, GroupTransfer
+
+    build, config = LAYOUTS["vllm-LBNHC"]
+    pair = Pair(build, "cpu", **config)
+    try:
+        pair.both(lambda c: c.store_chunk([[7, 2]]))
+        kernels, reference = pair.kernels, pair.contexts[1]
+        part = GroupTransfer(
+            0, 0, CHUNK, torch.tensor([-1, 5]), (-1, 5), kernels.get_temp_kernel_group_buffer(0, 0)
+        )
+        assert kernels.transfer_kernels().run(ChunkTransfer(0, CHUNK, (part,)), store=False)
+        reference.retrieve_chunk([[-1, 5]])
+        for a, b in zip(*map(raw_bytes, pair.layers), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        pair.close()
+
+
+def test_host_tensors_move_in_place_through_the_kernels() -> None:
+    # read_chunk/write_chunk on a host context: the parts' buffers are the caller's tensors.
+    build, config = LAYOUTS["vllm-LBHNC"]
+    pair = Pair(build, "cpu", **config)
+    try:
+        chunks = [ctx.allocate_chunk() for ctx in pair.contexts]
+        ops = iter(chunks)
+        pair.both(lambda c: c.read_chunk([[6, 1]], next(ops)))
+        assert all(torch.equal(a, b) for a, b in zip(*chunks, strict=True))
+        for t in chunks[0]:
+            t.copy_(
+                torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+            )
+        for a, b in zip(*chunks, strict=True):
+            b.copy_(a)
+        ops = iter(chunks)
+        pair.both(lambda c: c.write_chunk([[0, 10]], next(ops), num_tokens=CHUNK - 2))
+    finally:
+        pair.close()
+
+
+def test_a_strided_last_dim_moves_element_by_element() -> None:
+    # Head-size elements two apart (a permuted engine view): no wide word fits; the
+    # kernel moves the group's own elements.
+    def build(device: str) -> list[Any]:
+        whole = torch.empty((L, 2, NB, BS, D, H), dtype=torch.bfloat16, device=device)
+        return list(whole.transpose(-1, -2).unbind(0))  # [2, NB, BS, H, D], D stride H
+
+    pair = Pair(build, "cpu", layout_hints=LayoutHints(kv_format=KVFormat.FLASH_ATTN))
+    try:
+        round_trip(pair, [[7, 2]], [[4, 9]], CHUNK - 3)
+        launch = pair.kernels.transfer_kernels()._groups[0]
+        assert not isinstance(launch, str) and launch.width == 2 and launch.strides[3] == H
+    finally:
+        pair.close()
+
+
+# -- where the kernels do not run --------------------------------------------------------------
+
+
+def kernel_context(**env: str) -> tuple[GPUCacheContext, list[Any]]:
+    layers = engine(KVFormat.VLLM, "LBNHC")("cpu")
+    fill(layers, seed=2)
+    ctx = InterpretedContext(
+        [HeldWrapper.wrap(t) for t in layers], CacheContextConfig(lmcache_tokens_per_chunk=CHUNK)
+    )
+    return ctx, layers
+
+
+@pytest.mark.parametrize(
+    ("setup", "reason"),
+    [
+        (
+            lambda mp: mp.setenv("LMCACHE_PLATFORM_CUDA_KERNELS", "torch"),
+            "LMCACHE_PLATFORM_CUDA_KERNELS=torch",
+        ),
+        (lambda mp: mp.delenv("TRITON_INTERPRET"), "no triton kernel for cpu tensors"),
+        (lambda mp: mp.setattr(_kernels, "triton", None), "triton is not installed"),
+    ],
+    ids=["operator-chose-torch", "cpu-without-interpreter", "no-triton"],
+)
+def test_fallback_moves_with_torch_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, setup: Any, reason: str
+) -> None:
+    setup(monkeypatch)
+    ctx, layers = kernel_context()
+    with ctx:
+        before = raw_bytes(layers)[0].clone()
+        ctx.store_chunk([[3, 4]])
+        ctx.retrieve_chunk([[5, 6]])
+        kernels = ctx.transfer_kernels()
+        assert kernels.launches == 0 and kernels.reason is not None and kernels.reason.startswith(reason)
+        assert ctx.report_status()["transfers"]["path"] == "torch"
+        after = raw_bytes(layers)[0]
+        assert not torch.equal(before, after)  # the torch path moved the chunk
+    assert ctx._kernels is None  # close dropped the tables and views
+
+
+def test_an_unknown_kernels_choice_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_platform import EnvironmentValueError
+
+    monkeypatch.setenv("LMCACHE_PLATFORM_CUDA_KERNELS", "cutlass")
+    ctx, _ = kernel_context()
+    with (
+        ctx,
+        pytest.raises(EnvironmentValueError, match=r"LMCACHE_PLATFORM_CUDA_KERNELS='cutlass'.*triton, torch"),
+    ):
+        ctx.store_chunk([[3, 4]])
+
+
+def test_a_failing_first_launch_falls_back_without_moving_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx, _ = kernel_context()
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("ptxas not found")
+
+    with ctx:
+        kernels = ctx.transfer_kernels()
+        monkeypatch.setattr(kernels, "_one", broken)
+        ctx.store_chunk([[3, 4]])  # the torch path stored it
+        assert kernels.reason == "the triton kernel failed to launch: RuntimeError: ptxas not found"
+        assert ctx.report_status()["transfers"]["path"] == "torch"
+
+
+# -- on a GPU: speed of both paths, printed ------------------------------------------------------
+
+
+#: The benchmark model's sizes (8 heads of 128, or a 576-wide latent; blocks of 16, 256-token chunks).
+GPU_MODEL: dict[str, tuple[Builder, dict[str, Any]]] = {
+    "vllm-LBNHC": (engine(KVFormat.VLLM, "LBNHC", d=128, h=8, nb=64, bs=16), {}),
+    "vllm_mla": (
+        engine(KVFormat.VLLM_MLA, "LBNHC", d=576, h=1, nb=64, bs=16),
+        {"layout_hints": LayoutHints(head_size=576)},
+    ),
+    "flash_attn": (
+        engine(KVFormat.FLASH_ATTN, d=128, h=8, nb=64, bs=16, separate=True),
+        {"layout_hints": LayoutHints(kv_format=KVFormat.FLASH_ATTN)},
+    ),
+    "mla": (
+        engine(KVFormat.MLA, d=576, nb=64, bs=16, separate=True),
+        {"layout_hints": LayoutHints(kv_format=KVFormat.MLA)},
+    ),
+}
+
+
+@CUDA
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
+@pytest.mark.parametrize("layout", list(GPU_MODEL))
+def test_gpu_speed_of_both_paths_is_printed(
+    layout: str, chunk_format: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    build, config = GPU_MODEL[layout]
+    pair = Pair(build, "cuda", chunk_format=chunk_format, lmcache_tokens_per_chunk=256, **config)
+    try:
+        ids = [list(range(3, 19))]
+        pair.both(lambda c: c.store_chunk(ids))  # compiles, and checks the bytes once more
+        figures = []
+        for ctx in pair.contexts:
+            nbytes = sum(ctx.chunk_nbytes)
+            for op in (ctx.store_chunk, ctx.retrieve_chunk):
+                ctx.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    op(ids)
+                ctx.synchronize()
+                figures.append(50 * nbytes / (time.perf_counter() - t0) / 1e9)
+        with capsys.disabled():
+            print(
+                f"\n{layout} ({chunk_format}): kernel store {figures[0]:.1f} GB/s, retrieve {figures[1]:.1f} GB/s; "
+                f"torch path store {figures[2]:.1f} GB/s, retrieve {figures[3]:.1f} GB/s (host-timed)"
+            )
+    finally:
+        pair.close()
