@@ -12,7 +12,7 @@ package imports neither torch nor a backend.
 """
 
 from .._errors import ServerError, ServerUnavailable
-from ._async import AsyncClient, Pending, SessionField, new_lease_id
+from ._async import AsyncClient
 from ._client import ChunkSpec, KeyedChunkSpec, ServerClient
 from ._keys import KEY_BYTES, cache_namespace, chunk_keys
 from ._ops import (
@@ -38,6 +38,7 @@ from ._ops import (
     StoreResult,
     UnregisterRequest,
 )
+from ._pending import Pending, SessionField, new_lease_id
 from ._process import ServerProcess
 from ._server import (
     DEFAULT_MAX_CONNECTIONS,

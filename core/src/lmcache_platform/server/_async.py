@@ -56,15 +56,13 @@ import contextlib
 import itertools
 import logging
 import os
-import secrets
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, TypeVar
 
 from .._env import SOCKET_ENV
 from .._errors import ServerError, ServerUnavailable, WireFormatError
@@ -87,13 +85,10 @@ from ._ops import (
     StatusRequest,
     as_chunks,
 )
+from ._pending import Pending, RequestLike, SessionField, from_session, settle
 
 logger = logging.getLogger(__name__)
-
 R = TypeVar("R")
-#: What :meth:`AsyncClient.execute` takes: a request, or a function of the session
-#: (what ``on_connect`` returned) that makes it when it is sent.
-RequestLike = Request[R] | Callable[[Mapping[str, Any]], Request[R]]
 
 #: Ops sent on the control connection unless ``submit(control=...)`` says otherwise.
 CONTROL_OPS: Final = frozenset(op for op, cls in REQUEST_TYPES.items() if cls.control)
@@ -104,62 +99,6 @@ WATCH_S: Final = 0.1
 MAX_CLOCK_SKEW_NS: Final = 1_000_000_000
 _POLL_S = 0.05  # the watchdog's granularity: a deadline is noticed within this
 _READ_BYTES = 1 << 16
-
-
-def new_lease_id() -> int:
-    """A fresh lease id for a leased ``lookup``: 63 random bits, never 0."""
-    return secrets.randbits(63) or 1
-
-
-class Pending(Future[R], Generic[R]):
-    """A submitted request: a :class:`concurrent.futures.Future` of its typed result.
-
-    ``result()`` raises :class:`~lmcache_platform.ServerError` (``remote_type`` names the
-    server's error, ``"DeadlineExceeded"`` for a request it dropped as late) or
-    :class:`~lmcache_platform.server.ServerUnavailable` (no answer in time, not sent,
-    or the client closed). It cannot be cancelled. :attr:`resolved` is set once the
-    server can no longer act on the request (see the module docstring); it may be set
-    after the future is done, never before the request's outcome is known to the server.
-    """
-
-    def __init__(self, op: str, request_id: int, deadline_ns: int, *, control: bool) -> None:
-        super().__init__()
-        self.op = op
-        self.request_id = request_id
-        #: ``time.monotonic_ns()`` past which the server drops it and the future fails.
-        self.deadline_ns = deadline_ns
-        #: Sent on the control connection.
-        self.control = control
-        #: Set when the server answered, the connection died, or it was never sent.
-        self.resolved = threading.Event()
-        #: ``time.monotonic()`` when its outcome was set (None while pending): a transfer's
-        #: time without the caller's polling delay.
-        self.finished_at: float | None = None
-        self._frame_end = 0  # where its frame ends in its link's byte stream
-        #: Turns the reply's result map into the typed result (set when it is sent).
-        self._decode: Callable[[Json], R] | None = None
-        self.set_running_or_notify_cancel()  # only the client settles it
-
-    @property
-    def future(self) -> Future[R]:
-        """The future itself (a :class:`Pending` is one)."""
-        return self
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return (
-            f"<Pending {self.op} #{self.request_id} {state}{' resolved' if self.resolved.is_set() else ''}>"
-        )
-
-
-@dataclass(frozen=True, eq=False)
-class SessionField:
-    """A placeholder for ``session[name]`` in :meth:`AsyncClient.submit`'s fields."""
-
-    name: str
-
-    def __repr__(self) -> str:
-        return f"<session {self.name}>"
 
 
 @dataclass
@@ -305,7 +244,7 @@ class AsyncClient:
         on_control = op in CONTROL_OPS if control is None else control
 
         def build(session: Mapping[str, Any]) -> Request[Json]:
-            values = {k: _from_session(session, op, k, v) for k, v in fields.items()}
+            values = {k: from_session(session, op, k, v) for k, v in fields.items()}
             if values.get("chunks") is not None:
                 values["chunks"] = as_chunks(values["chunks"])
             return RawRequest(raw_op=op, raw_fields=values)
@@ -323,7 +262,7 @@ class AsyncClient:
         if not accepted:
             self._count("refused")
             why = "the client is closed" if self._closed else f"the server is {self.state}"
-            _settle(pending, ServerUnavailable(f"{op}: not sent: {why} ({self.reason or self.socket_path})"))
+            settle(pending, ServerUnavailable(f"{op}: not sent: {why} ({self.reason or self.socket_path})"))
             pending.resolved.set()
             return pending
         self._count("submitted")
@@ -360,7 +299,7 @@ class AsyncClient:
         moved = as_chunks(chunks)
 
         def build(session: Mapping[str, Any]) -> PutRequest:
-            ctx = _from_session(session, "put", "context", context)
+            ctx = from_session(session, "put", "context", context)
             return PutRequest(context=ctx, chunks=moved, event=event or b"")
 
         return self.execute(build, deadline_ms=deadline_ms)
@@ -381,7 +320,7 @@ class AsyncClient:
         moved = as_chunks(chunks)
 
         def build(session: Mapping[str, Any]) -> GetRequest:
-            ctx = _from_session(session, "get", "context", context)
+            ctx = from_session(session, "get", "context", context)
             return GetRequest(context=ctx, chunks=moved, lease=lease or 0, event=event or b"")
 
         return self.execute(build, deadline_ms=deadline_ms)
@@ -419,13 +358,13 @@ class AsyncClient:
         gone = f"the client {self.name} was closed"
         for link in [*self._links.values(), *self._zombies]:
             for pending in link.pending.values():
-                _settle(pending, ServerUnavailable(gone))
+                settle(pending, ServerUnavailable(gone))
                 pending.resolved.set()
             link.close()
         self._links, self._zombies = {}, []
         while self._submitted:
             pending, _ = self._submitted.popleft()
-            _settle(pending, ServerUnavailable(gone))
+            settle(pending, ServerUnavailable(gone))
             pending.resolved.set()
         self._wake_r.close()
         self._wake_w.close()
@@ -570,7 +509,7 @@ class AsyncClient:
             queued = list(self._submitted)
             self._submitted.clear()
         for pending, _ in queued:
-            _settle(pending, ServerUnavailable(gone))
+            settle(pending, ServerUnavailable(gone))
             pending.resolved.set()
         for link in links.values():  # control requests never write into the engine: no zombie
             self._retire(link, gone, dead=link.kind == "control")
@@ -580,7 +519,7 @@ class AsyncClient:
         """Fail ``link``'s requests; close it, or keep it as a zombie if some may still act."""
         keep = False
         for pending in list(link.pending.values()):
-            _settle(pending, ServerUnavailable(error))
+            settle(pending, ServerUnavailable(error))
             if dead or pending._frame_end > link.sent:  # gone, or never fully sent: the server
                 pending.resolved.set()  # cannot act on it (it drops a frame cut short)
                 del link.pending[pending.request_id]
@@ -616,18 +555,18 @@ class AsyncClient:
             pending, request = self._submitted.popleft()
             link = self._links.get("control" if pending.control else "data")
             if link is None:
-                _settle(pending, ServerUnavailable(f"{pending.op}: not sent: the server is {self.state}"))
+                settle(pending, ServerUnavailable(f"{pending.op}: not sent: the server is {self.state}"))
                 pending.resolved.set()
                 continue
             if time.monotonic_ns() > pending.deadline_ns:
                 self._count("deadline_misses")
-                _settle(pending, ServerUnavailable(f"{pending.op}: deadline passed before it was sent"))
+                settle(pending, ServerUnavailable(f"{pending.op}: deadline passed before it was sent"))
                 pending.resolved.set()
                 continue
             try:
                 frame = _frames.frame(self._encode(pending, request))
             except Exception as exc:  # the caller's request: its error, on its future
-                _settle(pending, exc)
+                settle(pending, exc)
                 pending.resolved.set()
                 continue
             self._queue(link, pending, frame)
@@ -712,7 +651,7 @@ class AsyncClient:
                 return
             link.inbuf += data
             try:
-                for payload in _split_frames(link.inbuf):
+                for payload in _frames.split_frames(link.inbuf):
                     self._reply(link, _protocol.decode_reply(payload))
             except WireFormatError as exc:
                 self._link_failed(link, f"malformed reply: {exc}", dead=True)
@@ -737,13 +676,13 @@ class AsyncClient:
         if reply.ok:
             try:
                 assert pending._decode is not None  # set when it was encoded
-                _settle(pending, pending._decode(reply.result))
+                settle(pending, pending._decode(reply.result))
             except WireFormatError as exc:  # a reply this request cannot have: its failure alone
                 self._count("errors")
-                _settle(pending, exc)
+                settle(pending, exc)
         else:
             self._count("errors")
-            _settle(
+            settle(
                 pending,
                 ServerError(
                     f"{pending.op} refused by the server: {reply.error_type}: {reply.error_message}",
@@ -776,7 +715,7 @@ class AsyncClient:
         if dead:
             gone = f"server {self.socket_path} unavailable: {why}"
             for pending in link.pending.values():
-                _settle(pending, ServerUnavailable(gone))
+                settle(pending, ServerUnavailable(gone))
                 pending.resolved.set()
             link.pending.clear()
         self._give_up(why)
@@ -788,7 +727,7 @@ class AsyncClient:
             for pending in link.pending.values():
                 if pending.done() or now <= pending.deadline_ns:
                     continue
-                _settle(
+                settle(
                     pending,
                     ServerUnavailable(
                         f"{pending.op}: no reply within its deadline (server {self.socket_path})"
@@ -815,29 +754,6 @@ class AsyncClient:
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _settle(pending: Pending[Any], outcome: Any) -> None:
-    """Set the future's result or exception once; later outcomes are dropped."""
-    if pending.done():
-        return
-    pending.finished_at = time.monotonic()
-    if isinstance(outcome, BaseException):
-        pending.set_exception(outcome)
-    else:
-        pending.set_result(outcome)
-
-
-def _split_frames(buf: bytearray) -> Iterator[bytes]:
-    """Complete frames at the head of ``buf``, removed from it as they are yielded."""
-    while len(buf) >= _frames.PREFIX_BYTES:
-        length = _frames.frame_length(bytes(buf[: _frames.PREFIX_BYTES]))
-        end = _frames.PREFIX_BYTES + length
-        if len(buf) < end:
-            return
-        payload = bytes(buf[_frames.PREFIX_BYTES : end])
-        del buf[:end]
-        yield payload
-
-
 def _socket_identity(path: str) -> tuple[int, int] | None:
     """``(inode, creation time)`` of the socket at ``path``; None when there is none."""
     try:
@@ -845,15 +761,6 @@ def _socket_identity(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_ctime_ns
-
-
-def _from_session(session: Mapping[str, Any], op: str, name: str, value: Any) -> Any:
-    """``value``, or the session's value it stands for (a :class:`SessionField`)."""
-    if not isinstance(value, SessionField):
-        return value
-    if value.name not in session:
-        raise ServerError(f"{op}: {name} names session[{value.name!r}], which on_connect did not set")
-    return session[value.name]
 
 
 def _why(exc: BaseException) -> str:

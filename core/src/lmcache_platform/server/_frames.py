@@ -20,7 +20,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .._errors import WireFormatError
 
@@ -91,6 +91,18 @@ def recv_frame(
     body = _recv_exact(sock, length, at_boundary=False, deadline_ns=deadline_ns, fds=fds)
     assert body is not None
     return body
+
+
+def split_frames(buf: bytearray) -> Iterator[bytes]:
+    """Complete frames at the head of ``buf`` (bytes read so far), removed as they are yielded."""
+    while len(buf) >= PREFIX_BYTES:
+        length = frame_length(bytes(buf[:PREFIX_BYTES]))
+        end = PREFIX_BYTES + length
+        if len(buf) < end:
+            return
+        payload = bytes(buf[PREFIX_BYTES:end])
+        del buf[:end]
+        yield payload
 
 
 def close_fds(fds: Sequence[int]) -> None:

@@ -50,9 +50,7 @@ serve``, or in-process with :class:`ReferenceServer` for embedding.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
-import json
 import logging
 import os
 import socket
@@ -64,12 +62,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
-from .._errors import DescriptorError, LayoutError, LMCachePlatformError, TransferError, WireFormatError
+from .._errors import DescriptorError, LMCachePlatformError, TransferError, WireFormatError
 from ..remote._entry import TensorSpec
 from . import _frames, _protocol
 from ._index import ChunkIndex, Reservation, StoredChunk
 from ._leases import LeaseTable
 from ._listen import Listener
+from ._namespaces import Bindings, layout_of, plain, show_name, show_namespace
 from ._ops import (
     Chunk,
     GetRequest,
@@ -155,17 +154,7 @@ class _Entry:
     chunk_bytes: int
     #: Held for each transfer on this context: its staging slots are not shareable.
     lock: threading.Lock
-    #: Its namespace's name in the remote tier (:func:`remote_namespace`); empty without one.
-    remote_ns: bytes = b""
-
-
-@dataclass
-class _Binding:
-    """The KV layout a namespace holds chunks of, and how many contexts use it now."""
-
-    layout: dict[str, Any]
-    contexts: int = 0
-    #: The namespace's name in the remote tier: see :func:`remote_namespace`.
+    #: Its namespace's name in the remote tier (``remote_namespace``); empty without one.
     remote_ns: bytes = b""
 
 
@@ -230,7 +219,7 @@ class ReferenceServer:
         self._stats_lock = threading.Lock()
         self._started_ns = time.monotonic_ns()
         self._entries: dict[int, _Entry] = {}
-        self._bindings: dict[bytes, _Binding] = {}
+        self._bindings = Bindings()
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
         self._listener: Listener | None = None
@@ -527,9 +516,13 @@ class ReferenceServer:
             backend = selected_backend(device_type)
             n_groups = _num_object_groups(ctx)
             chunk_bytes = sum(ctx.get_temp_object_group_buffer(0, og).nbytes for og in range(n_groups))
-            layout = _layout_of(ctx) if req.namespace else {}
+            layout = layout_of(ctx) if req.namespace else {}
             with self._lock:
-                remote_ns = self._bind(req.namespace, layout).remote_ns if req.namespace else b""
+                remote_ns = (
+                    self._bindings.bind(req.namespace, layout, self._index.count).remote_ns
+                    if req.namespace
+                    else b""
+                )
                 ctx_id = next(self._ids)
                 lock = threading.Lock() if self.parallel_transfers else self._serial_lock
                 self._entries[ctx_id] = _Entry(
@@ -544,7 +537,7 @@ class ReferenceServer:
             "register",
             f"registered context {ctx_id} for {conn.peer}: {len(wrappers)} {device_type} layers "
             f"({backend.name}), {chunk_bytes} bytes per chunk of {ctx.lmcache_tokens_per_chunk} tokens, "
-            f"namespace {_show_namespace(req.namespace)}",
+            f"namespace {show_namespace(req.namespace)}",
             context=ctx_id,
             peer=conn.peer,
             device_type=device_type,
@@ -604,21 +597,6 @@ class ReferenceServer:
                 bytes=nbytes,
                 seconds=round(seconds, 3),
             )
-
-    def _bind(self, namespace: bytes, layout: dict[str, Any]) -> _Binding:
-        """Tie ``namespace`` to one KV layout while it has contexts or chunks. Caller holds the lock."""
-        for ns in [ns for ns, b in self._bindings.items() if not b.contexts and not self._index.count(ns)]:
-            del self._bindings[ns]  # nothing of it is left: it may be bound afresh
-        binding = self._bindings.setdefault(
-            namespace, _Binding(layout, remote_ns=remote_namespace(namespace, layout))
-        )
-        if binding.layout != layout:
-            raise LayoutError(
-                f"namespace {_show_namespace(namespace)} holds chunks of another KV layout "
-                f"({_first_difference(binding.layout, layout)}); a namespace must name one layout"
-            )
-        binding.contexts += 1
-        return binding
 
     def _store(self, req: StoreRequest, conn: _Connection) -> StoreResult:
         entry = self._entry(req, conn)
@@ -864,7 +842,7 @@ class ReferenceServer:
         out: dict[str, Any] = {"server": self.counters()}
         if req.context:
             entry = self._entry(req, conn)
-            out["context"] = _plain(entry.ctx.report_status())
+            out["context"] = plain(entry.ctx.report_status())
             out["context"]["stored_chunks"] = self._index.count(entry.context)
             out["context"]["namespace"] = entry.namespace
         return out
@@ -879,7 +857,7 @@ class ReferenceServer:
             if entry is None:
                 return
             if entry.namespace:
-                self._bindings[entry.namespace].contexts -= 1
+                self._bindings.release(entry.namespace)
         with entry.lock:  # wait for a transfer still running on it (a stopping server)
             dropped = self._index.drop(ctx_id)
             try:
@@ -921,20 +899,6 @@ def _share(deadline: int | None) -> int | None:
     return now + int(max(deadline - now, 0) * _REMOTE_SHARE)
 
 
-def remote_namespace(namespace: bytes, layout: dict[str, Any]) -> bytes:
-    """The name a namespace's chunks go by in the remote tier: the namespace and its KV layout, hashed.
-
-    Here a namespace is bound to one layout (``LayoutError`` otherwise), but nothing binds
-    it across nodes: with the layout in the remote name, two nodes share chunks only when
-    their layouts agree to the last field, and a mismatch (another chunk format, another
-    version's layout) is a miss, never bytes of another layout that happen to fit.
-    """
-    h = hashlib.blake2b(digest_size=32, person=b"lmcp-remote-ns1")
-    h.update(namespace)
-    h.update(json.dumps(layout, sort_keys=True, separators=(",", ":"), default=str).encode())
-    return h.digest()
-
-
 def _namespace_of(entry: _Entry, op: str) -> bytes:
     if not entry.namespace:
         raise TransferError(
@@ -942,19 +906,6 @@ def _namespace_of(entry: _Entry, op: str) -> bytes:
             "keyed chunks need one (register with namespace=...)"
         )
     return entry.namespace
-
-
-def _show_namespace(namespace: bytes) -> str:
-    return _short_hex(namespace) if namespace else "(none)"
-
-
-def _show_name(chunk_id: str | bytes) -> str:
-    """A chunk id as its repr; a content key as ``key <hex prefix>``."""
-    return f"key {_short_hex(chunk_id)}" if isinstance(chunk_id, bytes) else repr(chunk_id)
-
-
-def _short_hex(data: bytes) -> str:
-    return data.hex()[:16] + ("..." if len(data) > 8 else "")
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -966,7 +917,7 @@ def _check_unique(chunks: Sequence[Chunk]) -> None:
     seen: set[str | bytes] = set()
     for c in chunks:
         if c.chunk_id in seen:
-            raise TransferError(f"{_show_name(c.chunk_id)} appears twice in one request")
+            raise TransferError(f"{show_name(c.chunk_id)} appears twice in one request")
         seen.add(c.chunk_id)
 
 
@@ -976,47 +927,8 @@ def _precheck(ctx: BaseCacheContext, chunks: Sequence[Chunk], *, retrieve: bool)
         try:
             ctx.validate_transfer(chunk.block_ids, retrieve=retrieve)
         except TransferError as exc:
-            name = _show_name(chunk.chunk_id)
+            name = show_name(chunk.chunk_id)
             raise TransferError(f"chunk {i} ({name}): {exc}; nothing was transferred") from exc
-
-
-def _layout_of(ctx: BaseCacheContext) -> dict[str, Any]:
-    """What two contexts must agree on to share chunks: the status report minus block counts."""
-    status = _plain(ctx.report_status())
-    per_engine = {"num_blocks", "layer_shape"}  # the engine's block count is not part of a chunk
-    if status["chunk_format"] == "tokens":  # token-major chunks do not depend on the block order
-        per_engine.add("block_order")
-    return {
-        "tokens_per_chunk": status["tokens_per_chunk"],
-        "chunk_format": status["chunk_format"],
-        "kernel_groups": [
-            {k: v for k, v in kg.items() if k not in per_engine} for kg in status["kernel_groups"]
-        ],
-        "object_groups": status["object_groups"],
-    }
-
-
-def _first_difference(a: Any, b: Any, path: str = "layout") -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{path}.{k}")
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x != y:
-                return _first_difference(x, y, f"{path}[{i}]")
-    return f"{path} is {a!r} there, {b!r} here"
-
-
-def _plain(value: Any) -> Any:
-    """Reduce a status report to msgpack-able primitives (dtypes and enums become text)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return value
-    return str(getattr(value, "value", value))
 
 
 _PEERCRED = struct.Struct("3i")
