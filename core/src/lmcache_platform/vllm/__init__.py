@@ -29,7 +29,8 @@ change of the server's state.
 Extra-config keys (``kv_connector_extra_config``): ``socket`` (else the environment
 variable ``LMCACHE_PLATFORM_SOCKET``), ``tokens_per_chunk`` (256), ``model_id``
 (default: vLLM's model and revision), ``lookup_deadline_ms`` (1000),
-``transfer_deadline_ms`` (5000), ``lease_ms`` (30000).
+``transfer_deadline_ms`` (5000), ``lease_ms`` (30000), ``cuda_ipc`` (``auto``: the CUDA IPC kind,
+else ``$LMCACHE_PLATFORM_CUDA_IPC``).
 
 ``import lmcache_platform`` never imports this module or vLLM.
 """
@@ -84,11 +85,45 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         """A best-effort cache: a dropped store is a future miss, never a reason to recompute."""
         return False
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """How the server reaches the KV cache, which decides how vLLM (0.33+) allocates it.
+
+        On CUDA the server imports the memory in its own process: with the VMM IPC kind
+        (the default, ``cuda_ipc`` ``auto`` or ``vmm``) through POSIX file descriptors,
+        so vLLM's extensible cache is created with exportable handles (``EXPORTS_FD``);
+        with a legacy kind (``torch``, ``raw``) through legacy CUDA IPC, which turns the
+        extensible cache off (``LEGACY_IPC``). Elsewhere (CPU) the memory is shared by
+        host means and any allocation works (``IN_PROCESS``).
+        """
+        from vllm.config.kv_transfer import KVCacheAccess
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():
+            return KVCacheAccess.IN_PROCESS
+        settings = Settings.from_extra(getattr(kv_transfer_config, "kv_connector_extra_config", None))
+        return KVCacheAccess.LEGACY_IPC if settings.legacy_ipc else KVCacheAccess.EXPORTS_FD
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Sleep mode and weight updates are followed: see :meth:`unregister_kv_caches`."""
+        return True
+
     # -- worker side --------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM releases the KV cache's memory: the server drops every mapping of it."""
+        if self.worker is not None:
+            self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """After vLLM mapped memory again: registered afresh; stored chunks are still there."""
+        if self.worker is not None:
+            self.worker.restore_kv_caches()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None
@@ -135,6 +170,10 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: Any) -> bool:
+        """True once the request's lookup found chunks to load (answered; no socket call)."""
+        return self.scheduler is not None and self.scheduler.may_load_async(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.scheduler is not None

@@ -102,9 +102,19 @@ def cannot_share(vllm_config: Any) -> str | None:
 
 
 def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
-    """Tokens per entry of ``request.block_hashes`` (vLLM's own resolution)."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    """Tokens per entry of ``request.block_hashes`` (vLLM's own resolution).
 
+    ``resolve_kv_cache_block_sizes`` is private to vLLM (0.32 to 0.34 have it): if a
+    release moves it, the connector says so here, by name, instead of an ImportError
+    at engine start-up.
+    """
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    except ImportError as exc:
+        raise ImportError(
+            "lmcache-platform: this vLLM has no vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes "
+            f"({exc}); the connector supports vLLM 0.32 to 0.34 (see docs/vllm.md, 'Versions')"
+        ) from exc
     return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
 
 

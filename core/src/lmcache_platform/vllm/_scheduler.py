@@ -269,6 +269,18 @@ class SchedulerSide:
         st.offered_from = num_computed_tokens
         return end - num_computed_tokens, True
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether the request's lookup was answered with chunks to load (cheap: no socket call)."""
+        st = self._requests.get(request.request_id)
+        if st is None or st.bypass or not self.loads_enabled:
+            return False
+        if st.hits is not None:
+            return st.hits > 0
+        lookup = st.lookup
+        if lookup is None or not lookup.done() or lookup.exception() is not None:
+            return False
+        return lookup.result().hits > 0
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
         if st is None or not st.hits:

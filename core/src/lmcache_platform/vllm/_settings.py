@@ -16,7 +16,21 @@ DEFAULT_TRANSFER_MS = 5000.0
 #: How long a lookup's hits stay pinned in the server for the load that follows it.
 DEFAULT_LEASE_MS = 30_000
 
-_KEYS = ("socket", "tokens_per_chunk", "model_id", "lookup_deadline_ms", "transfer_deadline_ms", "lease_ms")
+#: The cuda backend's switch between its IPC kinds (read here too: it decides how vLLM
+#: must allocate the KV cache, before any tensor exists).
+CUDA_IPC_ENV = "LMCACHE_PLATFORM_CUDA_IPC"
+#: ``auto`` (default): the VMM kind for vLLM's extensible KV cache, a legacy kind for
+#: allocator memory; ``vmm``, ``torch`` and ``raw`` force one kind.
+CUDA_IPC_KINDS = ("auto", "vmm", "torch", "raw")
+_KEYS = (
+    "socket",
+    "tokens_per_chunk",
+    "model_id",
+    "lookup_deadline_ms",
+    "transfer_deadline_ms",
+    "lease_ms",
+    "cuda_ipc",
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,8 @@ class Settings:
     lookup_ms: float = DEFAULT_LOOKUP_MS
     transfer_ms: float = DEFAULT_TRANSFER_MS
     lease_ms: int = DEFAULT_LEASE_MS
+    #: The CUDA IPC kind (:data:`CUDA_IPC_KINDS`): the extra config's, else the environment's.
+    cuda_ipc: str = "auto"
 
     hint = f"set kv_connector_extra_config['socket'] or {SOCKET_ENV}"
 
@@ -50,7 +66,13 @@ class Settings:
             lookup_ms=_number(extra, "lookup_deadline_ms", DEFAULT_LOOKUP_MS, float),
             transfer_ms=_number(extra, "transfer_deadline_ms", DEFAULT_TRANSFER_MS, float),
             lease_ms=_number(extra, "lease_ms", DEFAULT_LEASE_MS, int),
+            cuda_ipc=_cuda_ipc(extra),
         )
+
+    @property
+    def legacy_ipc(self) -> bool:
+        """Whether the operator chose a legacy CUDA IPC kind, which cannot share VMM memory."""
+        return self.cuda_ipc in ("torch", "raw")
 
     def check_chunk(self, block_sizes: Sequence[int]) -> None:
         for g, size in enumerate(block_sizes):
@@ -74,3 +96,18 @@ def _number(extra: Mapping[str, Any], key: str, default: Any, kind: type) -> Any
             f"lmcache-platform: kv_connector_extra_config[{key!r}] must be positive, got {value!r}"
         )
     return number
+
+
+def _cuda_ipc(extra: Mapping[str, Any]) -> str:
+    """The CUDA IPC kind: ``cuda_ipc`` in the extra config, else ``$LMCACHE_PLATFORM_CUDA_IPC``."""
+    env = os.environ.get(CUDA_IPC_ENV, "").strip()
+    value = extra.get("cuda_ipc", env or "auto")
+    if value not in CUDA_IPC_KINDS:
+        where = "kv_connector_extra_config['cuda_ipc']" if "cuda_ipc" in extra else CUDA_IPC_ENV
+        raise ValueError(f"lmcache-platform: {where} must be one of {list(CUDA_IPC_KINDS)}, got {value!r}")
+    if "cuda_ipc" in extra and env and env != value:
+        raise ValueError(
+            f"lmcache-platform: kv_connector_extra_config['cuda_ipc'] is {value!r} but {CUDA_IPC_ENV} is "
+            f"{env!r}; set one of them"
+        )
+    return str(value)

@@ -11,15 +11,17 @@ can serve at all.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._errors import LMCachePlatformError, ServerError
 from .._facade import wrap_kv_caches
+from ..server import UnregisterRequest
 from . import _identity
 from ._messages import DOWN, OFF, READY, StepPlan, Transfer, WorkerReport
-from ._settings import Settings
+from ._settings import CUDA_IPC_ENV, Settings
 from ._stats import Counters
 
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from ..server import AsyncClient, GetResult, Pending, PutResult
 
 _log = logging.getLogger(__name__)
+#: How much longer than a transfer's deadline unregistering waits for it to resolve.
+_DRAIN_SLACK_S = 1.0
 R = TypeVar("R")
 
 
@@ -69,15 +73,21 @@ class WorkerSide:
         #: By ticket, until vLLM heard how each ended and the server can no longer act on it.
         self._loads: dict[int, _InFlight[GetResult]] = {}
         self._stores: dict[int, _InFlight[PutResult]] = {}
+        #: Between unregister_kv_caches and restore_kv_caches (vLLM's sleep mode).
+        self._sleeping = False
 
     # -- start-up ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap vLLM's per-layer views (one export per allocation); register them in the background."""
         self.engine_kv_caches = dict(kv_caches)
+        self._sleeping = False
         if self.off_reason is not None or not kv_caches:
             return
         self._device = next(iter(kv_caches.values())).device
+        if self._device.type == "cuda" and self.settings.cuda_ipc != "auto":
+            # The cuda backend reads its kind from the environment when it wraps.
+            os.environ.setdefault(CUDA_IPC_ENV, self.settings.cuda_ipc)
         try:
             self.kv_caches = wrap_kv_caches(kv_caches)
         except LMCachePlatformError as exc:  # e.g. no room to export: run without the server
@@ -250,14 +260,67 @@ class WorkerSide:
         except Exception:  # counted; those chunks stay uncached
             self.stats.add("store_failures")
 
+    # -- sleep mode and weight updates -------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to release the KV cache's memory (sleep mode, a weight update).
+
+        Waits (bounded by the transfer deadline) until the server can no longer act on
+        any transfer, then unregisters the context, which makes the server close it
+        and drop every mapping and import of this memory before it answers, and closes
+        the exports here: nothing keeps the memory alive, and nothing can write into
+        memory that is no longer the KV cache. Stored chunks stay in the server (keyed
+        by content). Idempotent.
+        """
+        if self._client is None:
+            self._sleeping = self._sleeping or bool(self.engine_kv_caches)
+            return
+        self._drain(self.settings.transfer_ms / 1e3 + _DRAIN_SLACK_S)
+        client, self._client = self._client, None
+        if client.state == "healthy" and self.context is not None:
+            try:
+                client.execute(UnregisterRequest(context=self.context)).result(
+                    self.settings.transfer_ms / 1e3
+                )
+            except Exception as exc:  # closing the link below closes the context too, a moment later
+                _log.warning("lmcache-platform worker %s: unregister failed: %s", self.label, exc)
+        client.close()
+        self._close_exports()
+        self._sleeping = True
+        _log.info("lmcache-platform worker %s: KV caches unregistered (sleep)", self.label)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM backed the KV cache with memory again: export and register it afresh. Idempotent."""
+        if self._sleeping:
+            self.register_kv_caches(self.engine_kv_caches)
+            _log.info("lmcache-platform worker %s: KV caches registered again (wake-up)", self.label)
+
+    def _drain(self, timeout: float) -> None:
+        """Wait until every transfer in flight is resolved (the server can no longer act on it)."""
+        end = time.monotonic() + timeout
+        flights: list[_InFlight[Any]] = [*self._loads.values(), *self._stores.values()]
+        for flight in flights:
+            if not flight.pending.resolved.wait(max(end - time.monotonic(), 0)):
+                _log.warning(
+                    "lmcache-platform worker %s: a %s was unresolved after %.1f s; unregistering anyway",
+                    self.label,
+                    flight.pending.op,
+                    timeout,
+                )
+                return
+
+    def _close_exports(self) -> None:
+        for wrapper in self.kv_caches.values():
+            wrapper.close()
+        self.kv_caches = {}
+        self.context = None
+
     def shutdown(self) -> None:
         """Close the link (the server drops its mapping of our memory, not the chunks) and the exports."""
         if self._client is not None:
             self._client.close()
             self._client = None
-        for wrapper in self.kv_caches.values():
-            wrapper.close()
-        self.kv_caches = {}
+        self._close_exports()
 
 
 def _seconds(flight: _InFlight[Any]) -> float:
