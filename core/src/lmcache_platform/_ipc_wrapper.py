@@ -44,6 +44,8 @@ MAX_NDIM = 8
 MAX_EXTENT = 1 << 48
 
 Primitive = int | str | bytes | list[int]
+#: Largest file-descriptor number a descriptor may name (``INT_MAX``).
+MAX_FD = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,24 @@ class WireField:
 
     ``kind`` is ``int``, ``str``, ``bytes`` or ``list`` (a list of ints). ``lo``/``hi``
     bound an int or every element of a list; ``max_len`` bounds a str, bytes or list.
+    ``fds`` (with ``int`` or ``list``) marks file descriptors: an fd open in the
+    sending process, which travels beside the message (:func:`lmcache_platform.wire.encode_with_fds`)
+    and is an fd the decoded wrapper owns in the receiving one.
     """
 
     kind: type
     lo: int | None = None
     hi: int | None = None
     max_len: int | None = None
+    fds: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fds:
+            if self.kind not in (int, list):
+                raise TypeError(f"a WireField with fds=True has kind int or list, not {self.kind!r}")
+            # an fd is a non-negative int; the bounds are the kernel's, not the declaration's
+            object.__setattr__(self, "lo", 0 if self.lo is None else max(self.lo, 0))
+            object.__setattr__(self, "hi", MAX_FD if self.hi is None else min(self.hi, MAX_FD))
 
     def check(self, cls_name: str, name: str, value: object) -> Primitive:
         """Return ``value`` if it matches this declaration, else raise ``DescriptorError``.

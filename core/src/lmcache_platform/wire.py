@@ -30,6 +30,7 @@ if any, is its ``__cause__``. See ``docs/wire-format.md``.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 
@@ -73,13 +74,29 @@ def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
     :meth:`~lmcache_platform.DeviceIPCWrapper.export_fields` share one record. Raises
     :class:`~lmcache_platform.WireFormatError` if an item is not a wrapper, its
     class has no valid ``device_type``/``wire_tag``, or the message would exceed the limits.
+    Wrappers with file-descriptor fields need :func:`encode_with_fds`.
     """
+    return _encode(wrappers, None)
+
+
+def encode_with_fds(wrappers: Sequence[DeviceIPCWrapper]) -> tuple[bytes, list[int]]:
+    """Like :func:`encode`, for wrappers whose fields include file descriptors.
+
+    Returns the message and the fds to send beside it (``SCM_RIGHTS``), in the order
+    the message's indices name them; the fds stay owned by the wrappers.
+    """
+    fds: list[int] = []
+    return _encode(wrappers, fds), fds
+
+
+def _encode(wrappers: Sequence[DeviceIPCWrapper], fds: list[int] | None) -> bytes:
     if len(wrappers) > MAX_WRAPPERS:
         raise WireFormatError(f"{len(wrappers)} wrappers exceed the limit of {MAX_WRAPPERS}")
     records: list[list[object]] = []
     named: set[type[DeviceIPCWrapper]] = set()  # classes whose device type and tag passed
     last: tuple[type[DeviceIPCWrapper], dict[str, Primitive]] | None = None
     views: list[list[Primitive]] = []
+    index: dict[int, int] = {}  # fd -> its place in ``fds``
     for i, wrapper in enumerate(wrappers):
         if not isinstance(wrapper, DeviceIPCWrapper):
             raise WireFormatError(f"item {i}: expected a DeviceIPCWrapper, got {type(wrapper).__name__}")
@@ -90,6 +107,11 @@ def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
                     f"item {i}: {cls.__qualname__} needs a valid device_type and wire_tag "
                     f"(got {cls.device_type!r}, {cls.wire_tag!r})"
                 )
+            if fds is None and _fd_fields(cls):
+                raise WireFormatError(
+                    f"item {i}: {cls.__qualname__} carries file descriptors ({', '.join(_fd_fields(cls))}); "
+                    "send it with wire.encode_with_fds over a transport that passes them"
+                )
             named.add(cls)
         try:
             export, view = wrapper.export_fields(), wrapper.view_fields()
@@ -97,32 +119,115 @@ def encode(wrappers: Sequence[DeviceIPCWrapper]) -> bytes:
             raise WireFormatError(f"item {i} ({cls.wire_tag}): {exc}") from exc
         if last is None or last[0] is not cls or last[1] != export:
             last, views = (cls, export), []
-            records.append([cls.device_type, cls.wire_tag, export, views])
+            on_wire = dict(export)
+            if fds is not None:
+                for name in _fd_fields(cls):
+                    on_wire[name] = _to_indices(export[name], fds, index)
+            records.append([cls.device_type, cls.wire_tag, on_wire, views])
         views.append([view[name] for name in VIEW_FIELDS])
     return _codec.pack(MAGIC, VERSION, records, max_bytes=MAX_MESSAGE_BYTES, what=_WHAT)
 
 
+def _fd_fields(cls: type[DeviceIPCWrapper]) -> list[str]:
+    return [name for name, spec in cls.wire_fields.items() if spec.fds]
+
+
+def _to_indices(value: Primitive, fds: list[int], index: dict[int, int]) -> Primitive:
+    def one(fd: int) -> int:
+        if fd not in index:
+            index[fd] = len(fds)
+            fds.append(fd)
+        return index[fd]
+
+    if isinstance(value, list):
+        return [one(fd) for fd in value]
+    assert isinstance(value, int)
+    return one(value)
+
+
+class _Fds:
+    """The fds received with a message: each decoded field gets its own (later uses ``dup``)."""
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self.received = list(fds)
+        self.used: set[int] = set()
+        self.dups: list[int] = []
+        self.claimed: set[int] = set()
+
+    def resolve(self, where: str, cls: type[DeviceIPCWrapper], fields: dict[object, object]) -> list[int]:
+        """Replace ``fields``' fd indices by fds in place; returns the fds placed."""
+        placed: list[int] = []
+
+        def one(i: object) -> int:
+            if type(i) is not int or not 0 <= i < len(self.received):
+                sent = len(self.received)
+                raise WireFormatError(f"{where}: fd index {i!r} names none of the {sent} fds sent")
+            if i in self.used:
+                fd = os.dup(self.received[i])
+                self.dups.append(fd)
+            else:
+                self.used.add(i)
+                fd = self.received[i]
+            placed.append(fd)
+            return fd
+
+        for name in _fd_fields(cls):
+            value = fields.get(name)
+            if isinstance(value, list):
+                if len(value) > (cls.wire_fields[name].max_len or MAX_WRAPPERS):
+                    raise WireFormatError(f"{where}: {name} lists too many fds")
+                fields[name] = [one(i) for i in value]
+            elif value is not None:
+                fields[name] = one(value)
+        return placed
+
+    def close_unclaimed(self) -> None:
+        for fd in (*self.received, *self.dups):
+            if fd not in self.claimed:
+                os.close(fd)
+
+
 def decode(
-    data: bytes, *, allowed: Mapping[str, type[DeviceIPCWrapper]] | None = None
+    data: bytes,
+    *,
+    allowed: Mapping[str, type[DeviceIPCWrapper]] | None = None,
+    fds: Sequence[int] = (),
+    peer_uid: int | None = None,
 ) -> list[DeviceIPCWrapper]:
     """Decode bytes from :func:`encode`, instantiating only allow-listed classes.
 
     ``allowed`` maps wire tags to classes. By default each record's device type is
     resolved in this process and only the wire classes of the backend selected for it
     are accepted. Raises :class:`~lmcache_platform.WireFormatError` on any bad input.
+
+    ``fds`` are the file descriptors received with the message (from
+    :func:`encode_with_fds`); decode takes ownership of all of them: the decoded
+    wrappers own the ones their fields name, the rest are closed, and on failure all
+    are. ``peer_uid`` is the sender's user id where the transport knows it: fds from
+    another user are refused.
     """
-    body = _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT, older=OLDER_VERSIONS)
-    version = bytes(data[4:5])[0]  # unpack checked the header
-    records = _checks.expect_list(body, _WHAT, max_len=MAX_WRAPPERS)
-    classes_by_type: dict[str, Mapping[str, type[DeviceIPCWrapper]]] = {}
-    out: list[DeviceIPCWrapper] = []
+    received = _Fds(fds)
     try:
-        for i, record in enumerate(records):
-            out += _decode_record(i, record, version, allowed, classes_by_type, room=MAX_WRAPPERS - len(out))
-    except BaseException:
-        for wrapper in out:  # nothing is mapped yet, but leave nothing half-built
-            wrapper.close()
-        raise
+        if received.received and peer_uid is not None and peer_uid != os.getuid():
+            raise WireFormatError(
+                f"refused {len(received.received)} file descriptor(s) from a process of uid {peer_uid}: "
+                f"this process runs as uid {os.getuid()}; run the engine and the server as the same user"
+            )
+        body = _codec.unpack(MAGIC, VERSION, data, _LIMITS, what=_WHAT, older=OLDER_VERSIONS)
+        version = bytes(data[4:5])[0]  # unpack checked the header
+        records = _checks.expect_list(body, _WHAT, max_len=MAX_WRAPPERS)
+        classes_by_type: dict[str, Mapping[str, type[DeviceIPCWrapper]]] = {}
+        out: list[DeviceIPCWrapper] = []
+        try:
+            for i, record in enumerate(records):
+                room = MAX_WRAPPERS - len(out)
+                out += _decode_record(i, record, version, allowed, classes_by_type, room=room, fds=received)
+        except BaseException:
+            for wrapper in out:  # nothing is mapped yet, but leave nothing half-built
+                wrapper.close()
+            raise
+    finally:
+        received.close_unclaimed()
     return out
 
 
@@ -134,6 +239,7 @@ def _decode_record(
     cache: dict[str, Mapping[str, type[DeviceIPCWrapper]]],
     *,
     room: int,
+    fds: _Fds,
 ) -> list[DeviceIPCWrapper]:
     where = f"record {index}"
     size = 3 if version == 1 else 4
@@ -177,10 +283,14 @@ def _decode_record(
         raise WireFormatError(
             f"{where}: wire tag {tag!r} belongs to device type {cls.device_type!r}, not {device_type!r}"
         )
+    placed = fds.resolve(f"{where} ({tag})", cls, fields) if _fd_fields(cls) else []
     try:
-        return [cls.from_fields(fields)] if views is None else list(cls.from_views(fields, views))
+        made = [cls.from_fields(fields)] if views is None else list(cls.from_views(fields, views))
     except Exception as exc:  # a constructor refusing hostile fields is the input's fault
         raise WireFormatError(f"{where} ({tag}): {exc}") from exc
+    if made:
+        fds.claimed.update(placed)  # the wrappers own them now
+    return made
 
 
 def _remedy(device_type: str, tag: str) -> str:
@@ -211,4 +321,13 @@ def _classes_for(where: str, device_type: str) -> Mapping[str, type[DeviceIPCWra
         ) from exc
 
 
-__all__ = ["MAGIC", "MAX_MESSAGE_BYTES", "MAX_WRAPPERS", "OLDER_VERSIONS", "VERSION", "decode", "encode"]
+__all__ = [
+    "MAGIC",
+    "MAX_MESSAGE_BYTES",
+    "MAX_WRAPPERS",
+    "OLDER_VERSIONS",
+    "VERSION",
+    "decode",
+    "encode",
+    "encode_with_fds",
+]
