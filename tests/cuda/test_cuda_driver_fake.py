@@ -167,5 +167,5 @@ def test_missing_driver_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
         raise OSError(f"{name}: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(ctypes, "CDLL", no_lib)
-    with pytest.raises(DescriptorError, match=r"needs the NVIDIA driver library libcuda\.so\.1"):
+    with pytest.raises(DescriptorError, match=r"need the NVIDIA driver library libcuda\.so\.1"):
         CudaDriver.load()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, WireField
 
 from ._devices import DEVICES
+from ._errors import VMM_HINT, VmmMemoryError
 from ._open_table import OpenTable
 from ._view import MAX_BYTES, check_view_fits, empty_view, require_cuda
 
@@ -41,6 +42,16 @@ _MIN_HANDLE, _MAX_HANDLE = 64, 1 << 16
 _ShareKey = tuple[bytes, int, bytes, int]
 #: Storages opened in this process, by share (one share = one ``_share_cuda_`` call).
 SHARES: OpenTable[torch.UntypedStorage] = OpenTable()
+
+
+def _is_vmm(tensor: torch.Tensor) -> bool:
+    """Whether a storage torch refused lies in CUDA virtual memory (then say what shares it)."""
+    from ._vmm_ipc import is_vmm_memory
+
+    try:
+        return is_vmm_memory(tensor)
+    except DescriptorError:  # no answer: the plain refusal stands
+        return False
 
 
 class CudaIPCWrapper(DeviceIPCWrapper):
@@ -112,6 +123,8 @@ class CudaIPCWrapper(DeviceIPCWrapper):
             try:
                 share = storage._share_cuda_()  # type: ignore[no-untyped-call]
             except RuntimeError as exc:  # e.g. a tensor that was itself received over IPC
+                if _is_vmm(tensor):
+                    raise VmmMemoryError(f"torch cannot share this CUDA storage ({exc}): {VMM_HINT}") from exc
                 raise DescriptorError(f"torch cannot share this CUDA storage: {exc}") from exc
         _, handle, size, offset, counter, counter_offset, event, sync = share
         return cls.describe(
