@@ -52,7 +52,10 @@ class FakeLibCuda:
         return call
 
     def __getattr__(self, name: str) -> Callable[..., int]:
-        return self._fns[name]
+        try:
+            return self._fns[name]
+        except KeyError:  # as ctypes says of a symbol the library lacks (here: the VMM API)
+            raise AttributeError(f"undefined symbol: {name}") from None
 
     @staticmethod
     def _out(arg: Any) -> Any:

@@ -34,6 +34,9 @@ IPC_HANDLE_SIZE = 64
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 _CUDA_ERROR_INVALID_VALUE = 1
+#: What ``cuMemRetainAllocationHandle`` answers for an address no ``cuMemMap`` mapped
+#: (documented: INVALID_VALUE; NOT_PERMITTED and NOT_SUPPORTED taken the same way).
+_NOT_VMM = frozenset({_CUDA_ERROR_INVALID_VALUE, 800, 801})
 #: ``CUmemAllocationHandleType``: a POSIX file descriptor.
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
@@ -232,24 +235,40 @@ class CudaDriver:
         return int(base.value), int(size.value)
 
     def export(self, ptr: int, ordinal: int) -> tuple[bytes, int, int]:
-        """IPC handle of the allocation holding ``ptr``, with its base and size."""
+        """IPC handle of the allocation holding ``ptr``, with its base and size.
+
+        Virtual memory has no legacy handle: that refusal is a :class:`VmmMemoryError`
+        naming the VMM kind, however the driver words it.
+        """
         capable = ctypes.c_int64(0)
-        with self._on(ordinal):
-            self._call(
-                "cuPointerGetAttribute",
-                ctypes.byref(capable),
-                _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-                ptr,
-            )
-            if not capable.value:
-                raise VmmMemoryError(
-                    f"device pointer {ptr:#x} cannot be exported with legacy CUDA IPC: {VMM_HINT}"
+        try:
+            with self._on(ordinal):
+                self._call(
+                    "cuPointerGetAttribute",
+                    ctypes.byref(capable),
+                    _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                    ptr,
                 )
-            base, size = _CUdeviceptr(), ctypes.c_size_t()
-            self._call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
-            handle = _CUipcMemHandle()
-            self._call("cuIpcGetMemHandle", ctypes.byref(handle), base, hint=VMM_HINT)
+                if not capable.value:
+                    raise DescriptorError(f"device pointer {ptr:#x} has no legacy IPC handle")
+                base, size = _CUdeviceptr(), ctypes.c_size_t()
+                self._call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
+                handle = _CUipcMemHandle()
+                self._call("cuIpcGetMemHandle", ctypes.byref(handle), base, hint=VMM_HINT)
+        except DescriptorError as exc:
+            vmm = self._is_vmm(ptr, ordinal)
+            if not (vmm or capable.value == 0):
+                raise
+            error = VmmMemoryError if vmm else DescriptorError  # no legacy handle, VMM or not
+            why = f"device pointer {ptr:#x} cannot be exported with legacy CUDA IPC ({exc})"
+            raise error(f"{why}: {VMM_HINT}") from exc
         return bytes(handle.reserved), int(base.value), int(size.value)
+
+    def _is_vmm(self, ptr: int, ordinal: int) -> bool:
+        try:
+            return self.vmm_range(ptr, ordinal) is not None
+        except DescriptorError:  # no VMM API, or no answer: not known to be virtual memory
+            return False
 
     def open(self, handle: bytes, ordinal: int) -> tuple[int, int]:
         """Map a peer's allocation; returns ``(base, size)`` of the local mapping."""
@@ -309,7 +328,7 @@ class CudaDriver:
         base, size = _CUdeviceptr(), ctypes.c_size_t()
         with self._on(ordinal):
             rc = int(self._fns["cuMemRetainAllocationHandle"](ctypes.byref(handle), ptr))
-            if rc == _CUDA_ERROR_INVALID_VALUE:
+            if rc in _NOT_VMM:
                 return None
             if rc:
                 raise DescriptorError(f"cuMemRetainAllocationHandle failed: {self._error_name(rc)}")
