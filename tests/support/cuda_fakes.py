@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lmcache_platform import DescriptorError
+from lmcache_platform.hostmem._remap import _libc as hostmem_libc
 from lmcache_platform_cuda import _devices, _driver, _raw_ipc
 
 #: Device UUIDs as torch prints them (``str(get_device_properties(i).uuid)``).
@@ -122,17 +123,7 @@ CUDA_ERROR_OUT_OF_MEMORY = 2
 GRANULE = 2 << 20
 _PROT_NONE, _PROT_RW = 0, 1 | 2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_libc = ctypes.CDLL(None, use_errno=True)  # an instance of our own: argtypes set here stay here
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc = hostmem_libc()  # mmap and munmap typed by core's host-memory kit
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
