@@ -502,3 +502,17 @@ def test_round_trip_through_a_socket_to_another_process(fake_vmm: FakeVmmLib) ->
     assert child.exitcode == 0
     for w in wrapped:
         w.close()
+
+
+def test_a_view_over_more_allocations_than_an_export_may_have(
+    fake_vmm: FakeVmmLib, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_vmm_ipc, "MAX_SEGMENTS", 3)
+    flat = cache(fake_vmm, [GRANULE] * 4)
+    baseline = open_fds()
+    with pytest.raises(DescriptorError, match="reaches more allocations than the VMM kind can export"):
+        CudaVmmIPCWrapper.wrap(flat)
+    w = CudaVmmIPCWrapper.wrap(flat[: 3 * GRANULE])  # its storage is all four; the view needs three
+    assert len(w.segment_fds) == 3
+    w.close()
+    assert open_fds() == baseline

@@ -136,10 +136,11 @@ def _walk(
         lowest = prev[0]
     segments = [*reversed(before), found]
     while (edge := segments[-1][0] + segments[-1][1]) < max(storage[1], end):
-        nxt = runtime.vmm_range(edge, ordinal) if len(segments) < MAX_SEGMENTS else None
+        full = len(segments) >= MAX_SEGMENTS
+        nxt = None if full else runtime.vmm_range(edge, ordinal)
         if nxt is None or nxt[0] != edge:
             if edge < end:
-                why = "more allocations than" if nxt is not None else "unmapped memory before"
+                why = "more allocations than" if full else "unmapped memory before"
                 raise DescriptorError(
                     f"the view [{first:#x}, {end:#x}) reaches {why} the VMM kind can export "
                     f"(mapped memory stops at {edge:#x}; at most {MAX_SEGMENTS} allocations)"
