@@ -8,14 +8,15 @@ instead, and each test using one says so. Tests that need the real thing carry t
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 from collections.abc import Iterator
 
 import pytest
 
-from lmcache_platform_cuda import _devices, _raw_ipc
+from lmcache_platform_cuda import _devices, _raw_ipc, _vmm_ipc
 from support import cuda_workers as cuda_workers
-from support.cuda_fakes import FakeDevices, FakeRuntime
+from support.cuda_fakes import UUIDS, FakeDevices, FakeRuntime, FakeVmmLib, HostCudaDriver
 
 
 @pytest.fixture
@@ -30,6 +31,20 @@ def fake_runtime(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
     runtime = FakeRuntime()
     monkeypatch.setattr(_raw_ipc, "get_runtime", lambda: runtime)
     return runtime
+
+
+@pytest.fixture
+def fake_vmm(monkeypatch: pytest.MonkeyPatch, fake_devices: FakeDevices) -> Iterator[FakeVmmLib]:
+    """The VMM kind over ``FakeVmmLib`` (no GPU here): the real ``CudaDriver`` binding, "device"
+    memory that is host memory in memfds, and host tensors counting as on cuda:0."""
+    lib = FakeVmmLib()
+    driver = HostCudaDriver(lib)  # type: ignore[arg-type]
+    fake_devices.set(UUIDS[:1])
+    monkeypatch.setattr(_vmm_ipc, "get_runtime", lambda: driver)
+    monkeypatch.setattr(_vmm_ipc, "cuda_ordinal", lambda tensor: 0)
+    yield lib
+    gc.collect()
+    lib.free_all()
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,10 @@ class FakeLibCuda:
         return call
 
     def __getattr__(self, name: str) -> Callable[..., int]:
-        return self._fns[name]
+        try:
+            return self._fns[name]
+        except KeyError:  # as ctypes says of a symbol the library lacks (here: the VMM API)
+            raise AttributeError(f"undefined symbol: {name}") from None
 
     @staticmethod
     def _out(arg: Any) -> Any:
@@ -167,5 +170,5 @@ def test_missing_driver_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
         raise OSError(f"{name}: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(ctypes, "CDLL", no_lib)
-    with pytest.raises(DescriptorError, match=r"needs the NVIDIA driver library libcuda\.so\.1"):
+    with pytest.raises(DescriptorError, match=r"need the NVIDIA driver library libcuda\.so\.1"):
         CudaDriver.load()

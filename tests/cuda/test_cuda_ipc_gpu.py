@@ -7,7 +7,6 @@ the server (it decodes, reopens, reads and writes). Nothing is faked here.
 
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
 import os
 import subprocess
@@ -20,7 +19,17 @@ import torch
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, wire
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 from lmcache_platform_cuda._devices import DEVICES
-from support.cuda_workers import ALLOWED, PeerError, PeerHandle, digest, exporter_main, pattern, recv, send
+from support.cuda_workers import (
+    ALLOWED,
+    PeerError,
+    PeerHandle,
+    device_memory_freed,
+    digest,
+    exporter_main,
+    pattern,
+    recv,
+    send,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -133,14 +142,10 @@ def test_closing_frees_a_dead_exporters_memory() -> None:
     send(ours, "exit")
     exporter.join(60)
     assert exporter.exitcode == 0
-    torch.cuda.synchronize()
-    free_before = torch.cuda.mem_get_info()[0]
+    views = [t]
     del t
-    w.close()
-    gc.collect()
-    torch.cuda.synchronize()
-    free_after = torch.cuda.mem_get_info()[0]
-    assert free_after - free_before >= 0.8 * nbytes, (free_before, free_after)
+    freed = device_memory_freed(views, [w])
+    assert freed >= 0.8 * nbytes, freed
 
 
 def test_expandable_segments_are_refused_with_a_hint() -> None:

@@ -24,7 +24,9 @@ from lmcache_platform import (
 )
 from lmcache_platform_cuda import (
     IPC_ENV,
+    CudaAutoIPCWrapper,
     CudaIPCWrapper,
+    CudaVmmIPCWrapper,
     GPUCacheContext,
     RawCudaIPCWrapper,
     _plugin,
@@ -50,17 +52,17 @@ def test_classes_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = _plugin.lmcache_platform_cache_context_class(device_type="cuda")
     assert ctx is GPUCacheContext and issubclass(ctx, BaseCacheContext)
     assert ctx.device_type == "cuda"
-    assert _plugin.lmcache_platform_ipc_wrapper_class(device_type="cuda") is CudaIPCWrapper
+    assert _plugin.lmcache_platform_ipc_wrapper_class(device_type="cuda") is CudaAutoIPCWrapper
     wire = _plugin.lmcache_platform_wire_classes(device_type="cuda")
-    assert wire is not None and set(wire) == {CudaIPCWrapper, RawCudaIPCWrapper}
-    assert {c.wire_tag for c in wire} == {"cuda.torch/1", "cuda.raw/1"}
+    assert wire is not None and set(wire) == {CudaIPCWrapper, RawCudaIPCWrapper, CudaVmmIPCWrapper}
+    assert {c.wire_tag for c in wire} == {"cuda.torch/1", "cuda.raw/1", "cuda.vmm/1"}
     assert {c.device_type for c in wire} == {"cuda"}
 
 
 @pytest.mark.parametrize(
     "value, expected",
     [
-        ("", CudaIPCWrapper),
+        ("", CudaAutoIPCWrapper),
         ("torch", CudaIPCWrapper),
         ("raw", RawCudaIPCWrapper),
         (" RAW ", RawCudaIPCWrapper),
@@ -79,11 +81,13 @@ def test_invalid_ipc_kind_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(IPC_ENV, "cuda-ipc")
     with pytest.raises(EnvironmentValueError) as info:
         ipc_kind()
-    assert str(info.value) == f"{IPC_ENV}='cuda-ipc' is not a CUDA IPC kind; use one of: torch, raw"
+    assert (
+        str(info.value) == f"{IPC_ENV}='cuda-ipc' is not a CUDA IPC kind; use one of: auto, torch, raw, vmm"
+    )
     assert (info.value.variable, info.value.value, info.value.choices) == (
         IPC_ENV,
         "cuda-ipc",
-        ("torch", "raw"),
+        ("auto", "torch", "raw", "vmm"),
     )
 
 
@@ -174,6 +178,7 @@ def test_plugin_import_is_light() -> None:
         import lmcache_platform_cuda._plugin
         heavy = [m for m in ("torch", "lmcache_platform_cuda._torch_ipc",
                              "lmcache_platform_cuda._raw_ipc", "lmcache_platform_cuda._driver",
+                             "lmcache_platform_cuda._vmm_ipc", "lmcache_platform_cuda._auto",
                              "lmcache_platform_cuda._cache_context") if m in sys.modules]
         assert not heavy, heavy
         """

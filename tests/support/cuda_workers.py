@@ -237,6 +237,19 @@ class PeerHandle:
         return result
 
 
+def device_memory_freed(tensors: list[torch.Tensor], wrappers: list[DeviceIPCWrapper]) -> int:
+    """Bytes of GPU memory that come back when ``tensors`` (the last references, emptied
+    here) are dropped and ``wrappers`` closed."""
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    tensors.clear()
+    for w in wrappers:
+        w.close()
+    gc.collect()
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0] - free_before)
+
+
 class PeerError(AssertionError):
     """An operation failed in the peer; the message is its error and traceback."""
 

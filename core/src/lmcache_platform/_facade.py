@@ -68,7 +68,9 @@ def wrap_kv_caches(
     Layers that are views of one allocation share one export (the backend's wrapper
     decides how; see the backend-author guide).
 
-    All or nothing: each wrapper class first checks its whole batch
+    Each tensor is wrapped by the class its backend picks for it
+    (:meth:`DeviceIPCWrapper.wrapper_class_for`; one class for most backends). All or
+    nothing: each wrapper class first checks its whole batch
     (:meth:`DeviceIPCWrapper.preflight`, e.g. shared-memory capacity); then, if a layer
     fails, the wrappers already made are closed and :class:`WrapError` names the layer
     (index and engine name; the original error is its ``__cause__``).
@@ -80,32 +82,62 @@ def wrap_kv_caches(
     else:
         layers = list(kv_caches)
     flat = [(i, t) for i, one in enumerate(layers) for t in (one if isinstance(one, tuple) else [one])]
-    by_device: dict[str, list[torch.Tensor]] = {}
+    owners: dict[str, type[DeviceIPCWrapper] | None] = {}  # per device type; None: a plain factory
     for _, tensor in flat:
-        by_device.setdefault(tensor.device.type, []).append(tensor)
-    for device_type, batch in by_device.items():
-        owner = getattr(get_kv_wrapper_factory(device_type), "__self__", None)
-        if isinstance(owner, type) and issubclass(owner, DeviceIPCWrapper):
-            owner.preflight(batch)
-    wrappers: list[DeviceIPCWrapper] = []
+        if tensor.device.type not in owners:
+            owners[tensor.device.type] = _owner(get_kv_wrapper_factory(tensor.device.type))
+    chosen: list[type[DeviceIPCWrapper] | None] = []  # the class that wraps each tensor
     for index, tensor in flat:
+        owner = owners[tensor.device.type]
         try:
-            wrappers.append(get_kv_wrapper_factory(tensor.device.type)(tensor))
+            chosen.append(None if owner is None else _chosen_class(owner, tensor))
+        except Exception as exc:
+            raise _wrap_error(index, names, tensor, exc) from exc
+    batches: dict[type[DeviceIPCWrapper], list[torch.Tensor]] = {}
+    for (_, tensor), cls in zip(flat, chosen, strict=True):
+        if cls is not None:
+            batches.setdefault(cls, []).append(tensor)
+    for cls, batch in batches.items():
+        cls.preflight(batch)
+    wrappers: list[DeviceIPCWrapper] = []
+    for (index, tensor), cls in zip(flat, chosen, strict=True):
+        try:
+            wrap = get_kv_wrapper_factory(tensor.device.type) if cls is None else cls.wrap
+            wrappers.append(wrap(tensor))
         except Exception as exc:
             for made in reversed(wrappers):
                 made.close()
-            name = f" ({names[index]})" if names is not None else ""
-            raise WrapError(
-                f"wrapping KV-cache layer {index}{name} ({tensor.device}, shape {tuple(tensor.shape)}) "
-                f"failed: {type(exc).__name__}: {exc}",
-                layer=index,
-                layer_name=names[index] if names is not None else None,
-            ) from exc
+            raise _wrap_error(index, names, tensor, exc) from exc
     entries: list[KVCacheEntry] = []
     made_iter = iter(wrappers)
     for layer in layers:
         entries.append((next(made_iter), next(made_iter)) if isinstance(layer, tuple) else next(made_iter))
     return dict(zip(names, entries, strict=True)) if names is not None else entries
+
+
+def _owner(factory: WrapperFactory) -> type[DeviceIPCWrapper] | None:
+    """The wrapper class whose ``wrap`` ``factory`` is, or None for another callable
+    (one given to :func:`register_kv_wrapper`, which is called as it is)."""
+    owner = getattr(factory, "__self__", None)
+    return owner if isinstance(owner, type) and issubclass(owner, DeviceIPCWrapper) else None
+
+
+def _chosen_class(owner: type[DeviceIPCWrapper], tensor: torch.Tensor) -> type[DeviceIPCWrapper]:
+    cls: object = owner.wrapper_class_for(tensor)  # a backend's answer: checked
+    if not (isinstance(cls, type) and issubclass(cls, DeviceIPCWrapper)):
+        where = f"{owner.__qualname__}.wrapper_class_for"
+        raise TypeError(f"{where} returned {cls!r}, not a DeviceIPCWrapper class")
+    return cls
+
+
+def _wrap_error(index: int, names: list[str] | None, tensor: torch.Tensor, exc: Exception) -> WrapError:
+    name = f" ({names[index]})" if names is not None else ""
+    return WrapError(
+        f"wrapping KV-cache layer {index}{name} ({tensor.device}, shape {tuple(tensor.shape)}) "
+        f"failed: {type(exc).__name__}: {exc}",
+        layer=index,
+        layer_name=names[index] if names is not None else None,
+    )
 
 
 def _device_type_of(entry: KVCacheEntry) -> str:

@@ -277,13 +277,29 @@ class DeviceIPCWrapper(abc.ABC):
         """
         return [w.to_tensor() for w in wrappers]
 
+    @classmethod
+    def wrapper_class_for(cls, tensor: torch.Tensor) -> type[DeviceIPCWrapper]:
+        """The class that exports ``tensor``: ``cls`` itself, unless a backend picks per tensor.
+
+        A backend whose device type has several kinds of memory, each shared its own
+        way, returns from ``lmcache_platform_ipc_wrapper_class`` a class overriding
+        this to name, for each tensor, the wire class that can share it (CUDA: the VMM
+        kind for virtual-memory allocations, the torch kind for the caching
+        allocator's). :func:`lmcache_platform.wrap_kv_caches` asks it for every tensor,
+        checks each class's batch with its :meth:`preflight` and wraps each tensor
+        with the chosen class's :meth:`wrap`. It must be cheap and must not export
+        anything; list every class it can name in ``lmcache_platform_wire_classes``.
+        """
+        return cls
+
     @classmethod  # noqa: B027 - optional hook, no-op by default
     def preflight(cls, tensors: Sequence[torch.Tensor]) -> None:
         """Check a whole batch before any of it is wrapped (capacity, device, layout).
 
-        :func:`lmcache_platform.wrap_kv_caches` calls it once per device type with all
-        of that type's tensors, so a batch that cannot succeed fails before anything
-        is exported. The default accepts everything.
+        :func:`lmcache_platform.wrap_kv_caches` calls it once per wrapper class with
+        all the tensors that class will wrap (see :meth:`wrapper_class_for`), so a
+        batch that cannot succeed fails before anything is exported. The default
+        accepts everything.
         """
 
     def release(self) -> None:  # noqa: B027 - optional hook, no-op by default

@@ -45,29 +45,39 @@ def lmcache_platform_cache_context_class(device_type: str) -> type[BaseCacheCont
 
 @hookimpl
 def lmcache_platform_ipc_wrapper_class(device_type: str) -> type[DeviceIPCWrapper] | None:
-    """``CudaIPCWrapper``, or ``RawCudaIPCWrapper`` when ``LMCACHE_PLATFORM_CUDA_IPC=raw``."""
+    """The kind ``LMCACHE_PLATFORM_CUDA_IPC`` names; ``auto`` (default) picks one per tensor."""
     if device_type != DEVICE_TYPE:
         return None
     from ._config import ipc_kind
 
-    if ipc_kind() == "raw":
+    kind = ipc_kind()
+    if kind == "raw":
         from ._raw_ipc import RawCudaIPCWrapper
 
         return RawCudaIPCWrapper
-    from ._torch_ipc import CudaIPCWrapper
+    if kind == "vmm":
+        from ._vmm_ipc import CudaVmmIPCWrapper
 
-    return CudaIPCWrapper
+        return CudaVmmIPCWrapper
+    if kind == "torch":
+        from ._torch_ipc import CudaIPCWrapper
+
+        return CudaIPCWrapper
+    from ._auto import CudaAutoIPCWrapper
+
+    return CudaAutoIPCWrapper
 
 
 @hookimpl
 def lmcache_platform_wire_classes(device_type: str) -> Sequence[type[DeviceIPCWrapper]] | None:
-    """Both kinds, whatever the engine chose: the receiver must accept either."""
+    """Every kind, whatever the engine chose: the receiver must accept each."""
     if device_type != DEVICE_TYPE:
         return None
     from ._raw_ipc import RawCudaIPCWrapper
     from ._torch_ipc import CudaIPCWrapper
+    from ._vmm_ipc import CudaVmmIPCWrapper
 
-    return (CudaIPCWrapper, RawCudaIPCWrapper)
+    return (CudaIPCWrapper, RawCudaIPCWrapper, CudaVmmIPCWrapper)
 
 
 @hookimpl

@@ -23,7 +23,7 @@ from lmcache_platform import DescriptorError, DeviceIPCWrapper, WireField
 
 from ._devices import DEVICES
 from ._open_table import OpenTable
-from ._view import MAX_BYTES, check_view_fits, empty_view, require_cuda
+from ._view import MAX_BYTES, check_view_fits, empty_view, require_cuda, view_over
 
 if TYPE_CHECKING:
     import torch
@@ -141,8 +141,7 @@ class RawCudaIPCWrapper(DeviceIPCWrapper):
         flat = mapping.runtime.as_tensor(
             mapping, mapping.ptr + self.alloc_offset, self.storage_nbytes, ordinal
         )
-        usable = self.storage_nbytes - self.storage_nbytes % self.dtype.itemsize
-        return flat[:usable].view(self.dtype).as_strided(self.shape, self.stride, self.storage_offset)
+        return view_over(self, flat)
 
     def _acquire(self, ordinal: int) -> _Mapping:
         """This wrapper's one reference to the process-wide mapping of its handle."""

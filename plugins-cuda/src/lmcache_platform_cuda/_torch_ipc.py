@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lmcache_platform import DescriptorError, DeviceIPCWrapper, WireField
 
 from ._devices import DEVICES
+from ._errors import VMM_HINT, VmmMemoryError
 from ._open_table import OpenTable
 from ._view import MAX_BYTES, check_view_fits, empty_view, require_cuda
 
@@ -50,6 +51,16 @@ EXPORTED_COUNTERS: set[bytes] = set()
 def share_cuda(storage: torch.UntypedStorage) -> tuple[Any, ...]:
     """torch's share of a CUDA storage (``_share_cuda_``; tests without a GPU replace it)."""
     return storage._share_cuda_()  # type: ignore[no-untyped-call, no-any-return]
+
+
+def _is_vmm(tensor: torch.Tensor) -> bool:
+    """Whether a storage torch refused lies in CUDA virtual memory (then say what shares it)."""
+    from ._vmm_ipc import is_vmm_memory
+
+    try:
+        return is_vmm_memory(tensor)
+    except DescriptorError:  # no answer: the plain refusal stands
+        return False
 
 
 class CudaIPCWrapper(DeviceIPCWrapper):
@@ -121,6 +132,8 @@ class CudaIPCWrapper(DeviceIPCWrapper):
             try:
                 share = share_cuda(storage)
             except RuntimeError as exc:  # e.g. a tensor that was itself received over IPC
+                if _is_vmm(tensor):
+                    raise VmmMemoryError(f"torch cannot share this CUDA storage ({exc}): {VMM_HINT}") from exc
                 raise DescriptorError(f"torch cannot share this CUDA storage: {exc}") from exc
         _, handle, size, offset, counter, counter_offset, event, sync = share
         if counter:

@@ -1,4 +1,4 @@
-"""Descriptor helpers shared by both CUDA wrapper kinds."""
+"""Descriptor helpers shared by the CUDA wrapper kinds."""
 
 from __future__ import annotations
 
@@ -38,3 +38,14 @@ def empty_view(wrapper: DeviceIPCWrapper, ordinal: int) -> torch.Tensor:
     return torch.empty_strided(
         wrapper.shape, wrapper.stride, dtype=wrapper.dtype, device=torch.device("cuda", ordinal)
     )
+
+
+def view_over(wrapper: DeviceIPCWrapper, flat: torch.Tensor) -> torch.Tensor:
+    """Replay ``wrapper``'s view on ``flat``, the 1-D uint8 bytes its storage starts with.
+
+    How the kinds that map memory themselves (raw, VMM) build their tensors: a whole
+    number of elements as ``wrapper.dtype``, then the shape, stride and offset. Works
+    for every dtype, bf16 and fp8 included.
+    """
+    usable = flat.numel() - flat.numel() % wrapper.dtype.itemsize
+    return flat[:usable].view(wrapper.dtype).as_strided(wrapper.shape, wrapper.stride, wrapper.storage_offset)

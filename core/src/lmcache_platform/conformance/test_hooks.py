@@ -120,13 +120,20 @@ def wire_classes(hooks: Any, device_type: str) -> list[type[DeviceIPCWrapper]]:
     return [wrapper] if listed is None else list(listed)
 
 
+def picks_per_tensor(wrapper: type[DeviceIPCWrapper]) -> bool:
+    """Whether ``wrapper`` overrides ``wrapper_class_for`` (it may name other wire classes)."""
+    own = getattr(wrapper.wrapper_class_for, "__func__", None)
+    return own is not DeviceIPCWrapper.wrapper_class_for.__func__  # type: ignore[attr-defined]
+
+
 def test_wire_classes_have_stable_unique_tags_and_include_the_wrapper(
     hooks: Any, lmcache_backend: Target
 ) -> None:
     dt = lmcache_backend.device_type
     classes = wire_classes(hooks, dt)
     wrapper = hooks.lmcache_platform_ipc_wrapper_class(device_type=dt)
-    assert wrapper in classes, "the wrapper class must be one of the wire classes"
+    if not picks_per_tensor(wrapper):  # a class that picks is checked by what it picks (test_ipc)
+        assert wrapper in classes, "the wrapper class must be one of the wire classes"
     tags = [cls.wire_tag for cls in classes]
     assert len(set(tags)) == len(tags), f"wire tags repeat: {tags}"
     for cls in classes:
