@@ -229,7 +229,7 @@ def test_fd_indices_out_of_range_are_refused_and_every_fd_closed() -> None:
     data, sent = wire.encode_with_fds([engine()])
     assert sent == [900, 901]
     baseline = open_fds()
-    with pytest.raises(WireFormatError, match="fd index 1 names none of the 1 fds sent"):
+    with pytest.raises(WireFormatError, match="file descriptor index 1 names none of the 1 that came"):
         wire.decode(data, fds=[os.memfd_create("only", os.MFD_CLOEXEC)], allowed=ALLOWED)
     assert open_fds() == baseline
 

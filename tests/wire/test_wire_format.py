@@ -380,11 +380,13 @@ def test_unknown_device_type_is_wrapped_with_its_cause(lmcache_registry: Any) ->
 
 
 @pytest.mark.parametrize("bad", ["CPU", "../cpu", "cpu\x00", "", "x" * 33, "1cpu", 7, None])
-def test_device_type_is_checked_before_any_lookup(lmcache_registry: Any, bad: object) -> None:
+def test_device_type_is_checked_before_any_lookup(
+    lmcache_registry: Any, bad: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def explode(device_type: str) -> None:
         raise AssertionError(f"the registry was asked about {device_type!r}")
 
-    lmcache_registry.registry.wire_classes_for = explode  # instance attribute, reset with it
+    monkeypatch.setattr(lmcache_registry.registry, "wire_classes_for", explode)
     rec = record()
     rec[0] = bad
     reject(envelope([rec]), "device type")

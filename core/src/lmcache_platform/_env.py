@@ -24,6 +24,9 @@ AUTOLOAD_ENV = "LMCACHE_PLATFORM_AUTOLOAD"
 SOCKET_ENV = "LMCACHE_PLATFORM_SOCKET"
 #: The reference server's cap on host memory for stored chunks (``serve``).
 MAX_HOST_BYTES_ENV = "LMCACHE_PLATFORM_MAX_HOST_BYTES"
+#: The cuda backend's choice of IPC kind (its own variable): the vLLM connector reads it
+#: too, because it decides how vLLM must allocate the KV cache before any tensor exists.
+CUDA_IPC_ENV = "LMCACHE_PLATFORM_CUDA_IPC"
 
 _Choice = TypeVar("_Choice", bound=str)
 

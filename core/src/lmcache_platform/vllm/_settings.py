@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._env import SOCKET_ENV
+from .._env import CUDA_IPC_ENV, SOCKET_ENV
 
 DEFAULT_TOKENS_PER_CHUNK = 256
 #: Deadlines, in milliseconds: a lookup's answer, and a load's or store's.
@@ -16,9 +16,6 @@ DEFAULT_TRANSFER_MS = 5000.0
 #: How long a lookup's hits stay pinned in the server for the load that follows it.
 DEFAULT_LEASE_MS = 30_000
 
-#: The cuda backend's switch between its IPC kinds (read here too: it decides how vLLM
-#: must allocate the KV cache, before any tensor exists).
-CUDA_IPC_ENV = "LMCACHE_PLATFORM_CUDA_IPC"
 #: ``auto`` (default): the VMM kind for vLLM's extensible KV cache, a legacy kind for
 #: allocator memory; ``vmm``, ``torch`` and ``raw`` force one kind.
 CUDA_IPC_KINDS = ("auto", "vmm", "torch", "raw")

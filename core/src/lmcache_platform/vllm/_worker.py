@@ -16,12 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from .._env import CUDA_IPC_ENV
 from .._errors import LMCachePlatformError, ServerError
 from .._facade import wrap_kv_caches
 from ..server import UnregisterRequest
 from . import _identity
 from ._messages import DOWN, OFF, READY, StepPlan, Transfer, WorkerReport
-from ._settings import CUDA_IPC_ENV, Settings
+from ._settings import Settings
 from ._stats import Counters
 
 if TYPE_CHECKING:
