@@ -248,6 +248,7 @@ def test_the_least_recently_used_chunk_is_evicted(small_client: ServerClient, en
         c.put(ctx, [(keys[i], [engine.blocks(i)])])
     assert c.lookup(ns, keys[:1]) == 1  # 0 becomes the most recently used; 1 is now the oldest
     before = counters(c)
+    start = c.removals([ns]).cursor  # the server's removals so far (other tests' too)
     engine.fill(4, seed=34)
     r = c.put(ctx, [(keys[4], [engine.blocks(4)])])
     assert (r.stored, r.evicted) == (1, 1)
@@ -256,6 +257,9 @@ def test_the_least_recently_used_chunk_is_evicted(small_client: ServerClient, en
     assert after["host_bytes"] == CAP_CHUNKS * CHUNK_BYTES == after["max_host_bytes"]
     assert after["chunks"] == CAP_CHUNKS
     assert present(c, ns, keys) == [0, 2, 3, 4]
+    gone = c.removals([fresh_namespace(), ns], since=start)
+    assert [(i, k) for i, k in gone.removed] == [(1, keys[1])] and not gone.missed  # for KV events
+    assert c.removals([ns], since=gone.cursor).removed == ()
     engine.zero()  # what is left is whole and exact
     got = c.get(ctx, [(keys[i], [engine.blocks(8 + j)]) for j, i in enumerate((0, 2, 3, 4))])
     assert got.retrieved == 4

@@ -156,3 +156,31 @@ def test_namespaces_never_mix() -> None:
     assert index.count(b"A") == 1 and index.count(7) == 1 and index.count(b"B") == 0
     assert index.lookup(b"B", ["k"]) == 0
     assert index.drop(7) == 1 and index.lookup(b"A", ["k"]) == 1
+
+
+def test_evictions_are_remembered_in_order_for_removal_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_platform.server import _index
+
+    monkeypatch.setattr(_index, "REMOVAL_LOG", 4)
+    index = ChunkIndex(2 * C)
+    put(index, "a", "b")
+    put(index, "x", ns=b"other")  # evicts the least recently used: b (a was touched last)
+    put(index, "c")
+    assert index.removed_since([NS, b"other"], 0, 10) == ([(0, "b"), (0, "a")], 2, False)
+    assert index.removed_since([b"other"], 0, 10) == ([], 2, False)  # other namespaces' only
+    assert index.removed_since([NS], 1, 10) == ([(0, "a")], 2, False)
+    assert index.removed_since([NS], 0, 1) == ([(0, "b")], 1, False)  # paged: the cursor resumes
+    assert index.removed_since([NS], 2, 10) == ([], 2, False)  # nothing new
+    for k in "defgh":
+        put(index, k)
+    removed, cursor, missed = index.removed_since([NS, b"other"], 2, 10)
+    assert missed and cursor == index.removed_since([NS], cursor, 10)[1]  # the log kept its last 4 only
+    assert len(removed) == 4
+
+
+def test_a_contexts_own_chunks_are_not_reported_as_removed() -> None:
+    index = ChunkIndex(10 * C)
+    res = index.reserve(7, ["own"], C, shared=False)
+    index.commit(res, [(["payload"], C)])
+    assert index.drop(7) == 1
+    assert index.removed_since([7], 0, 10) == ([], 0, False)

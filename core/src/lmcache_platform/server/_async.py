@@ -81,6 +81,8 @@ from ._ops import (
     PutResult,
     RawRequest,
     ReleaseRequest,
+    RemovalsRequest,
+    RemovalsResult,
     Request,
     StatusRequest,
     as_chunks,
@@ -324,6 +326,14 @@ class AsyncClient:
             return GetRequest(context=ctx, chunks=moved, lease=lease or 0, event=event or b"")
 
         return self.execute(build, deadline_ms=deadline_ms)
+
+    def removals(
+        self, namespaces: Sequence[bytes], since: int, *, deadline_ms: float | None = None
+    ) -> Pending[RemovalsResult]:
+        """Shared chunks of ``namespaces`` the server evicted after cursor ``since``."""
+        return self.execute(
+            RemovalsRequest(namespaces=tuple(namespaces), since=since), deadline_ms=deadline_ms
+        )
 
     def release(self, lease: int, *, deadline_ms: float | None = None) -> Pending[None]:
         return self.execute(ReleaseRequest(lease=lease), deadline_ms=deadline_ms)

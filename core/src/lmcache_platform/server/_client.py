@@ -36,6 +36,8 @@ from ._ops import (
     RegisterRequest,
     Registration,
     ReleaseRequest,
+    RemovalsRequest,
+    RemovalsResult,
     Request,
     RetrieveRequest,
     ShutdownRequest,
@@ -171,6 +173,10 @@ class ServerClient:
         has read them (each namespace's share separately).
         """
         return self.execute(lookup_request(namespace, keys, lease, lease_ms)).hits
+
+    def removals(self, namespaces: Sequence[bytes], since: int = 0) -> RemovalsResult:
+        """Shared chunks of ``namespaces`` the server evicted after cursor ``since`` (oldest first)."""
+        return self.execute(RemovalsRequest(namespaces=tuple(namespaces), since=since))
 
     def release(self, lease: int) -> None:
         """End a lease now (a no-op if it already ended)."""

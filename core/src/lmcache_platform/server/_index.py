@@ -28,7 +28,7 @@ without the earlier ones), so eviction takes a prefix's tail before its head.
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +88,10 @@ class _Counters:
     remote_loaded: int = 0
 
 
+#: Removals of shared chunks the index remembers for :meth:`ChunkIndex.removed_since`.
+REMOVAL_LOG = 1 << 16
+
+
 class ChunkIndex:
     """Chunks by ``(namespace, key)`` under a byte budget; see the module docstring."""
 
@@ -100,6 +104,9 @@ class ChunkIndex:
         self._committed = 0  # bytes of readable chunks
         self._reserved = 0  # bytes held back for stores in progress
         self._counts = _Counters()
+        #: ``(sequence, namespace, key)`` of the last shared chunks evicted, oldest first.
+        self._removals: deque[tuple[int, Hashable, Hashable]] = deque(maxlen=REMOVAL_LOG)
+        self._removal_seq = 0
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -298,6 +305,32 @@ class ChunkIndex:
             self._forget(namespace, len(doomed))
             return len(doomed)
 
+    def removed_since(
+        self, namespaces: Sequence[Hashable], since: int, limit: int
+    ) -> tuple[list[tuple[int, Hashable]], int, bool]:
+        """Shared chunks of ``namespaces`` evicted after sequence ``since``, oldest first.
+
+        Returns ``(removed, cursor, missed)``: at most ``limit`` ``(namespace index, key)``
+        pairs, the cursor to ask from next, and whether removals after ``since`` were
+        already forgotten (the log keeps the last :data:`REMOVAL_LOG`).
+        """
+        where = {ns: i for i, ns in enumerate(namespaces)}
+        with self._lock:
+            missed = bool(self._removals) and self._removals[0][0] > since + 1 and since < self._removal_seq
+            out: list[tuple[int, Hashable]] = []
+            cursor = max(since, self._removals[0][0] - 1) if self._removals else since
+            for seq, ns, key in self._removals:
+                if seq <= since:
+                    continue
+                if len(out) == limit:
+                    break
+                cursor = seq
+                if ns in where:
+                    out.append((where[ns], key))
+            else:
+                cursor = max(cursor, self._removal_seq)
+            return out, cursor, missed
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -355,6 +388,8 @@ class ChunkIndex:
         for fk in victims:
             self._committed -= self._lru.pop(fk).nbytes
             self._forget(fk[0], 1)
+            self._removal_seq += 1
+            self._removals.append((self._removal_seq, *fk))
         self._counts.evictions += len(victims)
         return len(victims)
 

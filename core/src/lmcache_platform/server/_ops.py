@@ -148,6 +148,43 @@ class PingResult(_Counts):
     pid: int
 
 
+@dataclass(frozen=True)
+class RemovalsResult:
+    """Shared chunks the server evicted from its memory since a cursor."""
+
+    #: ``(index into the request's namespaces, key)`` per chunk, oldest first.
+    removed: tuple[tuple[int, bytes], ...]
+    #: Where the next request should start (its ``since``).
+    cursor: int
+    #: Removals after ``since`` were already forgotten: some chunks went unreported.
+    missed: bool
+
+    @classmethod
+    def from_wire(cls, result: Json, op: str = "removals") -> RemovalsResult:
+        r = _checks.expect_map(result, f"{op} reply", keys={"removed", "cursor", "missed"})
+        pairs = []
+        for i, item in enumerate(_checks.expect_list(r["removed"], f"{op} reply removed", max_len=1 << 16)):
+            pair = _checks.expect_list(item, f"{op} reply removed[{i}]", max_len=2)
+            if len(pair) != 2:
+                raise WireFormatError(f"{op} reply removed[{i}]: expected [namespace index, key]")
+            index = _checks.expect_int(pair[0], f"{op} reply removed[{i}] namespace", lo=0, hi=MAX_ID)
+            pairs.append(
+                (index, _checks.expect_bytes(pair[1], f"{op} reply removed[{i}] key", max_len=MAX_KEY_LEN))
+            )
+        return cls(
+            removed=tuple(pairs),
+            cursor=_checks.expect_int(r["cursor"], f"{op} reply cursor", lo=0, hi=MAX_ID),
+            missed=_checks.expect_bool(r["missed"], f"{op} reply missed"),
+        )
+
+    def to_wire(self, *, extended: bool) -> Json:
+        return {
+            "removed": [list(pair) for pair in self.removed],
+            "cursor": self.cursor,
+            "missed": self.missed,
+        }
+
+
 _REGISTRATION_COUNTS = ("context", "num_layers", "num_object_groups", "max_batch_size", "chunk_bytes")
 
 
@@ -360,6 +397,23 @@ class LookupRequest(Request[LookupResult]):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RemovalsRequest(Request[RemovalsResult]):
+    """Which shared chunks of ``namespaces`` the server evicted after cursor ``since``.
+
+    For KV-cache events: an engine reports to its router the chunks it stored and, from
+    these answers, the ones the server no longer holds.
+    """
+
+    op: ClassVar[str] = "removals"
+    control: ClassVar[bool] = True
+    namespaces: tuple[bytes, ...]
+    since: int = 0
+
+    def decode_result(self, result: Json) -> RemovalsResult:
+        return RemovalsResult.from_wire(result, self.op)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ReleaseRequest(_Empty):
     """End a lease now (a no-op if it already ended)."""
 
@@ -441,6 +495,7 @@ REQUEST_TYPES: dict[str, type[Request[Any]]] = {
         PutRequest,
         GetRequest,
         LookupRequest,
+        RemovalsRequest,
         ReleaseRequest,
         PingRequest,
         UnregisterRequest,

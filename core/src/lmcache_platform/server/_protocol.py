@@ -256,6 +256,7 @@ _FIELDS: dict[str, Callable[[object, str], Any]] = {
     "lease": lambda v, op: expect_int(v, f"{op} lease", lo=1, hi=MAX_ID),
     "lease_ms": lambda v, op: expect_int(v, f"{op} lease_ms", lo=1, hi=MAX_LEASE_MS),
     "event": _decode_event,
+    "since": lambda v, op: expect_int(v, f"{op} since", lo=0, hi=MAX_ID),
 }
 
 

@@ -83,6 +83,8 @@ from ._ops import (
     RegisterRequest,
     Registration,
     ReleaseRequest,
+    RemovalsRequest,
+    RemovalsResult,
     Request,
     RetrieveRequest,
     RetrieveResult,
@@ -230,6 +232,7 @@ class ReferenceServer:
             "put": self._put,
             "get": self._get,
             "lookup": self._lookup,
+            "removals": self._removals,
             "release": self._release,
             "ping": self._ping,
             "unregister": self._unregister,
@@ -798,6 +801,10 @@ class ReferenceServer:
             [(ns, keys[n:]) for ns, n in zip(named, local, strict=True)], _share(deadline)
         )
         return max(min(n + m for n, m in zip(local, more, strict=True)) - hits, 0)
+
+    def _removals(self, req: RemovalsRequest, conn: _Connection) -> RemovalsResult:
+        removed, cursor, missed = self._index.removed_since(req.namespaces, req.since, _protocol.MAX_CHUNKS)
+        return RemovalsResult(removed=tuple((i, _key(k)) for i, k in removed), cursor=cursor, missed=missed)
 
     def _release(self, req: ReleaseRequest, conn: _Connection) -> None:
         self._leases.release(conn, req.lease)
