@@ -299,6 +299,7 @@ def test_a_lease_expires_and_a_closed_connection_takes_its_leases(
         waited = wait_until(lambda: server.counters()["leases"] == 0, "the lease to expire")
         print(f"lease of 150 ms ended {waited * 1e3:.0f} ms after the lookup returned")
         assert server.counters()["lease_expired"] == 1 and server.counters()["pinned"] == 0
+        assert server.counters()["lease_unread_chunks"] == 2  # found, never read: lost hits
         with server.client() as other:
             lease = new_lease_id()
             assert other.lookup(ns, [key(0)], lease=lease, lease_ms=60_000) == 1

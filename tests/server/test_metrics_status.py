@@ -66,8 +66,10 @@ def test_the_metrics_endpoint_serves_every_counter_and_they_move(serve: Serve) -
     url = metrics_url(serve)
     assert url.startswith("http://127.0.0.1:")
     before = scrape(url)
+    # Labelled by op, or not known until it happened (a registration, a hit since listening).
+    later = {"requests_total", "refused_total", "first_register_seconds", "first_hit_seconds"}
     for name in METRICS:
-        if name != "requests_total":
+        if name not in later:
             assert PREFIX + name in before, name
     engine = TinyEngine()
     try:
@@ -79,6 +81,8 @@ def test_the_metrics_endpoint_serves_every_counter_and_they_move(serve: Serve) -
             assert client.lookup(ns, [b"m" * 32, b"x" * 32]) == 1
             with pytest.raises(ServerError, match="deadline passed"):
                 client.call("ping", deadline=time.monotonic_ns() - 1)
+            with pytest.raises(ServerError, match="unknown context"):
+                client.get(ctx + 1000, [(b"m" * 32, [engine.blocks(1)])])
             after = scrape(url)
     finally:
         engine.close()
@@ -88,6 +92,9 @@ def test_the_metrics_endpoint_serves_every_counter_and_they_move(serve: Serve) -
     assert after[PREFIX + "lookup_hits_total"] == before[PREFIX + "lookup_hits_total"] + 1
     assert after[PREFIX + "lookup_misses_total"] == before[PREFIX + "lookup_misses_total"] + 1
     assert after[PREFIX + "deadline_drops_total"] == before[PREFIX + "deadline_drops_total"] + 1
+    refused = f'{PREFIX}refused_total{{op="get"}}'
+    assert after[refused] == before.get(refused, 0) + 1  # the late ping is a drop, not a refusal
+    assert 0 < after[PREFIX + "first_register_seconds"] <= after[PREFIX + "first_hit_seconds"]
     assert (
         after[PREFIX + "chunks"] >= 1 and after[PREFIX + "uptime_seconds"] > before[PREFIX + "uptime_seconds"]
     )

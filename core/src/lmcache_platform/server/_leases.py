@@ -60,6 +60,7 @@ class LeaseTable:
         self._seq = itertools.count()
         self._taken = 0
         self._expired = 0
+        self._unread = 0  # pins of leases that expired or lost their connection before a get
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -123,7 +124,7 @@ class LeaseTable:
         with self._cond:
             doomed = [lease for lease in self._leases.values() if lease.owner is owner]
             for lease in doomed:
-                self._end(lease)
+                self._end(lease, unread=True)
             return len(doomed)
 
     def sweep(self, now_ns: int | None = None) -> int:
@@ -137,6 +138,7 @@ class LeaseTable:
                 "leases": len(self._leases),
                 "leases_taken": self._taken,
                 "lease_expired": self._expired,
+                "lease_unread_chunks": self._unread,
                 "lease_pins": sum(len(s) for lease in self._leases.values() for s in lease.shares.values()),
             }
 
@@ -178,12 +180,14 @@ class LeaseTable:
         while self._expiry and self._expiry[0][0] <= now:
             _, _, lease = heapq.heappop(self._expiry)
             if self._leases.get(lease.key) is lease:  # else replaced or gone
-                self._end(lease)
+                self._end(lease, unread=True)
                 self._expired += 1
                 ended += 1
         return ended
 
-    def _end(self, lease: _Lease) -> None:
+    def _end(self, lease: _Lease, *, unread: bool = False) -> None:
+        if unread:  # hits a lookup promised that no get came for: lost hits, unless recomputed
+            self._unread += sum(len(share) for share in lease.shares.values())
         del self._leases[lease.key]
         same = self._by_id[lease.lease]
         same.remove(lease)

@@ -68,6 +68,26 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "Chunks gets asked for that neither tier could give (the engine recomputes them).",
     ),
     "errors_total": ("counter", "errors", "Requests answered with an error (deadline drops included)."),
+    "refused_total": (
+        "counter",
+        "refused",
+        "Requests refused (an error reply, deadline drops aside), by op.",
+    ),
+    "lease_unread_chunks_total": (
+        "counter",
+        "lease_unread_chunks",
+        "Chunks leased lookups found that no get read before the lease expired or its connection closed.",
+    ),
+    "first_register_seconds": (
+        "gauge",
+        "first_register_s",
+        "Seconds from listening to the first registration (engines back after a start); absent before.",
+    ),
+    "first_hit_seconds": (
+        "gauge",
+        "first_hit_s",
+        "Seconds from listening to the first lookup that found chunks; absent before.",
+    ),
     "requests_total": ("counter", "requests", "Requests received, by op."),
 }
 

@@ -177,6 +177,8 @@ class _Stats:
     """The server's own counters (the index and the leases keep theirs)."""
 
     requests: dict[str, int] = field(default_factory=dict)
+    #: Requests answered with a refusal, by op (deadline drops are counted apart).
+    refused: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     deadline_drops: int = 0
     #: Lookup hits the remote tier held (the sum of the replies' ``remote``).
@@ -185,6 +187,10 @@ class _Stats:
     get_missing: int = 0
     drops_unlogged: int = 0
     last_drop_log_ns: int = 0
+    #: Nanoseconds from listening to the first registration and the first lookup hit:
+    #: how long engines took to come back after a (re)start.
+    first_register_ns: int | None = None
+    first_hit_ns: int | None = None
 
 
 class ReferenceServer:
@@ -219,7 +225,7 @@ class ReferenceServer:
         self._leases = LeaseTable(self._index)
         self._stats = _Stats()
         self._stats_lock = threading.Lock()
-        self._started_ns = time.monotonic_ns()
+        self._started_ns = self._listening_ns = time.monotonic_ns()
         self._entries: dict[int, _Entry] = {}
         self._bindings = Bindings()
         self._connections: set[_Connection] = set()
@@ -251,6 +257,7 @@ class ReferenceServer:
         """
         self._listener = Listener(self.socket_path)
         self._listener.sock.settimeout(_ACCEPT_POLL_S)
+        self._listening_ns = time.monotonic_ns()
         log_event(
             logging.INFO,
             "listening",
@@ -404,7 +411,7 @@ class ReferenceServer:
                 logger.exception("decoding a request failed")
                 exc = WireFormatError(f"malformed request: {exc}")
             self._refused(conn, "request", rid, exc)
-            self._count("invalid", error=True)
+            self._count("invalid", error=True, refused="invalid")
             return _protocol.encode_error(rid, type(exc).__name__, str(exc))
         self._count(req.op)
         try:
@@ -420,22 +427,32 @@ class ReferenceServer:
             return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault
             self._refused(conn, req.op, req.request_id, exc)
-            self._count(None, error=True)
+            self._count(None, error=True, refused=req.op)
             return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
         except Exception as exc:  # a bug or a backend failure: report it, keep serving
             logger.exception("%s request %d failed", req.op, req.request_id)
             self._refused(conn, req.op, req.request_id, exc)
-            self._count(None, error=True)
+            self._count(None, error=True, refused=req.op)
             return _protocol.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
         finally:
             _frames.close_fds(fds)  # what register did not take
         return _protocol.encode_reply(req.request_id, req.encode_result(result))
 
-    def _count(self, op: str | None, *, error: bool = False) -> None:
+    def _count(self, op: str | None, *, error: bool = False, refused: str | None = None) -> None:
         with self._stats_lock:
             if op is not None:
                 self._stats.requests[op] = self._stats.requests.get(op, 0) + 1
+            if refused is not None:
+                self._stats.refused[refused] = self._stats.refused.get(refused, 0) + 1
             self._stats.errors += error
+
+    def _first(self, what: str) -> None:
+        """Note the first registration (``register``) or lookup hit (``hit``) since listening."""
+        name = f"first_{what}_ns"
+        if getattr(self._stats, name) is None:
+            with self._stats_lock:
+                if getattr(self._stats, name) is None:
+                    setattr(self._stats, name, time.monotonic_ns() - self._listening_ns)
 
     def _dropped(self, req: Request[Any], conn: _Connection, exc: DeadlineExceeded) -> None:
         """Count a late request; log a summary at most once per period, never per request."""
@@ -535,6 +552,7 @@ class ReferenceServer:
         except BaseException:
             ctx.close()
             raise
+        self._first("register")
         log_event(
             logging.INFO,
             "register",
@@ -778,6 +796,8 @@ class ReferenceServer:
             if remote:
                 with self._stats_lock:
                     self._stats.remote_hits += remote
+        if hits + remote:
+            self._first("hit")
         return LookupResult(hits=hits + remote, remote=remote)
 
     def _lookup_remote(
@@ -828,7 +848,12 @@ class ReferenceServer:
                 "deadline_drops": self._stats.deadline_drops,
                 "get_missing": self._stats.get_missing,
                 "remote_hits": self._stats.remote_hits,
+                "refused": dict(sorted(self._stats.refused.items())),
             }
+            for what in ("register", "hit"):
+                ns = getattr(self._stats, f"first_{what}_ns")
+                if ns is not None:
+                    own[f"first_{what}_s"] = ns / 1e9
         if self.tier is not None:
             own["remote"] = {"store": self.tier.name, **self.tier.stats()}
         with self._lock:
