@@ -181,7 +181,7 @@ def _double_class() -> type:
     import torch
 
     from lmcache_platform._errors import TransferError
-    from lmcache_platform.server import ReferenceServer
+    from lmcache_platform.server import GetResult, LookupResult, ReferenceServer
     from lmcache_platform.server._index import ChunkIndex
 
     class DoubleServer(ReferenceServer):  # type: ignore[misc, valid-type]
@@ -192,12 +192,13 @@ def _double_class() -> type:
             real_get = self._handlers["get"]
             real_lookup = self._handlers["lookup"]
 
-            def lookup(req: Any, conn: Any) -> dict[str, Any]:
+            def lookup(req: Any, conn: Any) -> LookupResult:
                 if self._mode().get("lookup") == "miss":
-                    return {"hits": 0}
-                return dict(real_lookup(req, conn))
+                    return LookupResult(hits=0)
+                result: LookupResult = real_lookup(req, conn)
+                return result
 
-            def get(req: Any, conn: Any) -> dict[str, Any]:
+            def get(req: Any, conn: Any) -> GetResult:
                 mode = self._mode()
                 what = mode.get("get", "normal")
                 self._event(op="get", phase="begin", mode=what, chunks=len(req.chunks))
@@ -214,11 +215,11 @@ def _double_class() -> type:
                     dropped = self._drop(namespace, [c.chunk_id for c in req.chunks])
                     self._event(op="get", phase="dropped", dropped=dropped)
                 try:
-                    out = dict(real_get(req, conn))
+                    out: GetResult = real_get(req, conn)
                 except Exception as exc:
                     self._event(op="get", phase="end", mode=what, error=f"{type(exc).__name__}: {exc}")
                     raise
-                self._event(op="get", phase="end", mode=what, retrieved=out.get("retrieved"))
+                self._event(op="get", phase="end", mode=what, retrieved=out.retrieved)
                 return out
 
             self._handlers["get"] = get
