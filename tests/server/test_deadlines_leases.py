@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_platform.server import ServerClient, ServerError, new_lease_id
+from lmcache_platform.server import LookupRequest, ServerClient, ServerError, new_lease_id
 from lmcache_platform.server import _protocol as P
 from support.serve import CHUNK_BYTES, InProcess, TinyEngine, namespace
 
@@ -84,7 +84,11 @@ def test_new_reply_keys_only_for_requests_that_use_new_fields(server: InProcess,
         reg = c.register(engine.wrappers, namespace=ns, lmcache_tokens_per_chunk=8, layout_hints=engine.hints)
         assert reg.now == 0  # a version-1 register: the reply an old client checks key by key
         assert c.call("lookup", namespace=ns, keys=[key(0)]) == {"hits": 0}
-        assert set(c.call("lookup", namespace=ns, keys=[key(0)], deadline=soon(5000))) == {"hits", "remote"}
+        assert set(c.call("lookup", namespace=ns, keys=[key(0)], deadline=soon(5000))) == {
+            "hits",
+            "remote",
+            "unregistered",
+        }
     with ServerClient(server.server.socket_path, timeout=WAIT_S, deadline_ms=5000) as c:
         reg = c.register(engine.wrappers, namespace=ns, lmcache_tokens_per_chunk=8, layout_hints=engine.hints)
         assert abs(reg.now - time.monotonic_ns()) < 5_000 * MS
@@ -365,3 +369,23 @@ def test_get_skips_minus_one_blocks_and_put_refuses_them(server: InProcess, engi
         assert info.value.remote_type == "TransferError"
         with pytest.raises(ServerError, match="some repeat"):
             c.get(ctx, [(key(0), [[9, 9]])])
+
+
+def test_a_lookup_says_which_namespaces_no_live_context_registered(server: InProcess) -> None:
+    """A scheduler whose link is back before its workers' must not offer hits they cannot load."""
+    engine = TinyEngine()
+    other = b"n" * 32
+    try:
+        with server.client() as c:
+            ctx = engine.register(c, b"m" * 32)
+            engine.fill(0, seed=1)
+            assert c.put(ctx, [(key(0), [engine.blocks(0)])]).stored == 1
+            live = c.execute(LookupRequest(namespaces=(b"m" * 32,), keys=(key(0),)))
+            assert (live.hits, live.unregistered) == (1, 0)
+            both = c.execute(LookupRequest(namespaces=(b"m" * 32, other), keys=(key(0),)))
+            assert both.unregistered == 1
+        with server.client() as c:  # the registering connection closed: its context with it
+            gone = c.execute(LookupRequest(namespaces=(b"m" * 32,), keys=(key(0),)))
+            assert (gone.hits, gone.unregistered) == (1, 1)  # still held, but no engine registered
+    finally:
+        engine.close()

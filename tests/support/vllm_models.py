@@ -268,13 +268,45 @@ def _letter_merges() -> Iterator[tuple[str, str]]:
             yield word[:-1], word[-1]
 
 
+def write_weights(directory: str | Path, seed: int = 1234) -> None:
+    """Seeded Kaiming-scale weights for the model in ``directory``, as ``model.safetensors``.
+
+    vLLM's dummy weights (uniform +-1e-3) make every logit about 0, so the output would
+    barely depend on the KV cache; a server started by command (vLLM's OpenAI server)
+    cannot have its weights replaced in process, so they are written to disk instead:
+    matrices uniform in +-1/sqrt(fan_in), norm weights 1, biases 0 (the scheme of
+    ``engine_check.sensitive_weights``). Needs ``transformers`` (the vLLM venv).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(directory)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                bound = 1.0 / p.shape[-1] ** 0.5
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1).mul_(bound))
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    config = (path / "config.json").read_text()
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    (path / "config.json").write_text(config)  # ours, as written, not transformers' rendering
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("directory", type=Path)
     parser.add_argument("--kind", default="gqa", choices=sorted([*KINDS, *MULTIMODAL_KINDS]))
     parser.add_argument("--no-tokenizer", dest="tokenizer", action="store_false")
+    parser.add_argument("--weights", type=int, metavar="SEED", help="also write seeded Kaiming-scale weights")
     args = parser.parse_args(argv)
     print(make_tiny_model(args.directory, args.kind, tokenizer=args.tokenizer))
+    if args.weights is not None:
+        write_weights(args.directory, args.weights)
 
 
 if __name__ == "__main__":

@@ -83,14 +83,16 @@ class Server:
         self._spawn(list(args))
 
     def _spawn(self, args: list[str]) -> None:
+        """Start the process; return once it listens (a killed server's socket file may remain)."""
         self.args = args
+        stale = _inode(self.socket)
         with self.log.open("a") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen([*self._cmd, *args], stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
         deadline = time.monotonic() + 60
-        while not os.path.exists(self.socket):
+        while _inode(self.socket) in (None, stale):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"server did not start: {self.log.read_text()[-2000:]}")
-            time.sleep(0.1)
+            time.sleep(0.02)
 
     # -- signals ---------------------------------------------------------------------------
 
@@ -172,6 +174,13 @@ class Server:
                 raise AssertionError(f"the test double did not answer {action}: {self.log_text()[-2000:]}")
             time.sleep(0.05)
         return json.loads(out.read_text())
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
 
 
 # -- the double (this file run as a script, with the vLLM venv's Python) --------------------

@@ -11,6 +11,7 @@ real-engine tests (``test_vllm_*.py``) cover the same paths end to end.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -35,10 +36,11 @@ from vllm.v1.request import Request
 
 from lmcache_platform.server import ServerClient
 from lmcache_platform.vllm import _identity
-from lmcache_platform.vllm._messages import READY, SKIP, WorkerReport
+from lmcache_platform.vllm._messages import READY, SKIP, StepPlan, Transfer, WorkerReport
 from lmcache_platform.vllm._scheduler import SchedulerSide
 from lmcache_platform.vllm._settings import Settings
-from support.serve import Serve, TinyEngine, private_dir
+from lmcache_platform.vllm._worker import WorkerSide
+from support.serve import CHUNK_BYTES, Serve, TinyEngine, private_dir
 
 BLOCK = 16
 CHUNK = 64  # tokens per chunk: four blocks
@@ -459,3 +461,248 @@ def step(
         preempted_req_ids=set(),
         kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: tables.get(r)),
     )
+
+
+# -- P/D roles -------------------------------------------------------------------------------
+
+
+def with_role(role: str, **over: Any) -> SimpleNamespace:
+    cfg = config(**over)
+    cfg.kv_transfer_config.kv_role = role
+    return cfg
+
+
+def planned_stores(side: SchedulerSide, pools: Pools, req: Request, chunks: int) -> list[Any]:
+    blocks = pools.take(4 * chunks)
+    return list(
+        side.build_connector_meta(
+            step({req.request_id: (0, chunks * CHUNK)}, {req.request_id: (blocks,)})
+        ).stores
+    )
+
+
+def test_a_producer_stores_and_never_looks_up(serve: Serve) -> None:
+    side, pools = scheduler(serve, kv_config(attention()), with_role("kv_producer"))
+    req = request(prompt(2, seed=40), "producer")
+    store(serve, side.namespaces[0], keys_of(req))  # held by the server: a kv_both engine would load it
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.stats.totals["lookups"] == 0
+    assert len(planned_stores(side, pools, req, 2)) == 1
+    side.shutdown()
+
+
+def test_a_consumer_loads_and_never_stores(serve: Serve) -> None:
+    side, pools = scheduler(serve, kv_config(attention()), with_role("kv_consumer"))
+    held = request(prompt(2, seed=41), "consumer-hit")
+    store(serve, side.namespaces[0], keys_of(held))
+    side.on_new_request(held)
+    assert answer(side, held) == (2 * CHUNK, True)
+    fresh = request(prompt(2, seed=42), "consumer-miss")
+    side.on_new_request(fresh)
+    assert answer(side, fresh) == (0, False)
+    assert planned_stores(side, pools, fresh, 2) == []
+    side.shutdown()
+
+
+# -- KV-cache events -------------------------------------------------------------------------
+
+
+def with_events(**over: Any) -> SimpleNamespace:
+    cfg = config(**over)
+    cfg.kv_events_config = SimpleNamespace(enable_kv_cache_events=True)
+    return cfg
+
+
+def events_of(side: SchedulerSide, *, want: int = 1, timeout: float = 10) -> list[Any]:
+    """Take events until ``want`` have come (removals are read in the background)."""
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < want and time.monotonic() < deadline:
+        out += side.take_events()
+        time.sleep(0.05)
+    return out
+
+
+def external(hashes: Any) -> list[Any]:
+    """vLLM's block hashes as its events name them (64-bit ints by default)."""
+    return [maybe_convert_block_hash(h) for h in hashes]
+
+
+def confirm(side: SchedulerSide, ticket: int, *held: int) -> None:
+    """Each rank's answer to store ``ticket``: the leading chunks its server holds."""
+    report = WorkerReport({ticket: len(held)}, {}, {ticket: list(held)})
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+
+
+@pytest.fixture(scope="module")
+def small_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """A server with room for eight of TinyEngine's chunks."""
+    sock = private_dir(tmp_path_factory.mktemp("small")) / "kv.sock"
+    with Serve(sock, "--max-host-bytes", str(8 * CHUNK_BYTES)) as proc:
+        yield proc
+
+
+def test_without_the_event_publisher_nothing_is_collected(serve: Serve) -> None:
+    side, pools = scheduler(serve, kv_config(attention()))
+    req = request(prompt(2, seed=43), "quiet")
+    side.on_new_request(req)
+    answer(side, req)
+    (save,) = planned_stores(side, pools, req, 2)
+    confirm(side, save.ticket, 2)
+    assert side.take_events() == []
+    side.shutdown()
+
+
+def test_stored_chunks_are_reported_once_every_rank_holds_them(serve: Serve) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    side, pools = scheduler(serve, kv_config(attention()), with_events(tp=2))
+    req = request(prompt(3, seed=44), "events")
+    side.on_new_request(req)
+    answer(side, req)
+    (save,) = planned_stores(side, pools, req, 3)
+    confirm(side, save.ticket, 3, 2)  # rank 1's server held only two of the three chunks
+    (event,) = events_of(side)
+    assert isinstance(event, BlockStored) and event.medium == "CPU"
+    per = CHUNK // BLOCK
+    assert event.block_hashes == external(req.block_hashes[: 2 * per])  # vLLM's own hashes
+    assert event.token_ids == list(req.prompt_token_ids[: 2 * CHUNK])
+    assert (event.block_size, event.parent_block_hash) == (BLOCK, None)
+    side.shutdown()
+
+
+def test_a_store_not_every_rank_answered_is_never_reported(serve: Serve) -> None:
+    side, pools = scheduler(serve, kv_config(attention()), with_events(tp=2))
+    req = request(prompt(2, seed=45), "half")
+    side.on_new_request(req)
+    answer(side, req)
+    (save,) = planned_stores(side, pools, req, 2)
+    confirm(side, save.ticket, 2)  # one rank's answer
+    assert events_of(side, timeout=0.3) == []
+    confirm(side, save.ticket, 0)  # the other rank's store failed
+    assert events_of(side, timeout=0.3) == []
+    side.shutdown()
+
+
+def test_chunks_the_server_evicts_are_reported_removed(small_serve: Serve) -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    side, pools = scheduler(small_serve, kv_config(attention()), with_events())
+    req = request(prompt(2, seed=46), "evicted")
+    keys = keys_of(req)
+    store(small_serve, side.namespaces[0], keys)  # what the workers' put would have stored
+    side.on_new_request(req)
+    assert answer(side, req) == (2 * CHUNK, True)  # held: a kv_both engine would load it
+    req2 = request(prompt(2, seed=47), "evicted-2")
+    side.on_new_request(req2)
+    answer(side, req2)
+    (save,) = planned_stores(side, pools, req2, 2)
+    store(small_serve, side.namespaces[0], keys_of(req2))
+    confirm(side, save.ticket, 2)
+    (stored,) = events_of(side)
+    assert isinstance(stored, BlockStored)
+    store(small_serve, side.namespaces[0], [bytes([i]) * 32 for i in range(10)])  # evicts req2's chunks
+    (removed,) = events_of(side)
+    assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
+    assert removed.block_hashes == stored.block_hashes
+    assert events_of(side, timeout=1.5) == []  # reported once
+    side.shutdown()
+
+
+def test_a_later_store_of_a_request_names_the_block_before_it_as_parent(serve: Serve) -> None:
+    side, pools = scheduler(serve, kv_config(attention()), with_events())
+    req = request(prompt(2, seed=48), "parent")
+    side.on_new_request(req)
+    answer(side, req)
+    blocks = pools.take(8)
+    (first,) = side.build_connector_meta(step({"parent": (0, CHUNK)}, {"parent": (blocks,)})).stores
+    confirm(side, first.ticket, 1)
+    (second,) = side.build_connector_meta(step({"parent": (CHUNK, CHUNK)}, {"parent": (blocks,)})).stores
+    confirm(side, second.ticket, 1)
+    a, b = events_of(side, want=2)
+    per = CHUNK // BLOCK
+    assert a.parent_block_hash is None and a.block_hashes == external(req.block_hashes[:per])
+    assert [b.parent_block_hash] == external(req.block_hashes[per - 1 : per])
+    assert b.block_hashes == external(req.block_hashes[per : 2 * per])
+    side.shutdown()
+
+
+# -- sleep mode and weight updates (vLLM 0.33+ calls these; the hooks exist on 0.32 too) -----
+
+
+def server_holds(serve: Serve) -> int:
+    """The server's fds on, and mappings of, engine memory (memfds of the cpu backend)."""
+    pid = serve.proc.pid
+    fds = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds += "memfd:lmcache" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    with open(f"/proc/{pid}/maps") as f:
+        maps = sum("memfd:lmcache" in line for line in f)
+    return fds + maps
+
+
+def worker_side(serve: Serve) -> tuple[WorkerSide, torch.Tensor]:
+    kv = torch.zeros((2, NUM_BLOCKS, BLOCK, 2, 64), dtype=torch.bfloat16)
+    side = WorkerSide(
+        config(),
+        kv_config(attention()),
+        # Its own namespace: the worker registers whole blocks, the other tests' TinyEngine tokens.
+        Settings(socket=str(serve.socket_path), tokens_per_chunk=CHUNK, model_id="sleep-mode"),
+    )
+    side.register_kv_caches({"model.layers.0.attn": kv})
+    until(lambda: side.state == READY)
+    return side, kv
+
+
+def until(pred: Any, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sleep_drops_every_server_mapping_and_wake_up_loads_into_the_new_memory(serve: Serve) -> None:
+    before = server_holds(serve)
+    side, kv = worker_side(serve)
+    assert server_holds(serve) > before  # the server maps the engine's memory
+    blocks = [[1, 2, 3, 4]]
+    kv[:, 1:5] = torch.randn(kv[:, 1:5].shape).to(torch.bfloat16)
+    stored = kv[:, 1:5].clone()
+    side.wait_for_save(StepPlan(stores=[Transfer(1, "sleepy", [(b"s" * 32, blocks)])]))
+    until(lambda: 1 in side.report().resolved or side.stats.totals["stored_chunks"] >= 1)
+    assert side.stats.totals["stored_chunks"] == 1
+    side.unregister_kv_caches()
+    assert server_holds(serve) == before  # nothing of the engine's memory is mapped or held
+    assert side.state != READY
+    side.unregister_kv_caches()  # idempotent
+    kv.zero_()  # vLLM maps fresh memory behind the same tensors on wake-up
+    side.restore_kv_caches()
+    until(lambda: side.state == READY)
+    assert server_holds(serve) > before
+    side.start_load_kv(StepPlan(loads=[Transfer(2, "awake", [(b"s" * 32, [[9, 10, 11, 12]])])]))
+    finished: set[str] = set()
+    until(lambda: bool(finished.update(side.transfer_results()[0]) or finished))
+    assert torch.equal(kv[:, 9:13], stored)  # the chunk stored before sleep, into the new memory
+    side.shutdown()
+    until(lambda: server_holds(serve) == before)
+
+
+def test_may_load_async_only_for_an_answered_hit(serve: Serve) -> None:
+    side, _ = scheduler(serve, kv_config(attention()))
+    hit, miss = request(prompt(2, seed=50), "async-hit"), request(prompt(2, seed=51), "async-miss")
+    store(serve, side.namespaces[0], keys_of(hit))
+    assert side.may_load_async(hit) is False  # never seen: no socket call is made to find out
+    side.on_new_request(hit)
+    side.on_new_request(miss)
+    until(lambda: side.may_load_async(hit))
+    answer(side, miss)
+    assert side.may_load_async(miss) is False
+    producer, _ = scheduler(serve, kv_config(attention()), with_role("kv_producer"))
+    producer.on_new_request(hit)
+    assert producer.may_load_async(hit) is False
+    side.shutdown()
+    producer.shutdown()

@@ -23,7 +23,11 @@ command. ``tests/support/vllm_driver.py`` starts and talks to it. The spec:
     ``null`` for no connector, else ``{"socket": PATH, "extra": {...}}``: the platform's
     connector (through ``driver_probe``, which records what vLLM asked of it) with
     ``kv_connector_extra_config`` = ``socket``, ``tokens_per_chunk`` 256, ``model_id``
-    (default ``"tests/vllm <model>"``) and ``extra``.
+    (default ``"tests/vllm <model>"``) and ``extra``; ``role``: vLLM's ``kv_role``
+    (default ``kv_both``).
+``kv_events_endpoint``
+    Publish vLLM's KV-cache events over ZMQ there (``kv_events_config``; e.g.
+    ``tcp://127.0.0.1:5557``); default: no events.
 ``weight_seed``
     Seed of the Kaiming-scale weights (default 1234, ``engine_check.sensitive_weights``).
 ``seed``
@@ -229,7 +233,7 @@ def build(spec: dict[str, Any], model_dir: str) -> Any:
         transfer = KVTransferConfig(
             kv_connector="ProbeConnector",
             kv_connector_module_path="driver_probe",
-            kv_role="kv_both",
+            kv_role=connector.get("role", "kv_both"),
             kv_connector_extra_config={
                 "socket": connector["socket"],
                 "tokens_per_chunk": 256,
@@ -252,6 +256,12 @@ def build(spec: dict[str, Any], model_dir: str) -> Any:
     }
     if spec.get("block_size"):
         kwargs["block_size"] = int(spec["block_size"])
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events_endpoint"], topic="kv"
+        )
     if mm:
         kwargs["limit_mm_per_prompt"] = {"image": 1}
     if spec.get("enable_lora"):

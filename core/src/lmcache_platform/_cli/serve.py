@@ -168,6 +168,28 @@ def run(args: argparse.Namespace) -> int:
     server = ReferenceServer(
         path, max_host_bytes=args.max_host_bytes, max_connections=args.max_connections, tier=tier
     )
+    # Before bind: a socket that exists is one that answers. Engines that watch the path for
+    # a restarted server connect the moment it appears, and their pings carry deadlines that
+    # seconds of imports in a backlog would miss (they would then wait out a back-off).
+    try:
+        import torch  # paid now, not in the first registration
+    except ImportError as exc:
+        log_event(logging.ERROR, "error", f"cannot start: torch is not importable: {exc}", socket=path)
+        if tier is not None:
+            tier.close()
+        return 2
+    torch.set_num_threads(args.torch_threads)
+    frozen = freeze_startup_objects()
+    log_event(
+        logging.INFO,
+        "torch",
+        f"torch {torch.__version__}: {args.torch_threads} intra-op thread"
+        f"{'' if args.torch_threads == 1 else 's'} for copies; {frozen} objects of the imports "
+        "left out of garbage collection",
+        version=str(torch.__version__),
+        threads=torch.get_num_threads(),
+        frozen=frozen,
+    )
     try:
         _make_private_dir(os.path.dirname(path))
         server.bind()
@@ -187,25 +209,6 @@ def run(args: argparse.Namespace) -> int:
             queue_bytes=tier.queue_bytes,
             keyed=tier.keyed,
         )
-    try:  # after bind, so a taken socket fails fast; clients wait in the backlog meanwhile
-        import torch  # pay the import now, not in the first registration
-    except ImportError as exc:
-        log_event(logging.ERROR, "error", f"cannot start: torch is not importable: {exc}", socket=path)
-        server.stop()
-        server.serve_forever()  # returns at once: removes the socket
-        return 2
-    torch.set_num_threads(args.torch_threads)
-    frozen = freeze_startup_objects()
-    log_event(
-        logging.INFO,
-        "torch",
-        f"torch {torch.__version__}: {args.torch_threads} intra-op thread"
-        f"{'' if args.torch_threads == 1 else 's'} for copies; {frozen} objects of the imports "
-        "left out of garbage collection",
-        version=str(torch.__version__),
-        threads=torch.get_num_threads(),
-        frozen=frozen,
-    )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

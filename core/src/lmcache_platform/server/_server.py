@@ -798,7 +798,10 @@ class ReferenceServer:
                     self._stats.remote_hits += remote
         if hits + remote:
             self._first("hit")
-        return LookupResult(hits=hits + remote, remote=remote)
+        with self._lock:
+            bound = [self._bindings.get(ns) for ns in dict.fromkeys(req.lookup_namespaces)]
+        unregistered = sum(1 for b in bound if b is None or not b.contexts)
+        return LookupResult(hits=hits + remote, remote=remote, unregistered=unregistered)
 
     def _lookup_remote(
         self, namespaces: Sequence[bytes], keys: Sequence[bytes], hits: int, deadline: int | None

@@ -32,6 +32,11 @@ variable ``LMCACHE_PLATFORM_SOCKET``), ``tokens_per_chunk`` (256), ``model_id``
 ``transfer_deadline_ms`` (5000), ``lease_ms`` (30000), ``cuda_ipc`` (``auto``: the CUDA IPC kind,
 else ``$LMCACHE_PLATFORM_CUDA_IPC``).
 
+``kv_role`` is followed: ``kv_producer`` (a prefill instance) only stores,
+``kv_consumer`` (a decode instance) only loads, ``kv_both`` does both. With vLLM's
+KV-event publisher on, :meth:`LMCachePlatformConnector.take_events` reports the chunks
+the server holds for this engine and those it evicted (medium ``"CPU"``).
+
 ``import lmcache_platform`` never imports this module or vLLM.
 """
 
@@ -195,6 +200,10 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
+
+    def take_events(self) -> list[Any]:
+        """Chunks stored in the server and evicted from it, for routers (medium ``"CPU"``)."""
+        return self.scheduler.take_events() if self.scheduler is not None else []
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_work()

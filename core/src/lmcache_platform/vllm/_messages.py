@@ -55,6 +55,9 @@ class WorkerReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
     resolved: dict[int, int] = field(default_factory=dict)
     #: rank label -> READY, DOWN or OFF (the rank runs without the connector).
     states: dict[str, str] = field(default_factory=dict)
+    #: store ticket -> per rank that answered it, the leading chunks its server now holds
+    #: (for KV-cache events: a chunk is reported stored once every rank holds it).
+    held: dict[int, list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, WorkerReport):
@@ -62,4 +65,7 @@ class WorkerReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
         resolved = dict(self.resolved)
         for ticket, n in other.resolved.items():
             resolved[ticket] = resolved.get(ticket, 0) + n
-        return WorkerReport(resolved, {**self.states, **other.states})
+        held = {ticket: list(counts) for ticket, counts in self.held.items()}
+        for ticket, counts in other.held.items():
+            held.setdefault(ticket, []).extend(counts)
+        return WorkerReport(resolved, {**self.states, **other.states}, held)

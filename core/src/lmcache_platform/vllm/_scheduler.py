@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import _identity
+from ._events import KVEvents, events_enabled
 from ._messages import READY, SKIP, ChunkMove, StepPlan, Transfer, WorkerReport
 from ._settings import Settings
 from ._stats import Counters
@@ -53,6 +54,8 @@ class _Request:
     stored: int = 0
     #: A load of this request failed: it is recomputed, never offered hits again.
     bypass: bool = False
+    #: vLLM's request (its block hashes and tokens name stored chunks in KV-cache events).
+    request: Any = None
 
 
 @dataclass
@@ -90,8 +93,15 @@ class SchedulerSide:
         self._rank_states: dict[str, str] = {}
         self._states_at = 0.0  # when a rank last reported it cannot reach the server
         self._client: AsyncClient | None = None
+        self.events = KVEvents(enabled=False, hash_block_size=1, hashes_per_chunk=1)
         self.off_reason = _identity.cannot_move(vllm_config, kv_cache_config)
         self.loads_enabled = self.off_reason is None
+        # P/D roles: a prefill instance (kv_producer) only stores, a decode instance
+        # (kv_consumer) only loads; kv_both (the default) does both.
+        self.role = str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
+        self.stores_enabled = self.role != "kv_consumer"
+        if self.role == "kv_producer":
+            self.loads_enabled = False
         if self.off_reason is not None:
             _log.warning("lmcache-platform: the connector passes this engine through: %s", self.off_reason)
             return
@@ -111,6 +121,9 @@ class SchedulerSide:
                 f"size {hash_size}"
             )
         self._per_chunk = self.chunk // hash_size
+        self.events = KVEvents(
+            enabled=events_enabled(vllm_config), hash_block_size=hash_size, hashes_per_chunk=self._per_chunk
+        )
         self.namespaces = [
             _identity.cache_namespace_for(vllm_config, kv_cache_config, self.chunk, settings.model_id, rank)
             for rank in _identity.engine_ranks(vllm_config)
@@ -218,7 +231,7 @@ class SchedulerSide:
             prompt = int(getattr(request, "num_prompt_tokens", 0) or 0)
             storable = max(0, (prompt - 1) // self.chunk)  # never the last prompt token
             count = min(storable, len(hashes) // self._per_chunk)
-            st = _Request(_identity.chunk_keys(hashes, self._per_chunk, count, self.epoch))
+            st = _Request(_identity.chunk_keys(hashes, self._per_chunk, count, self.epoch), request=request)
             self._requests[request.request_id] = st
         return st
 
@@ -259,7 +272,7 @@ class SchedulerSide:
                 st.hits = 0
             else:
                 try:
-                    st.hits = st.lookup.result().hits
+                    st.hits = _loadable(st.lookup.result())
                 except Exception:  # the server failed or refused: no hits; the client logs state changes
                     st.hits = 0
         end = st.hits * self.chunk
@@ -279,7 +292,7 @@ class SchedulerSide:
         lookup = st.lookup
         if lookup is None or not lookup.done() or lookup.exception() is not None:
             return False
-        return lookup.result().hits > 0
+        return _loadable(lookup.result()) > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
@@ -329,7 +342,7 @@ class SchedulerSide:
             if st is not None:  # its blocks are gone: look up afresh when it is admitted again
                 self._release(st)
                 st.lookup, st.hits = None, None
-        if not self.serving:
+        if not (self.serving and self.stores_enabled):
             return plan
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         before = {r.req_id: int(r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs}
@@ -345,12 +358,16 @@ class SchedulerSide:
             table = state.get_block_ids(req_id)
             if table is None:
                 continue
+            first = st.stored
             moves, held = self._store_moves(st, table, complete)
             st.stored = complete
             if moves:
                 ticket = next(self._tickets)
                 self._hold(ticket, held)
                 plan.stores.append(Transfer(ticket, req_id, moves))
+                self.events.note_store(
+                    ticket, st.request, range(first, first + len(moves)), st.keys[first : first + len(moves)]
+                )
         return plan
 
     def _store_moves(
@@ -390,6 +407,8 @@ class SchedulerSide:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, WorkerReport):
             return
+        for ticket, counts in report.held.items():
+            self.events.add_held(ticket, counts)
         for ticket, n in report.resolved.items():
             hold = self._holds.get(ticket)
             if hold is None:
@@ -398,6 +417,7 @@ class SchedulerSide:
             if hold.resolved >= hold.need:
                 del self._holds[ticket]
                 self._free(hold)
+                self.events.resolved(ticket, hold.need)
         if report.states:
             was = self.serving
             if any(s != READY for s in report.states.values()):
@@ -421,6 +441,10 @@ class SchedulerSide:
             self._release(st)
         return False, None
 
+    def take_events(self) -> list[Any]:
+        """KV-cache events since the last call (see :mod:`._events`); empty unless vLLM publishes them."""
+        return self.events.take(self._client, self.namespaces) if self._client is not None else []
+
     def has_pending_work(self) -> bool:
         """Transfers not yet resolved everywhere: an idle engine keeps stepping so their blocks come back."""
         now = time.monotonic()
@@ -439,6 +463,16 @@ class SchedulerSide:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _loadable(result: LookupResult) -> int:
+    """The hits this engine's workers can load: none while a rank's namespace has no live registration.
+
+    After a server restart this side's link may be back before a worker's (each backs
+    off on its own), and an idle engine sends no step report to say so: the server,
+    which knows which namespaces have live contexts, answers for the workers.
+    """
+    return result.hits if not result.unregistered else 0
 
 
 def _window(spec: Any) -> int | None:

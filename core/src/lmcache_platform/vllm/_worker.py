@@ -238,6 +238,7 @@ class WorkerSide:
         """
         now = time.monotonic()
         resolved: dict[int, int] = {}
+        held: dict[int, list[int]] = {}
         for ticket, load in list(self._loads.items()):
             if load.done and load.pending.resolved.is_set():
                 del self._loads[ticket]
@@ -246,20 +247,23 @@ class WorkerSide:
             answered = store.pending.done()
             if answered or now >= store.reusable_at:
                 del self._stores[ticket]
-                self._count_store(store, answered)
+                held[ticket] = [self._count_store(store, answered)]
                 resolved[ticket] = 1
-        return WorkerReport(resolved, {self.label: self.state})
+        return WorkerReport(resolved, {self.label: self.state}, held)
 
-    def _count_store(self, flight: _InFlight[PutResult], answered: bool) -> None:
+    def _count_store(self, flight: _InFlight[PutResult], answered: bool) -> int:
+        """Counts the store's outcome; the leading chunks the server holds after it."""
         self.stats.add("store_seconds", _seconds(flight))
         try:
             if not answered:
                 raise TimeoutError("no answer by the deadline")
             result = flight.pending.result()
-            self.stats.add("stored_chunks", result.stored)
-            self.stats.add("stored_bytes", result.bytes)
         except Exception:  # counted; those chunks stay uncached
             self.stats.add("store_failures")
+            return 0
+        self.stats.add("stored_chunks", result.stored)
+        self.stats.add("stored_bytes", result.bytes)
+        return len(flight.transfer.chunks) - result.dropped
 
     # -- sleep mode and weight updates -------------------------------------------------
 
