@@ -18,7 +18,7 @@ endif
 # that fails and prints each stage's time.
 TEST_STAGES := bootstrap bootstrap-vllm lint format-check typecheck docs unit
 
-.PHONY: bootstrap bootstrap-vllm bench-vllm bench-remote demo test lint format format-check typecheck docs unit \
+.PHONY: bootstrap bootstrap-vllm bench-vllm bench-remote bench-disk demo test lint format format-check typecheck docs unit \
 	bench soak gpu-check clean
 
 bootstrap:
@@ -67,6 +67,11 @@ bench-vllm: bootstrap bootstrap-vllm
 # against recompute, and remote fetch bandwidth (~10 min).
 bench-remote: bootstrap bootstrap-vllm
 	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/remote_ttft.py
+
+# A restarted server with a disk tier: time to first token, disk hit against recompute and
+# against a host-memory hit, and the file store's reads against plain reads (~5 min).
+bench-disk: bootstrap bootstrap-vllm
+	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/disk_ttft.py
 
 soak: bootstrap
 	scripts/soak

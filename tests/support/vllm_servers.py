@@ -176,11 +176,13 @@ class Server:
         return json.loads(out.read_text())
 
 
-def _inode(path: str) -> int | None:
+def _inode(path: str) -> tuple[int, int] | None:
+    """Which file ``path`` names: a replaced socket may reuse the old inode number, not its ctime."""
     try:
-        return os.stat(path).st_ino
+        st = os.stat(path)
     except FileNotFoundError:
         return None
+    return st.st_ino, st.st_ctime_ns
 
 
 # -- the double (this file run as a script, with the vLLM venv's Python) --------------------

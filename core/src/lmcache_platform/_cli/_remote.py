@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from . import positive_int as _positive
 
 if TYPE_CHECKING:
+    from ..remote._chain import RemoteChain
     from ..remote._tier import RemoteTier
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d)?\s*$")
@@ -34,6 +35,7 @@ _DEPENDENT = (
     "remote_queue_bytes",
     "remote_timeout_ms",
     "remote_option",
+    "remote_flush_timeout",
 )
 
 
@@ -54,8 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser, parse_size: Callable[[str], i
     group.add_argument(
         "--remote",
         metavar="URL",
-        help="the shared store: valkey://[user@]host[:port][/db], valkeys://... (TLS), "
-        "valkey+cluster://h1:p1,h2:p2,..., or a scheme an installed store serves",
+        action="append",
+        default=None,
+        help="a store behind the server's memory: file:///dir[?max_bytes=SIZE] "
+        "(lmcache-platform-file-store), valkey://[user@]host[:port][/db], valkeys://... (TLS), "
+        "valkey+cluster://h1:p1,h2:p2,..., or a "
+        "scheme an installed store serves; repeat it for a chain of tiers, nearest first (docs/tiers.md)",
+    )
+    group.add_argument(
+        "--remote-flush-timeout",
+        metavar="DURATION",
+        type=parse_duration,
+        help="on a clean stop, how long the write-behind queues may take to drain before what is "
+        "left is dropped and logged (default: 5s)",
     )
     group.add_argument(
         "--remote-prefix",
@@ -104,8 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser, parse_size: Callable[[str], i
     )
 
 
-def open_tier(args: argparse.Namespace) -> RemoteTier | None:
-    """The tier ``args`` ask for, or ``None`` without ``--remote``.
+def open_tier(args: argparse.Namespace) -> RemoteTier | RemoteChain | None:
+    """The tier ``args`` ask for (a chain for a repeated ``--remote``), or ``None`` without one.
+
+    The other ``--remote-*`` flags apply to every tier of a chain (each tier checks its
+    entries with the same key and prefix, so a chunk moves between them unchanged).
 
     Raises :class:`~lmcache_platform.remote.RemoteConfigError` (a flag's mistake, an
     unknown scheme, an unreadable secret) or
@@ -137,12 +153,29 @@ def open_tier(args: argparse.Namespace) -> RemoteTier | None:
         settings=settings,
     )
     timeout_ms = args.remote_timeout_ms
-    return RemoteTier.open(
-        args.remote,
-        options,
-        key_file=args.remote_key_file,
-        prefix=args.remote_prefix or "lmcache",
-        ttl_s=args.remote_ttl,
-        queue_bytes=args.remote_queue_bytes or DEFAULT_QUEUE_BYTES,
-        call_timeout_s=timeout_ms / 1e3 if timeout_ms else DEFAULT_CALL_TIMEOUT_S,
-    )
+    urls = list(args.remote)
+    if len(set(urls)) != len(urls):
+        raise RemoteConfigError("--remote: the same URL is given twice")
+    tiers: list[RemoteTier] = []
+    try:
+        for url in urls:
+            tiers.append(
+                RemoteTier.open(
+                    url,
+                    options,
+                    key_file=args.remote_key_file,
+                    prefix=args.remote_prefix or "lmcache",
+                    ttl_s=args.remote_ttl,
+                    queue_bytes=args.remote_queue_bytes or DEFAULT_QUEUE_BYTES,
+                    call_timeout_s=timeout_ms / 1e3 if timeout_ms else DEFAULT_CALL_TIMEOUT_S,
+                )
+            )
+    except BaseException:
+        for tier in tiers:
+            tier.close(0.1)
+        raise
+    if len(tiers) == 1:
+        return tiers[0]
+    from ..remote._chain import RemoteChain
+
+    return RemoteChain(tiers)

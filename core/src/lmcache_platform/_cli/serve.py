@@ -166,7 +166,11 @@ def run(args: argparse.Namespace) -> int:
         log_event(logging.ERROR, "error", f"cannot start: remote tier: {exc}", socket=path)
         return 2
     server = ReferenceServer(
-        path, max_host_bytes=args.max_host_bytes, max_connections=args.max_connections, tier=tier
+        path,
+        max_host_bytes=args.max_host_bytes,
+        max_connections=args.max_connections,
+        tier=tier,
+        remote_flush_timeout_s=args.remote_flush_timeout or 5.0,
     )
     # Before bind: a socket that exists is one that answers. Engines that watch the path for
     # a restarted server connect the moment it appears, and their pings carry deadlines that

@@ -259,7 +259,26 @@ class RemoteTier:
             )
         else:
             decoded = iter([self._decode(namespace, key, value, expect) for key, value in jobs])
-        return [None if value is None else next(decoded) for value in values]
+        out = [None if value is None else next(decoded) for value in values]
+        refused = [k for k, v, d in zip(keys, values, out, strict=True) if v is not None and d is None]
+        if refused:
+            self._remove(namespace, refused, deadline)
+        return out
+
+    def _remove(self, namespace: bytes, keys: Sequence[bytes], deadline: int | None) -> None:
+        """Delete refused entries where the store can (``delete_many``): damage is never read twice."""
+        delete = getattr(self.store, "delete_many", None)
+        if delete is None:
+            return
+        answer = self._call(
+            "delete",
+            deadline,
+            lambda t: delete([self.store_key(namespace, k) for k in keys], timeout=t),
+            len(keys),
+        )
+        if answer is not None:
+            removed, _failed = answer
+            self._add(removed_refused=sum(1 for r in removed if r))
 
     def _decode(
         self, namespace: bytes, key: bytes, value: Buffer, expect: Sequence[TensorSpec] | None
@@ -347,11 +366,20 @@ class RemoteTier:
             if self._state == CLOSED:
                 return
             self._set_state(CLOSED, "closed")
-            dropped = len(self._queue)
+            dropped, dropped_bytes, unsure = len(self._queue), self._queued_bytes, self._writing
             self._counts["dropped_down"] += dropped
             self._queue.clear()
             self._queued_bytes = 0
             self._wake.notify_all()
+        if dropped or unsure:
+            log_event(
+                logging.WARNING, "remote_dropped",
+                f"remote {self.name}: closing after {timeout:g} s with {dropped} queued chunks "
+                f"({dropped_bytes} bytes) dropped and {unsure} in a write the store has not answered "
+                "(they may be lost)",
+                store=self.name, chunks=dropped + unsure, queued=dropped, unanswered=unsure,
+                bytes=dropped_bytes,
+            )  # fmt: skip
         self._writer.join(timeout)
         if self._decode_pool is not None:
             self._decode_pool.shutdown(wait=False)
@@ -604,4 +632,5 @@ _COUNTERS = (
     "skipped",
     "deadline_passed",
     "state_changes",
+    "removed_refused",
 )

@@ -118,6 +118,7 @@ REMOTE_METRICS: dict[str, tuple[str, str, str]] = {
     "skipped_total": ("counter", "skipped", "Store calls not made because the store was down."),
     "deadline_passed_total": ("counter", "deadline_passed", "Store calls not made: the request was late."),
     "state_changes_total": ("counter", "state_changes", "Changes of the tier's state (healthy, down...)."),
+    "removed_refused_total": ("counter", "removed_refused", "Refused entries deleted from the store."),
 }
 #: prefix of stats keys -> (metric, label, help): ``refused_<reason>``, ``dropped_<why>``.
 _REMOTE_LABELLED = {
@@ -162,6 +163,27 @@ def _remote_lines(stats: Mapping[str, Any]) -> list[str]:
             full = PREFIX + "remote_" + name
             lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
             lines += [f'{full}{{{label}="{_label(why)}"}} {_number(v)}' for why, v in values]
+    tiers = stats.get("tiers")
+    if isinstance(tiers, list):  # a chain: the sums above, and each tier on its own
+        lines += _tier_lines(tiers)
+    return lines
+
+
+def _tier_lines(tiers: list[Mapping[str, Any]]) -> list[str]:
+    """``remote_tier_*{tier="0",store="..."}``: each tier of a chain (``serve --remote`` repeated)."""
+    labels = [f'tier="{i}",store="{_label(t.get("store", ""))}"' for i, t in enumerate(tiers)]
+    full = PREFIX + "remote_tier_up"
+    lines = [f"# HELP {full} 1 while this tier's store is healthy, else 0.", f"# TYPE {full} gauge"]
+    lines += [
+        f"{full}{{{lab}}} {int(t.get('state') == 'healthy')}" for lab, t in zip(labels, tiers, strict=True)
+    ]
+    for name, (kind, key, help_text) in REMOTE_METRICS.items():
+        full = PREFIX + "remote_tier_" + name
+        rows = [
+            f"{full}{{{lab}}} {_number(t[key])}" for lab, t in zip(labels, tiers, strict=True) if key in t
+        ]
+        if rows:
+            lines += [f"# HELP {full} {help_text} (per tier)", f"# TYPE {full} {kind}", *rows]
     return lines
 
 

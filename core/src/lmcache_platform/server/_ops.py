@@ -36,6 +36,9 @@ MAX_ID = (1 << 63) - 1
 MAX_KEY_LEN = 64
 #: Marks a result field added after version 1: sent only to requests that are :attr:`~Request.extended`.
 NEWER = {"newer": True}
+#: A newer field sent only when it is not 0: a reader that predates it sees the exact map it
+#: expects in the common case, and the rare case is news even to an exact reader.
+NEWER_SPARSE = {"newer": True, "sparse": True}
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,10 @@ class _Counts:
 
     def to_wire(self, *, extended: bool) -> Json:
         return {
-            f.name: getattr(self, f.name) for f in fields(self) if extended or not f.metadata.get("newer")
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if (extended or not f.metadata.get("newer"))
+            and not (f.metadata.get("sparse") and not getattr(self, f.name))
         }
 
 
@@ -139,8 +145,8 @@ class LookupResult(_Counts):
     remote: int = field(default=0, metadata=NEWER)
     #: How many of the namespaces asked no live context has registered here: no engine
     #: of theirs could load a hit now (a restarted server its workers have not reached
-    #: yet). Extended requests only; 0 from older servers.
-    unregistered: int = field(default=0, metadata=NEWER)
+    #: yet). Extended requests only, and only when not 0; 0 from older servers.
+    unregistered: int = field(default=0, metadata=NEWER_SPARSE)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._kv.context import BaseCacheContext
+    from ..remote._chain import RemoteChain
     from ..remote._tier import RemoteTier
 
 logger = logging.getLogger(__name__)
@@ -198,8 +199,9 @@ class ReferenceServer:
 
     ``parallel_transfers=False`` makes every context share one transfer lock, the
     server's behaviour before per-context locks; it exists to measure the difference.
-    ``tier`` is the remote tier behind the local chunks (see ``docs/multi-node.md``); the
-    server closes it when it stops.
+    ``tier`` is the remote tier behind the local chunks, one store or a chain of them
+    (see ``docs/tiers.md``); the server closes it when it stops, giving its write-behind
+    queues ``remote_flush_timeout_s`` to drain (what is left is logged and dropped).
     """
 
     def __init__(
@@ -209,10 +211,12 @@ class ReferenceServer:
         max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         parallel_transfers: bool = True,
-        tier: RemoteTier | None = None,
+        tier: RemoteTier | RemoteChain | None = None,
+        remote_flush_timeout_s: float = 5.0,
     ) -> None:
         self.socket_path = socket_path
         self.tier = tier
+        self.remote_flush_timeout_s = remote_flush_timeout_s
         self.max_host_bytes = max_host_bytes
         #: Concurrent clients; each may hold one frame buffer (up to 16 MiB) at a time.
         self.max_connections = max_connections
@@ -338,8 +342,8 @@ class ReferenceServer:
             remaining = list(self._entries)
         for ctx_id in remaining:
             self._close_entry(ctx_id, "server stopping")
-        if self.tier is not None:  # no client is left to call it; queued writes get a few seconds
-            self.tier.close()
+        if self.tier is not None:  # no client is left to call it; queued writes get a bounded time
+            self.tier.close(self.remote_flush_timeout_s)
         stats = self._index.stats()
         log_event(
             logging.INFO,
@@ -858,7 +862,7 @@ class ReferenceServer:
                 if ns is not None:
                     own[f"first_{what}_s"] = ns / 1e9
         if self.tier is not None:
-            own["remote"] = {"store": self.tier.name, **self.tier.stats()}
+            own["remote"] = {"store": self.tier.name, **self.tier.stats()}  # a chain adds "tiers"
         with self._lock:
             return {
                 "pid": os.getpid(),

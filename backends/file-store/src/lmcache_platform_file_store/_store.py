@@ -1,0 +1,373 @@
+"""One file per entry in a directory: a remote store that outlives every server process.
+
+``file:///absolute/dir[?max_bytes=64G]``. What makes it safe to share and to crash:
+
+* **Atomic entries.** A value is written to a temporary file in the same directory and
+  renamed over the entry's name: a reader sees the old entry or the new one, never a
+  part. A writer killed mid-write leaves a temporary file, never an entry (temporary
+  files older than :data:`STALE_TMP_S` are removed at open). What is inside an entry is
+  core's checksummed format: damage the file system lets through (a disk error, a
+  power loss before the data reached the disk) is refused by the server's tier, which
+  then deletes the entry (:meth:`FileStore.delete_many`).
+* **A bound.** ``max_bytes`` (default: half the file system's size) caps the entries'
+  bytes; past it the least recently used entries go (a read touches its entry's mtime)
+  until 90 % is left. The count is taken from the directory itself, so servers sharing
+  it (one host's restarts, or hosts on a shared file system) evict by one measure.
+* **Several writers.** Renames are atomic on POSIX file systems, unlinks of a file
+  another process still reads leave its open descriptor valid, and a file that vanished
+  between a listing and a read is a miss.
+* **A private directory.** It must be a real directory owned by this user and writable
+  by nobody else (a missing one is created 0700); entries are created 0600. Nothing
+  read is unpickled or evaluated: a file is a header (:data:`MAGIC`, an expiry) and
+  bytes.
+
+Each file starts with :data:`MAGIC` and the entry's expiry (Unix time in ns, 0: none),
+so ``ttl`` works without a clock of the store's own; an expired or foreign file is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import re
+import secrets
+import stat
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from lmcache_platform import parse_bytes
+from lmcache_platform.remote import (
+    Buffer,
+    RemoteConfigError,
+    RemoteOptions,
+    RemotePartialError,
+    RemoteTimeout,
+    RemoteUnavailable,
+    RemoteURL,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The first bytes of every entry file, then its expiry: ``<8s Q``.
+MAGIC: Final = b"LMCFS\x00\x01\x00"
+_HEADER = struct.Struct("<8sQ")
+#: Temporary files of writers that died are removed at open once this old.
+STALE_TMP_S: Final = 600.0
+#: What eviction leaves, as a share of ``max_bytes``.
+LOW_WATER: Final = 0.9
+_KEY_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,400}$")
+_ENTRY_PREFIXES = ("e.", "h.")
+
+
+@dataclass(frozen=True)
+class FileStoreConfig:
+    """The directory and the bound, from a ``file://`` URL (no host: the file system is local)."""
+
+    directory: str
+    max_bytes: int | None
+    url: str
+
+    @classmethod
+    def from_url(cls, url: RemoteURL, options: RemoteOptions | None = None) -> FileStoreConfig:
+        if url.hosts:
+            raise RemoteConfigError(
+                f"remote URL {url.text}: a file store takes no host (file:///absolute/dir; a shared "
+                "file system is mounted, not addressed)"
+            )
+        if not url.path:
+            raise RemoteConfigError(f"remote URL {url.text}: name a directory: file:///absolute/dir")
+        unknown = sorted(set(url.query) - {"max_bytes"})
+        if unknown or (options is not None and options.settings):
+            names = ", ".join(unknown or sorted(options.settings if options else ()))
+            raise RemoteConfigError(f"remote URL {url.text}: the file store knows max_bytes, not {names}")
+        max_bytes = None
+        if "max_bytes" in url.query:
+            try:
+                max_bytes = parse_bytes(url.query["max_bytes"])
+            except ValueError as exc:
+                raise RemoteConfigError(f"remote URL {url.text}: max_bytes: {exc}") from None
+            if max_bytes <= 0:
+                raise RemoteConfigError(f"remote URL {url.text}: max_bytes must be positive")
+        return cls("/" + url.path.lstrip("/"), max_bytes, url.text)
+
+
+class FileStore:
+    """A :class:`~lmcache_platform.remote.RemoteStore` in one directory (see the module docstring)."""
+
+    def __init__(self, config: FileStoreConfig) -> None:
+        self.config = config
+        self.directory = config.directory
+        self._dir_fd = _open_private_dir(config.directory)
+        if config.max_bytes is not None:
+            self.max_bytes = config.max_bytes
+        else:
+            vfs = os.fstatvfs(self._dir_fd)
+            self.max_bytes = vfs.f_blocks * vfs.f_frsize // 2
+        self._lock = threading.Lock()
+        self._closed = False
+        self._remove_stale_tmp()
+        self._used = sum(size for _, size, _ in self._entries())
+        self.evicted = 0
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    def get_many(self, keys: Sequence[bytes], *, timeout: float) -> list[Buffer | None]:
+        end = self._start(timeout)
+        out: list[Buffer | None] = []
+        failed: list[int] = []
+        now = time.time_ns()
+        for i, key in enumerate(keys):
+            self._check_time(end, "get")
+            name = _name(key)
+            try:
+                out.append(self._read(name, now))
+            except OSError as exc:
+                logger.warning("file store %s: cannot read %s: %s", self.directory, name, exc)
+                out.append(None)
+                failed.append(i)
+        if failed:
+            raise RemotePartialError(
+                f"{self.config.url}: {len(failed)} of {len(keys)} reads failed", results=out, failed=failed
+            )
+        return out
+
+    def exists_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
+        end = self._start(timeout)
+        now = time.time_ns()
+        out = []
+        for key in keys:
+            self._check_time(end, "exists")
+            out.append(self._live(_name(key), now))
+        return out
+
+    def put_many(
+        self, items: Sequence[tuple[bytes, Buffer]], *, ttl: float | None, timeout: float
+    ) -> list[bool]:
+        end = self._start(timeout)
+        expires = time.time_ns() + int(ttl * 1e9) if ttl else 0
+        out = []
+        for key, value in items:
+            self._check_time(end, "put")
+            out.append(self._write(_name(key), value, expires))
+        return out
+
+    def delete_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
+        """Remove each entry (a damaged one, refused by the server's tier); ``True`` where removed."""
+        end = self._start(timeout)
+        out = []
+        for key in keys:
+            self._check_time(end, "delete")
+            out.append(self._unlink(_name(key)))
+        return out
+
+    def ping(self, *, timeout: float) -> None:
+        self._start(timeout)
+        try:
+            st = os.stat(self.directory)
+        except OSError as exc:
+            raise RemoteUnavailable(f"{self.config.url}: the directory is gone: {exc}") from None
+        if not os.path.samestat(st, os.fstat(self._dir_fd)):
+            raise RemoteUnavailable(f"{self.config.url}: {self.directory} was replaced since it was opened")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.close(self._dir_fd)
+
+    # -- entries ---------------------------------------------------------------------------
+
+    def _read(self, name: str, now: int) -> Buffer | None:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            data = bytearray(size)
+            view, got = memoryview(data), 0
+            while got < size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break  # truncated under us: core's checksum refuses what is left
+                got += n
+        finally:
+            os.close(fd)
+        head = _header(data)
+        if head is None:
+            logger.warning("file store %s: %s is not an entry of this store; ignored", self.directory, name)
+            return None
+        if head and head <= now:
+            self._unlink(name)
+            return None
+        with contextlib.suppress(
+            FileNotFoundError
+        ):  # evicted by another server meanwhile: what was read is whole
+            os.utime(name, dir_fd=self._dir_fd)  # least recently used goes first
+        return view[_HEADER.size : got]  # no copy: the buffer is this call's own
+
+    def _live(self, name: str, now: int) -> bool:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return False
+        try:
+            head = _header(os.pread(fd, _HEADER.size, 0))
+        finally:
+            os.close(fd)
+        if head is None:
+            return False
+        if head and head <= now:
+            self._unlink(name)
+            return False
+        return True
+
+    def _write(self, name: str, value: Buffer, expires: int) -> bool:
+        data = memoryview(value).cast("B")
+        tmp = f".tmp.{os.getpid()}.{secrets.token_hex(8)}"
+        for attempt in (0, 1):
+            try:
+                self._write_file(tmp, _HEADER.pack(MAGIC, expires), data)
+                break
+            except OSError as exc:
+                self._unlink(tmp)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 0:
+                    self._evict(self._used)  # the file system is fuller than the bound: make room
+                    continue
+                logger.warning("file store %s: cannot write %s: %s", self.directory, name, exc)
+                return False
+        size = _HEADER.size + len(data)
+        try:
+            old = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            old = 0
+        os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        with self._lock:
+            self._used += size - old
+            over = self._used > self.max_bytes
+        if over:
+            self._evict(int(self.max_bytes * LOW_WATER))
+        return True
+
+    def _write_file(self, tmp: str, head: bytes, data: memoryview) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=self._dir_fd)
+        try:
+            os.write(fd, head)
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done : done + (64 << 20)])
+        finally:
+            os.close(fd)
+
+    def _unlink(self, name: str) -> bool:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _entries(self) -> list[tuple[int, int, str]]:
+        """``(mtime_ns, size, name)`` of every entry file, read from the directory now."""
+        out = []
+        with os.scandir(self._dir_fd) as it:
+            for e in it:
+                if not e.name.startswith(_ENTRY_PREFIXES):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    out.append((st.st_mtime_ns, st.st_size, e.name))
+        return out
+
+    def _evict(self, target: int) -> None:
+        """Remove least recently used entries until at most ``target`` bytes are left."""
+        with self._lock:
+            entries = sorted(self._entries())
+            used = sum(size for _, size, _ in entries)
+            gone = 0
+            for _, size, name in entries:
+                if used <= target:
+                    break
+                if self._unlink(name):
+                    gone += 1
+                used -= size
+            self._used = used
+            self.evicted += gone
+        if gone:
+            logger.info(
+                "file store %s: evicted %d least recently used entries (%d bytes left, bound %d)",
+                self.directory, gone, used, self.max_bytes,
+            )  # fmt: skip
+
+    def _remove_stale_tmp(self) -> None:
+        now = time.time()
+        with os.scandir(self._dir_fd) as it:
+            for e in it:
+                if e.name.startswith(".tmp."):
+                    try:
+                        if now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
+                            os.unlink(e.name, dir_fd=self._dir_fd)
+                    except FileNotFoundError:
+                        continue
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _start(self, timeout: float) -> float:
+        if self._closed:
+            raise RemoteUnavailable(f"{self.config.url}: the store is closed")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        return time.monotonic() + timeout
+
+    def _check_time(self, end: float, what: str) -> None:
+        if time.monotonic() > end:
+            raise RemoteTimeout(f"{self.config.url}: {what} timed out")
+
+
+def _name(key: bytes) -> str:
+    """The entry's file name: the key itself where it fits a name, else its SHA-256."""
+    if not _KEY_RE.match(key):
+        raise RemoteConfigError(f"remote key {key[:60]!r}: expected 1-400 of A-Z a-z 0-9 . _ : -")
+    if len(key) <= 200:
+        return "e." + key.decode("ascii")
+    return "h." + hashlib.sha256(key).hexdigest()
+
+
+def _header(data: bytes | bytearray) -> int | None:
+    """The expiry in an entry's first bytes (0: none), or ``None`` when they are not ours."""
+    if len(data) < _HEADER.size:
+        return None
+    magic, expires = _HEADER.unpack_from(data)
+    return int(expires) if magic == MAGIC else None
+
+
+def _open_private_dir(path: str) -> int:
+    """An fd on ``path``, created 0700 if missing; refuses anything others could write into."""
+    if not os.path.isabs(path):
+        raise RemoteConfigError(f"file store directory {path!r}: give an absolute path (file:///abs/dir)")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RemoteConfigError(f"file store directory {path}: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    problem = None
+    if st.st_uid != os.geteuid():
+        problem = f"owned by uid {st.st_uid}, not this user ({os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"writable by others (mode {stat.S_IMODE(st.st_mode):o}): chmod go-w {path}"
+    if problem:
+        os.close(fd)
+        raise RemoteConfigError(f"file store directory {path} is {problem}; another user could plant entries")
+    return fd

@@ -1,0 +1,175 @@
+"""The file store: the remote-store conformance suite, atomic entries, the bound, the directory's checks.
+
+Real files in pytest's temporary directories, real processes for the writer killed
+mid-write and for a second server sharing the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lmcache_platform.remote import RemoteConfigError, RemoteStore, open_remote
+from lmcache_platform_file_store import FileStore
+from lmcache_platform_file_store import _store as store_module
+
+T = 5.0
+
+
+def url(directory: Path, **query: str) -> str:
+    tail = "&".join(f"{k}={v}" for k, v in query.items())
+    return f"file://{directory}" + (f"?{tail}" if tail else "")
+
+
+def opened(directory: Path, **query: str) -> RemoteStore:
+    return open_remote(url(directory, **query))
+
+
+def test_the_conformance_suite_passes(tmp_path: Path) -> None:
+    ini = tmp_path / "pytest.ini"
+    ini.write_text("[pytest]\n")
+    cmd = [
+        sys.executable, "-m", "pytest", "--pyargs", "lmcache_platform.remote.conformance",
+        "--lmcache-remote", url(tmp_path / "kv"), "-c", str(ini), "--rootdir", str(tmp_path),
+        "-p", "no:cacheprovider", "-W", "error", "-q", "-rfEs",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # No host to replace: the stalled/refused-server checks do not apply to a local file system.
+    assert "failed" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def test_a_writer_killed_mid_write_leaves_no_entry(tmp_path: Path) -> None:
+    directory = tmp_path / "kv"
+    writer = textwrap.dedent(
+        f"""
+        import sys
+        from lmcache_platform.remote import open_remote
+        store = open_remote({url(directory)!r})
+        print("open", flush=True)
+        store.put_many([(b"big", bytes(1 << 30))], ttl=None, timeout=600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+    deadline = time.monotonic() + 30
+    while not any(p.name.startswith(".tmp.") and p.stat().st_size > (1 << 20) for p in directory.iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the writer never started writing"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    proc.stdout.close()
+    store = opened(directory)
+    try:
+        assert store.exists_many([b"big"], timeout=T) == [False]
+        assert store.get_many([b"big"], timeout=T) == [None]
+    finally:
+        store.close()
+    # A later open removes what a dead writer left, once it is old enough.
+    assert [p.name for p in directory.iterdir() if p.name.startswith(".tmp.")]
+    for p in directory.iterdir():
+        os.utime(p, (time.time() - 2 * store_module.STALE_TMP_S,) * 2)
+    opened(directory).close()
+    assert not [p.name for p in directory.iterdir() if p.name.startswith(".tmp.")]
+
+
+def test_the_bound_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    store = opened(tmp_path / "kv", max_bytes="40K")
+    try:
+        value = os.urandom(9 << 10)
+        for i in range(4):
+            assert store.put_many([(f"k{i}".encode(), value)], ttl=None, timeout=T) == [True]
+            time.sleep(0.01)  # distinct mtimes
+        assert store.get_many([b"k0"], timeout=T)[0] == value  # read: now the most recently used
+        time.sleep(0.01)
+        assert store.put_many([(b"k4", value)], ttl=None, timeout=T) == [True]  # past 40 KiB
+        held = store.exists_many([b"k0", b"k1", b"k2", b"k3", b"k4"], timeout=T)
+        assert held == [True, False, False, True, True]  # down to 90 %: the two least recently used
+        used = sum(p.stat().st_size for p in (tmp_path / "kv").iterdir())
+        assert used <= 40 << 10
+    finally:
+        store.close()
+
+
+def test_two_processes_share_the_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "kv"
+    store = opened(directory)
+    try:
+        assert store.put_many([(b"shared", b"from the first")], ttl=None, timeout=T) == [True]
+        other = textwrap.dedent(
+            f"""
+            from lmcache_platform.remote import open_remote
+            store = open_remote({url(directory)!r})
+            print(bytes(store.get_many([b"shared"], timeout=5)[0]).decode())
+            store.put_many([(b"back", b"from the second")], ttl=None, timeout=5)
+            """
+        )
+        out = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "from the first", out.stderr
+        assert [bytes(v) for v in store.get_many([b"back"], timeout=T) if v is not None] == [
+            b"from the second"
+        ]
+    finally:
+        store.close()
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(RemoteConfigError, match=r"writable by others.*chmod go-w"):
+        opened(open_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a directory's owner needs root")
+def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, -1)
+    with pytest.raises(RemoteConfigError, match="owned by uid 65534"):
+        opened(theirs)
+
+
+def test_a_symlink_and_a_host_are_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(RemoteConfigError, match="link"):
+        opened(tmp_path / "link")
+    with pytest.raises(RemoteConfigError, match="no host"):
+        open_remote(f"file://somehost{real}")
+    with pytest.raises(RemoteConfigError, match="max_bytes, not"):
+        open_remote(f"file://{real}?maxbytes=1G")
+
+
+def test_a_created_directory_and_its_entries_are_private(tmp_path: Path) -> None:
+    store = opened(tmp_path / "new")
+    try:
+        store.put_many([(b"k", b"v")], ttl=None, timeout=T)
+        assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in (tmp_path / "new").iterdir())
+    finally:
+        store.close()
+
+
+def test_foreign_and_expired_files_are_misses(tmp_path: Path) -> None:
+    store = opened(tmp_path / "kv")
+    assert isinstance(store, FileStore)
+    try:
+        (tmp_path / "kv" / "e.planted").write_bytes(b"not an entry of ours")
+        assert store.get_many([b"planted"], timeout=T) == [None]
+        assert store.exists_many([b"planted"], timeout=T) == [False]
+        store.put_many([(b"brief", b"v")], ttl=0.05, timeout=T)
+        time.sleep(0.1)
+        assert store.get_many([b"brief"], timeout=T) == [None]
+        assert not (tmp_path / "kv" / "e.brief").exists()  # an expired entry is removed when met
+        assert store.delete_many([b"planted", b"absent"], timeout=T) == [True, False]
+    finally:
+        store.close()

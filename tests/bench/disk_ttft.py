@@ -1,0 +1,168 @@
+"""Time to first token on a restarted server: a disk-tier hit against recompute and a memory hit.
+
+Run with the vLLM virtualenv's Python (``make bench-disk``)::
+
+    .venv-vllm/bin/python tests/bench/disk_ttft.py [--prompt-tokens 2065] [--prompts 3] [--json]
+
+``vllm_ttft.py``'s model (prefill dominates on 2 cores) through ``remote_ttft.py``'s
+engine processes. Engine A computes the prompts through ``serve --remote file:///DIR``;
+that server stops (SIGTERM: its queue drains to disk) and a new one starts on the same
+directory with empty memory. Engine B1 (a fresh process) loads every prompt from disk;
+B2 (another fresh process) finds them in the new server's memory; C recomputes without
+a connector. The page cache is dropped before B1 where this process may (root), so the
+disk hit is a cold read; otherwise the figures say "warm". Also: the file store's fetch
+of one prompt's entries against plain reads of the same files.
+
+Prints figures; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from remote_ttft import PREFIX, run_engine, status  # noqa: E402
+from vllm_ttft import CHUNK, prompt  # noqa: E402
+
+
+def start_serve(directory: Path, url: str) -> subprocess.Popen[bytes]:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    sock = directory / "kv.sock"
+    sock.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", str(sock)]
+    cmd += ["--remote", url, "--remote-prefix", PREFIX, "--max-host-bytes", "4G"]
+    with (directory / "serve.log").open("a") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+    while not sock.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"serve failed:\n{(directory / 'serve.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache (root only), so that a read comes from the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def read_bandwidth(disk: Path, url: str, prompts: int, cold: bool) -> dict[str, float]:
+    """One prompt's entries: the file store's checked fetch, against plain reads of the same files."""
+    from lmcache_platform.remote._tier import RemoteTier
+
+    files = sorted(p for p in disk.iterdir() if p.name.startswith("e."))
+    per = len(files) // prompts
+    names = [p.name.removeprefix("e.").split(":") for p in files[:per]]
+    namespace = bytes.fromhex(names[0][1])
+    keys = [bytes.fromhex(k) for _, _, k in names]
+    nbytes = sum(p.stat().st_size for p in files[:per])
+    tier = RemoteTier.open(url, prefix=PREFIX, call_timeout_s=60)
+    try:
+        assert tier.wait_ready(10)
+        out: dict[str, float] = {"entries": per, "bytes": nbytes}
+        for label in ("cold", "warm") if cold else ("warm",):
+            if label == "cold":
+                drop_page_cache()
+            t0 = time.perf_counter()
+            got = tier.fetch(namespace, keys)
+            out[f"fetch_{label}_gbps"] = nbytes / (time.perf_counter() - t0) / 1e9
+            assert all(g is not None for g in got), tier.stats()
+            if label == "cold":
+                drop_page_cache()
+            t0 = time.perf_counter()
+            for p in files[:per]:
+                with open(p, "rb") as f:
+                    f.read()
+            out[f"plain_{label}_gbps"] = nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        tier.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=2048 + 17)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    prompts = [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
+    chunks = (args.prompt_tokens - 1) // CHUNK
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o700)
+        disk = work / "disk"
+        url = f"file://{disk}"
+        base = {"prompts": prompts}
+        first = start_serve(work / "srv", url)
+        sock = work / "srv" / "kv.sock"
+        try:
+            run_engine({**base, "socket": str(sock)})  # A computes; the server writes behind
+            deadline = time.monotonic() + 300
+            while status(sock)["remote"]["written"] < chunks * args.prompts:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the server did not write its chunks: {status(sock)['remote']}")
+                time.sleep(0.2)
+        finally:
+            first.terminate()
+            first.wait(60)
+        restarted = start_serve(work / "srv", url)
+        try:
+            cold = drop_page_cache()
+            disk_hit = run_engine({**base, "socket": str(sock)})  # B1: from disk, into memory
+            memory_hit = run_engine({**base, "socket": str(sock)})  # B2: from the server's memory
+            recompute = run_engine({**base, "socket": None})  # C
+        finally:
+            restarted.terminate()
+            restarted.wait(60)
+        bandwidth = read_bandwidth(disk, url, args.prompts, cold)
+    result = {
+        "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        "page_cache": "dropped before the disk hit" if cold else "warm (not root: could not drop it)",
+        "ttft_recompute_s": statistics.median(r["ttft_s"] for r in recompute),
+        "ttft_disk_hit_s": statistics.median(r["ttft_s"] for r in disk_hit),
+        "ttft_memory_hit_s": statistics.median(r["ttft_s"] for r in memory_hit),
+        "cached_tokens_disk_hit": statistics.median(r["cached"] for r in disk_hit),
+        "loaded_bytes": statistics.median(r["loaded_bytes"] for r in disk_hit),
+        **bandwidth,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    r = result
+    print(
+        f"time to first token on a restarted server, {args.prompt_tokens}-token prompts "
+        f"(median of {args.prompts}; page cache {r['page_cache']}):"
+    )
+    print(f"  recompute (no connector)     {r['ttft_recompute_s'] * 1e3:9.1f} ms")
+    print(
+        f"  disk hit (file store)        {r['ttft_disk_hit_s'] * 1e3:9.1f} ms   "
+        f"({r['cached_tokens_disk_hit']:.0f} tokens, {r['loaded_bytes'] / 2**20:.1f} MiB)"
+    )
+    print(f"  host-memory hit              {r['ttft_memory_hit_s'] * 1e3:9.1f} ms")
+    line = f"one prompt's {r['entries']:.0f} entries ({r['bytes'] / 2**20:.1f} MiB):"
+    for label in ("cold", "warm"):
+        if f"fetch_{label}_gbps" in r:
+            line += (
+                f" {label}: file store {r[f'fetch_{label}_gbps']:.2f} GB/s, "
+                f"plain reads {r[f'plain_{label}_gbps']:.2f} GB/s;"
+            )
+    print(line.rstrip(";"))
+
+
+if __name__ == "__main__":
+    main()

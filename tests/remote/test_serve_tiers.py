@@ -1,0 +1,238 @@
+"""Tiers that outlive ``serve``: the file store, chains of tiers, and damage that is never served.
+
+Real ``lmcache-platform serve`` processes with ``--remote file:///DIR`` (and a real Valkey
+behind it for the chain), :class:`support.serve.TinyEngine` as the engine (real CPU KV
+tensors, the calls a connector makes); ``tests/vllm/test_vllm_file.py`` runs real
+engines. In process: :class:`RemoteTier` and :class:`RemoteChain` over file stores.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcache_platform.remote._chain import RemoteChain
+from lmcache_platform.remote._tier import RemoteTier
+from lmcache_platform.server import ServerClient
+from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir
+from support.valkey import ValkeyNode
+
+NS = namespace(model="tiers")
+KEYS = [bytes([i]) * 32 for i in range(1, 40)]
+WAIT_S = 30.0
+
+
+def until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def tier(directory: Path, **kw: Any) -> RemoteTier:
+    t = RemoteTier.open(f"file://{directory}", prefix="t", **kw)
+    assert t.wait_ready(10)
+    return t
+
+
+def chunk(seed: int) -> list[torch.Tensor]:
+    return [torch.full((CHUNK_BYTES,), seed % 251, dtype=torch.uint8)]
+
+
+def entry_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.startswith("e."))
+
+
+# -- in process -------------------------------------------------------------------------------
+
+
+def test_damaged_truncated_and_foreign_entries_are_refused_counted_and_removed(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv")
+    try:
+        for i in range(3):
+            assert t.write_behind(NS, KEYS[i], chunk(i))
+        assert t.flush(10)
+        files = entry_files(tmp_path / "kv")
+        assert len(files) == 3
+        damaged = bytearray(files[0].read_bytes())
+        damaged[-100] ^= 0xFF  # a byte changed in place
+        files[0].write_bytes(bytes(damaged))
+        files[1].write_bytes(files[1].read_bytes()[: CHUNK_BYTES // 2])  # cut short
+        fetched = t.fetch(NS, KEYS[:3])
+        assert fetched[0] is None and fetched[1] is None and fetched[2] is not None
+        stats = t.stats()
+        assert sum(v for k, v in stats.items() if k.startswith("refused_")) == 2
+        assert stats["removed_refused"] == 2
+        assert [p.name for p in entry_files(tmp_path / "kv")] == [files[2].name]  # never read twice
+        # Another deployment's entry under our key (its prefix differs): refused as foreign.
+        other = RemoteTier.open(f"file://{tmp_path / 'kv'}", prefix="other")
+        assert other.wait_ready(10)
+        assert other.write_behind(NS, KEYS[5], chunk(5)) and other.flush(10)
+        other.close()
+        planted = entry_files(tmp_path / "kv")[0].parent / ("e.t:" + NS.hex() + ":" + KEYS[5].hex())
+        entry = next(p for p in entry_files(tmp_path / "kv") if p.name.startswith("e.other:"))
+        os.rename(entry, planted)
+        assert t.fetch(NS, [KEYS[5]]) == [None]
+        assert t.stats()["removed_refused"] == 3 and not planted.exists()
+    finally:
+        t.close()
+
+
+def test_a_chain_looks_through_its_tiers_in_order_and_brings_chunks_nearer(tmp_path: Path) -> None:
+    near, far = tier(tmp_path / "near"), tier(tmp_path / "far")
+    chain = RemoteChain([near, far])
+    try:
+        assert near.write_behind(NS, KEYS[0], chunk(0)) and near.flush(10)
+        assert far.write_behind(NS, KEYS[1], chunk(1)) and far.flush(10)
+        assert chain.lookup_more(NS, KEYS[:3]) == 2  # one from each tier, in order
+        got = chain.fetch(NS, KEYS[:2])
+        assert [torch.equal(g.tensors[0], chunk(i)[0]) for i, g in enumerate(got) if g is not None] == [
+            True
+        ] * 2
+        assert chain.flush(10)
+        assert near.lookup_more(NS, KEYS[:2]) == 2  # the far tier's chunk was written to the near one
+        assert chain.write_behind(NS, KEYS[2], chunk(2)) and chain.flush(10)
+        assert (
+            near.lookup_more(NS, [KEYS[2]]) == far.lookup_more(NS, [KEYS[2]]) == 1
+        )  # stores go to every tier
+        stats = chain.stats()
+        assert [t["store"] for t in stats["tiers"]] == [near.name, far.name]
+        assert stats["written"] == sum(t["written"] for t in stats["tiers"])
+    finally:
+        chain.close()
+
+
+# -- real serve processes ---------------------------------------------------------------------
+
+
+class Node:
+    """A tiny engine registered with one ``serve``."""
+
+    def __init__(self, srv: Serve) -> None:
+        self.srv = srv
+        self.engine = TinyEngine()
+        self.client = ServerClient(str(srv.socket_path), timeout=30, deadline_ms=10_000)
+        self.ctx = self.engine.register(self.client, NS)
+
+    def put(self, keys: list[bytes], seed: int = 0) -> int:
+        for i, key in enumerate(keys):
+            self.engine.fill(i, seed + key[0])
+        return int(
+            self.client.put(self.ctx, [(k, [self.engine.blocks(i)]) for i, k in enumerate(keys)]).stored
+        )
+
+    def get(self, keys: list[bytes]) -> int:
+        self.engine.zero()
+        return int(
+            self.client.get(self.ctx, [(k, [self.engine.blocks(i)]) for i, k in enumerate(keys)]).retrieved
+        )
+
+    def holds(self, keys: list[bytes], seed: int = 0) -> bool:
+        return all(self.engine.holds(i, seed + k[0]) for i, k in enumerate(keys))
+
+    def remote(self) -> dict[str, Any]:
+        return dict(self.client.status()["server"]["remote"])
+
+    def close(self) -> None:
+        self.client.close()
+        self.engine.close()
+
+
+def serve(tmp: Path, name: str, *remotes: str, flags: tuple[str, ...] = ()) -> Serve:
+    args = [a for url in remotes for a in ("--remote", url)]
+    srv = Serve(private_dir(tmp, name) / "kv.sock", "--json-log", "--remote-prefix", "t", *args, *flags)
+    return srv.wait_ready()
+
+
+def test_a_restarted_serve_serves_what_the_previous_one_stored_on_disk(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'disk'}"
+    first = serve(tmp_path, "first", url)
+    node = Node(first)
+    try:
+        assert node.put(KEYS[:4]) == 4
+        assert until(lambda: node.remote()["written"] == 4)
+    finally:
+        node.close()
+    assert first.stop() == 0, first.log()
+    second = serve(tmp_path, "second", url)
+    node = Node(second)
+    try:
+        reply = node.client.call("lookup", namespace=NS, keys=KEYS[:6])
+        assert (reply["hits"], reply["remote"]) == (4, 4)
+        assert node.get(KEYS[:4]) == 4 and node.holds(KEYS[:4])  # the bytes the first server stored
+    finally:
+        node.close()
+        assert second.stop() == 0
+
+
+def test_a_clean_stop_flushes_the_queue_within_its_bound_and_says_what_it_dropped(tmp_path: Path) -> None:
+    # A Valkey that never answers: nothing queued can be written, so the stop drops it all.
+    valkey = ValkeyNode(tmp_path / "valkey").start()
+    srv = serve(tmp_path, "flush", valkey.url, flags=("--remote-flush-timeout", "1s"))
+    node = Node(srv)
+    try:
+        assert until(lambda: node.remote()["state"] == "healthy")
+        valkey.pause()
+        node.put(KEYS[:3])
+    finally:
+        node.close()
+    started = time.monotonic()
+    assert srv.stop() == 0, srv.log()
+    took = time.monotonic() - started
+    valkey.resume()
+    valkey.close()
+    dropped = [e for e in srv.events() if e["event"] == "remote_dropped"]
+    assert took < 15, f"stopping took {took:.1f} s with a 1 s flush bound"
+    assert dropped and dropped[0]["chunks"] >= 1, srv.log()[-2000:]
+
+
+def test_two_tiers_survive_restarts_of_serve_and_of_valkey(tmp_path: Path) -> None:
+    disk = f"file://{tmp_path / 'disk'}"
+    with ValkeyNode(tmp_path / "valkey") as valkey:
+        srv = serve(tmp_path, "chain-1", disk, valkey.url, flags=("--metrics-port", "0"))
+        node = Node(srv)
+        try:
+            assert node.put(KEYS[:4]) == 4
+            assert until(lambda: [t["written"] for t in node.remote()["tiers"]] == [4, 4]), node.remote()
+            port = next(e["port"] for e in srv.events() if e["event"] == "metrics")
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            assert 'lmcache_platform_server_remote_tier_written_total{tier="1",store="valkey://' in text
+            assert 'lmcache_platform_server_remote_tier_up{tier="0",store="file://' in text
+        finally:
+            node.close()
+        assert srv.stop() == 0, srv.log()
+        valkey.restart()  # an empty Valkey: only the disk still holds the chunks
+        srv = serve(tmp_path, "chain-2", disk, valkey.url)
+        node = Node(srv)
+        try:
+            assert until(lambda: [t["state"] for t in node.remote()["tiers"]] == ["healthy", "healthy"])
+            reply = node.client.call("lookup", namespace=NS, keys=KEYS[:4])
+            assert (reply["hits"], reply["remote"]) == (4, 4)
+            assert node.get(KEYS[:4]) == 4 and node.holds(KEYS[:4])
+            assert node.put(KEYS[10:12]) == 2
+            assert until(lambda: [t["written"] for t in node.remote()["tiers"]] == [2, 2]), node.remote()
+        finally:
+            node.close()
+            assert srv.stop() == 0
+
+
+def test_two_servers_sharing_a_directory_share_kv(tmp_path: Path) -> None:
+    disk = f"file://{tmp_path / 'shared'}"
+    a_srv, b_srv = serve(tmp_path, "a", disk), serve(tmp_path, "b", disk)
+    a, b = Node(a_srv), Node(b_srv)
+    try:
+        assert a.put(KEYS[:3], seed=7) == 3
+        assert until(lambda: a.remote()["written"] == 3)
+        assert b.get(KEYS[:3]) == 3 and b.holds(KEYS[:3], seed=7)
+    finally:
+        a.close()
+        b.close()
+        assert a_srv.stop() == 0 and b_srv.stop() == 0
