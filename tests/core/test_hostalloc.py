@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from lmcache_platform import KVFormat, LayoutHints
@@ -11,6 +14,11 @@ from support.cache import context, make_layers
 MiB = 1 << 20
 
 
+def shape(pool: HostBufferPool) -> dict[str, int]:
+    stats = pool.stats()
+    return {k: stats[k] for k in ("mappings", "idle", "bytes")}
+
+
 def test_a_mapping_is_reused_once_no_tensor_or_view_uses_it() -> None:
     pool = HostBufferPool()
     first = pool.take(4 * MiB)
@@ -18,7 +26,7 @@ def test_a_mapping_is_reused_once_no_tensor_or_view_uses_it() -> None:
     view = first[100:200].view(torch.int16)  # a derived view keeps the mapping busy
     del first
     second = pool.take(4 * MiB)
-    assert second.data_ptr() != address and pool.stats() == {"mappings": 2, "idle": 0, "bytes": 8 * MiB}
+    assert second.data_ptr() != address and shape(pool) == {"mappings": 2, "idle": 0, "bytes": 8 * MiB}
     del view
     assert pool.stats()["idle"] == 1
     third = pool.take(4 * MiB)
@@ -30,9 +38,9 @@ def test_a_fresh_mapping_of_another_size_unmaps_the_idle_ones() -> None:
     small = [pool.take(4 * MiB) for _ in range(3)]
     kept = small.pop()
     del small
-    assert pool.stats() == {"mappings": 3, "idle": 2, "bytes": 12 * MiB}
+    assert shape(pool) == {"mappings": 3, "idle": 2, "bytes": 12 * MiB}
     big = pool.take(8 * MiB)
-    assert pool.stats() == {"mappings": 2, "idle": 0, "bytes": 12 * MiB}  # the busy one stays
+    assert shape(pool) == {"mappings": 2, "idle": 0, "bytes": 12 * MiB}  # the busy one stays
     assert kept.numel() == 4 * MiB and big.numel() == 8 * MiB
 
 
@@ -54,3 +62,70 @@ def test_chunks_reuse_the_memory_of_chunks_nobody_holds() -> None:
         assert other[0].data_ptr() != address
         del chunk
         assert ctx.allocate_chunk()[0].data_ptr() == address
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_memory_is_prepared_ahead_of_use_and_a_take_uses_it() -> None:
+    pool = HostBufferPool()
+    pool.prepare(4 * MiB, limit=64 * MiB, ahead=12 * MiB)
+    wait_for(lambda: pool.stats()["idle"] == 3)  # 12 MiB ahead, mapped and faulted in off our path
+    assert pool.stats()["prepared_bytes"] == 12 * MiB
+    taken = [pool.take(4 * MiB) for _ in range(3)]
+    assert pool.stats()["slow_takes"] == 0  # every take found prepared memory
+    wait_for(lambda: pool.stats()["idle"] == 3)  # topped up again behind the takes
+    assert len(taken) == 3 and pool.stats()["bytes"] == 24 * MiB
+
+
+def test_eager_preparation_fills_the_bound_and_never_passes_it() -> None:
+    pool = HostBufferPool()
+    pool.prepare(4 * MiB, limit=20 * MiB, eager=True)
+    wait_for(lambda: pool.stats()["bytes"] == 20 * MiB)
+    time.sleep(0.2)
+    assert pool.stats()["bytes"] == 20 * MiB and pool.stats()["mappings"] == 5
+    held = [pool.take(4 * MiB) for _ in range(6)]  # one more than the bound: mapped on the path, counted
+    assert pool.stats()["slow_takes"] == 1 and len(held) == 6
+
+
+def test_a_take_before_memory_is_ready_is_correct_and_counted() -> None:
+    pool = HostBufferPool()
+    buffer = pool.take(4 * MiB)  # nothing prepared: a fresh mapping on the caller's path
+    buffer.fill_(7)
+    assert int(buffer.sum()) == 7 * 4 * MiB and pool.stats()["slow_takes"] == 1
+
+
+def test_device_registration_happens_once_per_mapping_and_is_undone_before_unmapping() -> None:
+    pool = HostBufferPool()
+    calls: list[tuple[str, int, int]] = []
+
+    def register(address: int, nbytes: int) -> Callable[[], None]:
+        calls.append(("register", address, nbytes))
+        return lambda: calls.append(("unregister", address, nbytes))
+
+    first = pool.take(4 * MiB)
+    pool.register_once(first[1024:], register)
+    pool.register_once(first, register)  # the same mapping: registered already
+    assert calls == [("register", first.data_ptr(), 4 * MiB)]
+    assert pool.stats()["registered_bytes"] == 4 * MiB
+    address = first.data_ptr()
+    del first
+    other = pool.take(8 * MiB)  # a fresh mapping of another size unmaps the idle one: undo first
+    assert calls[-1] == ("unregister", address, 4 * MiB) and other.numel() == 8 * MiB
+
+
+def test_a_device_context_registers_its_chunk_memory_through_its_hook() -> None:
+    layers = make_layers(KVFormat.FLASH_ATTN, 4, nb=64, bs=16, h=8, d=128, shared=True)
+    hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN, block_size=16)
+    registered: list[int] = []
+    with context(layers, lmcache_tokens_per_chunk=256, layout_hints=hints) as ctx:
+        ctx.register_host_memory = lambda address, nbytes: registered.append(nbytes)  # type: ignore[method-assign]
+        ctx._device = torch.device("meta")  # stands in for a device: its chunks are registered
+        chunks = [ctx.allocate_chunk() for _ in range(2)]
+        assert len(registered) == 2 and all(n >= ctx.chunk_nbytes[0] for n in registered)
+        ctx._device = torch.device("cpu")
+        del chunks

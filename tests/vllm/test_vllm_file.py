@@ -55,6 +55,9 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
         store(b, server, q, chunks=3)
         wait_entries(disk, 6)
         server.restart()
+        deadline = time.monotonic() + 30  # B's workers register again by themselves (no request needed)
+        while int(server.status()["contexts"]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         for path in entries(disk)[-3:]:  # q's chunks: the newest entries
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0xFF

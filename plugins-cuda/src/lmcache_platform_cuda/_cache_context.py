@@ -16,7 +16,8 @@ memory back to torch's caching allocator.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache_platform import BaseCacheContext
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from lmcache_platform import ChunkTransfer
 
     from ._kernels import TritonTransfers
+
+
+_log = logging.getLogger(__name__)
 
 
 class GPUCacheContext(BaseCacheContext):
@@ -55,6 +59,31 @@ class GPUCacheContext(BaseCacheContext):
 
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             yield
+
+    def register_host_memory(self, address: int, nbytes: int) -> Callable[[], None] | None:
+        """Page-lock one of the server's chunk mappings for this device (``cudaHostRegister``), once.
+
+        Copies between the device and registered memory run at the link's speed and
+        asynchronously; registering a whole mapping once (tens of GB/s) replaces a pinned
+        allocation per chunk (about 2 GB/s). A refusal (no more lockable memory) leaves the
+        mapping pageable: copies still work, slower, and the log says why.
+        """
+        import torch
+
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(address, nbytes, 0)
+        if int(err) != 0:
+            _log.warning(
+                "cudaHostRegister of %d bytes of chunk memory failed (error %d): copies use pageable memory",
+                nbytes,
+                int(err),
+            )
+            return None
+
+        def unregister() -> None:
+            cudart.cudaHostUnregister(address)
+
+        return unregister
 
     def store(self, plan: ChunkTransfer) -> None:
         """Gather ``plan`` with the fused kernels, or the base's torch ops where they cannot run."""

@@ -13,7 +13,11 @@ chunks) is timed by the engine from the request to its answer. B then regenerate
 pattern and checks every byte it received, and that blocks it never asked for are still
 zero.
 
-Scenarios: ``fresh``, a server that never stored before (one round of puts); ``evicting``,
+Scenarios: ``fresh``, a server that never stored before (one round of puts, its memory
+prepared ahead of use as the stores arrive: ``--host-memory ahead``); ``prepared``, the
+same with ``--host-memory eager`` and the puts started once the server has the working
+set's memory ready (a server started before its engines' first stores; the time that
+took is reported); ``evicting``,
 ``--max-host-bytes`` just above the working set and three rounds of new keys, so rounds 2
 and 3 evict as much as they store (their puts are timed). The gets read the last round.
 Figures are printed, never asserted; the exit status is 1 when bytes differ or a step
@@ -151,6 +155,11 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
         # the spare blocks, so every byte lands elsewhere than it came from.
         if spec["role"] == "A":
             ids = [[list(range(i * BLOCKS_PER_CHUNK, (i + 1) * BLOCKS_PER_CHUNK))] for i in range(chunks)]
+            if spec.get("prepared"):  # a server started before its engines' stores: memory ready
+                t0 = time.perf_counter()
+                while client.status()["server"]["host_prepared_bytes"] < spec["prepared"]:
+                    time.sleep(0.02)
+                out["prepare_s"] = time.perf_counter() - t0
             out["copy"] = _copy_baseline(flat, request_bytes, device)
             out["puts"] = []
             for round_ in range(spec["rounds"]):
@@ -207,11 +216,11 @@ def _check(flat: Any, views: list[Any], ids: list[list[list[int]]], device: str)
 class _Serve:
     """``lmcache-platform serve`` in a subprocess, log in a file."""
 
-    def __init__(self, socket_path: str, max_host_bytes: int, log: Path) -> None:
+    def __init__(self, socket_path: str, max_host_bytes: int, log: Path, host_memory: str = "ahead") -> None:
         self.socket = socket_path
         self.log = log
         cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", socket_path]
-        cmd += ["--max-host-bytes", str(max_host_bytes)]
+        cmd += ["--max-host-bytes", str(max_host_bytes), "--host-memory", host_memory]
         with log.open("wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
         from ..server import ServerClient
@@ -273,21 +282,25 @@ def _rates(nbytes: int, seconds: list[float]) -> dict[str, float]:
 
 def scenario(name: str, device: str, chunks: int, per_request: int, workdir: Path) -> dict[str, Any]:
     """One server, engine A's puts then engine B's gets; figures in GB/s."""
-    rounds = 1 if name == "fresh" else 3
+    rounds = 3 if name == "evicting" else 1
     # The working set's chunk bytes, known without a context: bf16 K and V of every layer.
     chunk_bytes = TOKENS * LAYERS * 2 * HEADS * HEAD_SIZE * 2
     working = chunks * chunk_bytes
-    cap = 4 * working if name == "fresh" else working + chunk_bytes // 2  # evicting: just above
+    cap = working + chunk_bytes // 2 if name == "evicting" else 4 * working  # evicting: just above
     sock = str(workdir / f"{name}.sock")
-    serve = _Serve(sock, cap, workdir / f"serve-{name}.log")
+    # prepared: `serve --host-memory eager`, and the stores wait until the working set is ready
+    mode = "eager" if name == "prepared" else "ahead"
+    serve = _Serve(sock, cap, workdir / f"serve-{name}.log", mode)
     base = {"device": device, "chunks": chunks, "per_request": per_request, "socket": sock, "rounds": rounds}
+    if name == "prepared":
+        base["prepared"] = cap  # eager: the whole bound, prepared before the first store
     try:
         a = _run_engine({**base, "role": "A"})
         b = _run_engine({**base, "role": "B"})
     finally:
         serve.stop()
     request_bytes = a["request_bytes"]
-    timed = [s for r in (a["puts"] if name == "fresh" else a["puts"][1:]) for s in r]
+    timed = [s for r in (a["puts"][1:] if name == "evicting" else a["puts"]) for s in r]
     put, get = _rates(request_bytes, timed), _rates(request_bytes, b["gets"])
     ok = b["mismatched_elements"] == 0 and b["spare_nonzero"] == 0
     return {
@@ -299,6 +312,8 @@ def scenario(name: str, device: str, chunks: int, per_request: int, workdir: Pat
         "copy_from_host_gb_s": a["copy"]["from_host"],
         "put_gb_s": put,
         "get_gb_s": get,
+        "host_memory": mode,
+        "prepare_s": a.get("prepare_s"),
         "put_vs_copy": put["median"] / a["copy"]["to_host"],
         "get_vs_copy": get["median"] / a["copy"]["from_host"],
         "bytes_identical": ok,
@@ -312,7 +327,8 @@ def run(device: str, chunks: int, per_request: int) -> dict[str, Any]:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible")
     with tempfile.TemporaryDirectory(prefix="lmcache-serverpath-") as tmp:
-        results = [scenario(n, device, chunks, per_request, Path(tmp)) for n in ("fresh", "evicting")]
+        names = ("fresh", "prepared", "evicting")
+        results = [scenario(n, device, chunks, per_request, Path(tmp)) for n in names]
     return {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -349,6 +365,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"{s['copy_to_host_gb_s']:.1f}; get {get['median']:.2f} ({get['min']:.2f}-{get['max']:.2f}) = "
             f"{s['get_vs_copy']:.2f}x copy_ {s['copy_from_host_gb_s']:.1f}; "
             f"bytes {'identical' if s['bytes_identical'] else 'DIFFER: ' + json.dumps(s['check'])}"
+            + (f"; memory prepared {s['prepare_s']:.1f} s after registering" if s.get("prepare_s") else "")
         )
     return "\n".join(lines)
 

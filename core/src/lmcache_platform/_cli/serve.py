@@ -83,6 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_TORCH_THREADS}: the server shares cores with the engines; transfers of several "
         "engines run in parallel anyway)",
     )
+    parser.add_argument(
+        "--host-memory",
+        choices=("ahead", "eager"),
+        default="ahead",
+        help="how chunk memory is prepared, off the request path: 'ahead' keeps 256 MiB of it mapped "
+        "and faulted in ahead of use (default); 'eager' prepares all of --max-host-bytes in the "
+        "background from the first registration on",
+    )
     parser.add_argument("--json-log", action="store_true", help="log one JSON object per line")
     parser.add_argument(
         "--metrics-port",
@@ -171,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         tier=tier,
         remote_flush_timeout_s=args.remote_flush_timeout or 5.0,
+        host_memory=args.host_memory,
     )
     # Before bind: a socket that exists is one that answers. Engines that watch the path for
     # a restarted server connect the moment it appears, and their pings carry deadlines that

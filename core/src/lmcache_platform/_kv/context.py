@@ -68,13 +68,13 @@ import logging
 import operator
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from .._errors import LayoutError, LMCachePlatformError, TransferError
 from .blocks import BlockMover, block_order
 from .groups import KVLayerGroupsManager, resolve_engine_groups
-from .hostalloc import host_empty
+from .hostalloc import DEFAULT_AHEAD_BYTES, HUGE_PAGE_BYTES, POOL, host_empty
 from .layout import LayerTensors, discover_layouts, plane_views
 from .staging import STAGING_ALIGN, StagingLayout
 from .transfer import (
@@ -397,8 +397,69 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         the host. Contents are uninitialised.
         """
         layout = self._staging_layout
-        whole = host_empty(layout.slot_nbytes, pin=self._device.type != "cpu")
+        device = self._device.type != "cpu"
+        whole = host_empty(layout.slot_nbytes, pin=device and layout.slot_nbytes < HUGE_PAGE_BYTES)
+        if device:
+            POOL.register_once(whole, self.register_host_memory)
         return [whole.narrow(0, off, nbytes) for off, nbytes in layout.object_group_spans]
+
+    def prepare_host_memory(
+        self, limit: int, *, ahead: int = DEFAULT_AHEAD_BYTES, eager: bool = False
+    ) -> None:
+        """Have host memory for this context's chunks mapped and faulted in ahead of use.
+
+        A server calls it once a context registers (``limit``: its memory bound): a
+        background thread keeps ``ahead`` bytes of chunk buffers ready for
+        :meth:`allocate_chunk`, or, ``eager``, fills ``limit``. Never blocks.
+        """
+        POOL.prepare(self._staging_layout.slot_nbytes, limit=limit, ahead=ahead, eager=eager)
+
+    def register_host_memory(self, address: int, nbytes: int) -> Callable[[], None] | None:
+        """Make host memory ``[address, address + nbytes)`` fast to copy to and from the device.
+
+        Called once per host mapping a device context's chunks use (the server's memory,
+        prepared ahead of use: see ``_kv.hostalloc``); what it returns is called before the
+        mapping is unmapped. Default: nothing (copies from pageable memory still work, at
+        the cost of a staging copy in the driver). The cuda backend page-locks it
+        (``cudaHostRegister``).
+        """
+        return None
+
+    def read_chunks(self, chunks: Sequence[Sequence[Sequence[int]]]) -> list[list[torch.Tensor]]:
+        """Copy a batch of chunks out of the paged blocks into fresh host tensors, one list per chunk.
+
+        ``chunks[i]`` is one chunk's block ids per engine group (as :meth:`read_chunk`
+        takes them). Up to :attr:`max_batch_size` chunks are in flight at once, each in
+        its own staging slot, so on a device the gather of one overlaps the host copy of
+        another; returns once every byte has landed.
+        """
+        out: list[list[torch.Tensor]] = []
+        for start in range(0, len(chunks), self.max_batch_size):
+            for slot, block_ids in enumerate(chunks[start : start + self.max_batch_size]):
+                tensors = self.allocate_chunk()
+                self.read_chunk(block_ids, tensors, slot=slot)
+                out.append(tensors)
+            self.synchronize()
+        return out
+
+    def write_chunks(
+        self,
+        chunks: Sequence[tuple[Sequence[Sequence[int]], Sequence[torch.Tensor]]],
+        *,
+        before_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        """Copy a batch of chunks (block ids per engine group, host tensors) into the paged blocks.
+
+        The inverse of :meth:`read_chunks`, pipelined the same way. ``before_batch(done)``
+        runs before each batch of :attr:`max_batch_size` chunks (``done`` written so far):
+        a caller's deadline check, which may raise to stop between batches.
+        """
+        for start in range(0, len(chunks), self.max_batch_size):
+            if before_batch is not None:
+                before_batch(start)
+            for slot, (block_ids, src) in enumerate(chunks[start : start + self.max_batch_size]):
+                self.write_chunk(block_ids, src, slot=slot)
+            self.synchronize()
 
     def device_event_class(self) -> type[DeviceEvent] | None:
         """The event class :meth:`wait_event` opens handles with; None: no events here.

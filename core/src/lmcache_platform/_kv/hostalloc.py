@@ -12,17 +12,27 @@ Two measures:
   VM memory the host never backed costs far more on first touch.
 * :class:`HostBufferPool` hands out the mappings of buffers nobody uses any more (a chunk
   evicted, a context's chunks dropped) before it maps fresh ones: the used-memory speed.
-
-Buffers for a device's copies are pinned instead (torch caches pinned memory and reuses it).
+* **Prepared ahead.** A server tells the pool its chunk size and its memory bound
+  (:meth:`HostBufferPool.prepare`): a background thread maps and faults in mappings
+  (``MADV_POPULATE_WRITE``) off the request path, staying ``ahead`` bytes ahead of use
+  (``serve --host-memory ahead``, the default) or filling the whole bound
+  (``--host-memory eager``). A store that finds no ready mapping maps a fresh one on its
+  own path, correct but slower, and is counted (``slow_takes``).
+* **Registered once with a device.** A device context registers each mapping with its
+  device the first time it uses it (CUDA: ``cudaHostRegister``, see
+  ``BaseCacheContext.register_host_memory``) and the pool undoes that before unmapping:
+  no per-chunk pinned allocation.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import mmap
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,6 +41,8 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 #: Below this a buffer is plain ``torch.empty`` (the allocator's heap reuses such sizes).
 HUGE_PAGE_BYTES = 2 << 20
+#: How far ahead of use :meth:`HostBufferPool.prepare` keeps ready memory by default.
+DEFAULT_AHEAD_BYTES = 256 << 20
 
 
 @functools.cache
@@ -64,8 +76,18 @@ class HostBufferPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._regions: dict[int, list[mmap.mmap]] = {}
         self._hand: dict[int, int] = {}
+        #: id(mapping) -> what undoes its registration with a device, called before unmapping.
+        self._undo: dict[int, list[Callable[[], None]]] = {}
+        self._counts: collections.Counter[str] = collections.Counter()
+        #: What :meth:`prepare` asked: chunk sizes to keep ready, the bound, ahead or eager.
+        self._sizes: list[int] = []
+        self._limit = 0
+        self._ahead = 0
+        self._eager = False
+        self._thread: threading.Thread | None = None
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An uninitialised 1-D uint8 tensor of ``nbytes`` over a free or fresh mapping."""
@@ -74,38 +96,159 @@ class HostBufferPool:
         with self._lock:
             regions = self._regions.setdefault(nbytes, [])
             start = self._hand.get(nbytes, 0)
+            self._counts["takes"] += 1
             for k in range(len(regions)):
                 i = (start + k) % len(regions)
                 if _idle(regions, i):
                     self._hand[nbytes] = i + 1
+                    self._wake.notify()  # the preparer tops the ready memory up again
                     return torch.frombuffer(regions[i], dtype=torch.uint8)
+            self._counts["slow_takes"] += 1  # mapped on the caller's path; its pages fault in on use
             self._trim(nbytes)
-            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if huge_pages_available():
-                region.madvise(mmap.MADV_HUGEPAGE)
-            regions.append(region)
-            del region  # only the list may hold it, or it never looks idle
+            regions.append(_fresh(nbytes))
+            self._wake.notify()
             return torch.frombuffer(regions[-1], dtype=torch.uint8)  # the storage holds the mapping
 
+    def prepare(
+        self, nbytes: int, *, limit: int, ahead: int = DEFAULT_AHEAD_BYTES, eager: bool = False
+    ) -> None:
+        """Keep mappings of ``nbytes`` mapped and faulted in ahead of :meth:`take`, off its path.
+
+        A background thread (started on the first call) maps fresh mappings and populates
+        their pages until ``ahead`` bytes of them are idle (at least one mapping), or,
+        ``eager``, until the pool holds ``limit`` bytes; never past ``limit`` in all.
+        """
+        if nbytes < HUGE_PAGE_BYTES:
+            return
+        with self._lock:
+            if nbytes not in self._sizes:
+                self._sizes.append(nbytes)
+            self._limit, self._ahead, self._eager = limit, ahead, eager
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._prepare_loop, name="lmcache-host-arena", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def register_once(
+        self, buffer: torch.Tensor, register: Callable[[int, int], Callable[[], None] | None]
+    ) -> None:
+        """Call ``register(address, nbytes)`` of the mapping under ``buffer`` the first time a device uses it.
+
+        What it returns is called before the mapping is unmapped (a device registration
+        must end before its memory goes). Buffers not from the pool are left alone.
+        """
+        ptr = buffer.data_ptr()
+        with self._lock:
+            for regions in self._regions.values():
+                for region in regions:
+                    address = _address(region)
+                    if address <= ptr < address + len(region):
+                        key = id(region)
+                        if key not in self._undo:
+                            undo = register(address, len(region))
+                            self._undo[key] = [undo] if undo is not None else []
+                            self._counts["registered_bytes"] += len(region)
+                        return
+
     def stats(self) -> dict[str, int]:
-        """Mappings the pool holds, how many nothing uses now, and their bytes."""
+        """Mappings the pool holds, how many nothing uses now, their bytes, and the counters.
+
+        ``takes``: buffers handed out; ``slow_takes``: of those, mapped on the caller's path
+        because no ready mapping was idle; ``prepared_bytes``: bytes the background thread
+        mapped and faulted in; ``registered_bytes``: bytes registered with a device.
+        """
         with self._lock:
             lists = list(self._regions.values())
             return {
                 "mappings": sum(len(regions) for regions in lists),
                 "idle": sum(_idle(regions, i) for regions in lists for i in range(len(regions))),
                 "bytes": sum(len(regions[i]) for regions in lists for i in range(len(regions))),
+                **{k: self._counts[k] for k in ("takes", "slow_takes", "prepared_bytes", "registered_bytes")},
             }
 
     def _trim(self, keep: int) -> None:
-        """Unmap the idle mappings of every size but ``keep``."""
+        """Unmap the idle mappings of every size but ``keep`` (and of no size being prepared)."""
         for nbytes, regions in self._regions.items():
-            if nbytes == keep:
+            if nbytes == keep or nbytes in self._sizes:
                 continue
             for i in reversed(range(len(regions))):
                 if _idle(regions, i):
-                    regions.pop(i).close()
+                    self._unmap(regions.pop(i))
             self._hand[nbytes] = 0
+
+    def _unmap(self, region: mmap.mmap) -> None:
+        for undo in self._undo.pop(id(region), ()):
+            try:
+                undo()
+            except Exception:  # the mapping still goes; a device that kept it registered logs why
+                _log.exception("ending a device registration of a %d-byte host mapping failed", len(region))
+        region.close()
+
+    def _prepare_loop(self) -> None:
+        while True:
+            with self._lock:
+                nbytes = self._next_to_prepare()
+                while nbytes is None:
+                    self._wake.wait(1.0)
+                    nbytes = self._next_to_prepare()
+            region = _fresh(nbytes)  # mapped and faulted in without the lock: takes go on meanwhile
+            _populate(region)
+            with self._lock:
+                self._regions.setdefault(nbytes, []).append(region)
+                self._counts["prepared_bytes"] += nbytes
+            del region
+
+    def _next_to_prepare(self) -> int | None:
+        """A chunk size to map one more mapping of now, or None. Caller holds the lock."""
+        total = sum(len(r) for regions in self._regions.values() for r in regions)
+        for nbytes in self._sizes:
+            if total + nbytes > self._limit:
+                continue
+            if self._eager:
+                return nbytes
+            regions = self._regions.get(nbytes, [])
+            idle = sum(_idle(regions, i) for i in range(len(regions))) * nbytes
+            if idle < max(self._ahead, nbytes):
+                return nbytes
+        return None
+
+
+def _address(region: mmap.mmap) -> int:
+    """Where ``region`` is mapped (the temporary view is gone before this returns)."""
+    import torch
+
+    view = torch.frombuffer(region, dtype=torch.uint8)
+    try:
+        return int(view.data_ptr())
+    finally:
+        del view
+
+
+def _fresh(nbytes: int) -> mmap.mmap:
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages_available():
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return region
+
+
+def _populate(region: mmap.mmap) -> None:
+    """Fault every page of ``region`` in now, without holding the GIL (ctypes releases it).
+
+    A kernel without ``MADV_POPULATE_WRITE`` (before 5.14): the pages are written instead.
+    """
+    from ..hostmem._populate import populate
+
+    try:
+        populate(_address(region), len(region), lock=_NO_LOCK, stopped=lambda: False)
+    except OSError:
+        for offset in range(0, len(region), mmap.PAGESIZE):
+            region[offset] = 0
+
+
+#: ``populate`` takes a lock for its owner's unmapping; a mapping being prepared has no other user.
+_NO_LOCK = threading.Lock()
 
 
 def _refs(items: list[Any], i: int) -> int:

@@ -78,6 +78,26 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "lease_unread_chunks",
         "Chunks leased lookups found that no get read before the lease expired or its connection closed.",
     ),
+    "host_mapped_bytes": (
+        "gauge",
+        "host_mapped_bytes",
+        "Host memory mapped for chunks: stored, in use, or prepared ahead and idle.",
+    ),
+    "host_prepared_bytes_total": (
+        "counter",
+        "host_prepared_bytes",
+        "Host memory mapped and faulted in ahead of use, off the request path.",
+    ),
+    "host_slow_takes_total": (
+        "counter",
+        "host_slow_takes",
+        "Chunk buffers mapped on a request's path because no prepared one was free.",
+    ),
+    "host_registered_bytes_total": (
+        "counter",
+        "host_registered_bytes",
+        "Host memory registered with a device for its copies (once per mapping).",
+    ),
     "first_register_seconds": (
         "gauge",
         "first_register_s",

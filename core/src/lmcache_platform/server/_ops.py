@@ -143,9 +143,9 @@ class LookupResult(_Counts):
     hits: int
     #: Of those, how many only the remote tier holds (sent to extended requests only).
     remote: int = field(default=0, metadata=NEWER)
-    #: How many of the namespaces asked no live context has registered here: no engine
-    #: of theirs could load a hit now (a restarted server its workers have not reached
-    #: yet). Extended requests only, and only when not 0; 0 from older servers.
+    #: How many of the namespaces asked no live context has registered here, so that no
+    #: engine of theirs could load a hit now (a restarted server its workers have not
+    #: reached yet). Extended requests only, and only when not 0; 0 from older servers.
     unregistered: int = field(default=0, metadata=NEWER_SPARSE)
 
 

@@ -57,7 +57,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +104,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: How a server prepares chunk memory: ahead of use (default) or all of its bound at once.
+HOST_MEMORY_MODES = ("ahead", "eager")
 #: Default cap on the host memory the server uses for stored chunks.
 DEFAULT_MAX_HOST_BYTES = 8 << 30
 SOCKET_NAME = "kv.sock"
@@ -202,6 +204,8 @@ class ReferenceServer:
     ``tier`` is the remote tier behind the local chunks, one store or a chain of them
     (see ``docs/tiers.md``); the server closes it when it stops, giving its write-behind
     queues ``remote_flush_timeout_s`` to drain (what is left is logged and dropped).
+    ``host_memory`` (``ahead`` or ``eager``): how chunk memory is prepared off the request
+    path, see ``docs/operator-guide.md``.
     """
 
     def __init__(
@@ -213,7 +217,14 @@ class ReferenceServer:
         parallel_transfers: bool = True,
         tier: RemoteTier | RemoteChain | None = None,
         remote_flush_timeout_s: float = 5.0,
+        host_memory: str = "ahead",
     ) -> None:
+        if host_memory not in HOST_MEMORY_MODES:
+            raise ValueError(
+                f"host_memory must be one of {', '.join(HOST_MEMORY_MODES)}, not {host_memory!r}"
+            )
+        #: How chunk memory is prepared, ``ahead`` of use or all of ``max_host_bytes`` (``eager``).
+        self.host_memory = host_memory
         self.socket_path = socket_path
         self.tier = tier
         self.remote_flush_timeout_s = remote_flush_timeout_s
@@ -556,6 +567,10 @@ class ReferenceServer:
         except BaseException:
             ctx.close()
             raise
+        from .._kv.context import BaseCacheContext as _Base  # runtime: the annotation's import is lazy
+
+        if isinstance(ctx, _Base):  # chunk memory mapped and faulted in ahead of the stores
+            ctx.prepare_host_memory(self.max_host_bytes, eager=self.host_memory == "eager")
         self._first("register")
         log_event(
             logging.INFO,
@@ -675,12 +690,8 @@ class ReferenceServer:
         try:
             if event:
                 ctx.wait_event(event)
-            for batch in _batches([c for c in chunks if c.chunk_id in todo], ctx.max_batch_size):
-                for slot, chunk in enumerate(batch):
-                    tensors = ctx.allocate_chunk()
-                    ctx.read_chunk(chunk.block_ids, tensors, slot=slot)
-                    payloads.append((tensors, sum(t.nbytes for t in tensors)))
-                ctx.synchronize()
+            read = ctx.read_chunks([c.block_ids for c in chunks if c.chunk_id in todo])
+            payloads = [(tensors, sum(t.nbytes for t in tensors)) for tensors in read]
             check_deadline(deadline, "after the store's reads; nothing was committed")
         except BaseException:
             self._index.abort(res)
@@ -775,17 +786,17 @@ class ReferenceServer:
                     raise TransferError(
                         "a stored chunk does not match this context's layout; nothing written"
                     )
-            pairs = list(zip(chunks, held, strict=True))
             if event:
                 ctx.wait_event(event)
-            for done, batch in enumerate(_batches(pairs, ctx.max_batch_size)):
-                check_deadline(
-                    deadline, f"after {done * ctx.max_batch_size} of {len(pairs)} chunks were written"
-                )
-                for slot, (chunk, stored) in enumerate(batch):
-                    ctx.write_chunk(chunk.block_ids, stored.payload, slot=slot)
-                    total += sum(host.nbytes for host in stored.payload)
-                ctx.synchronize()
+
+            def before_batch(done: int) -> None:
+                check_deadline(deadline, f"after {done} of {len(held)} chunks were written")
+
+            ctx.write_chunks(
+                [(c.block_ids, stored.payload) for c, stored in zip(chunks, held, strict=True)],
+                before_batch=before_batch,
+            )
+            total = sum(host.nbytes for stored in held for host in stored.payload)
         finally:
             self._index.release(held)
         return total
@@ -863,6 +874,14 @@ class ReferenceServer:
                     own[f"first_{what}_s"] = ns / 1e9
         if self.tier is not None:
             own["remote"] = {"store": self.tier.name, **self.tier.stats()}  # a chain adds "tiers"
+        from .._kv.hostalloc import POOL
+
+        pool = POOL.stats()
+        own["host_memory"] = self.host_memory
+        own["host_mapped_bytes"] = pool["bytes"]
+        own["host_prepared_bytes"] = pool["prepared_bytes"]
+        own["host_slow_takes"] = pool["slow_takes"]
+        own["host_registered_bytes"] = pool["registered_bytes"]
         with self._lock:
             return {
                 "pid": os.getpid(),
@@ -945,11 +964,6 @@ def _namespace_of(entry: _Entry, op: str) -> bytes:
             "keyed chunks need one (register with namespace=...)"
         )
     return entry.namespace
-
-
-def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def _check_unique(chunks: Sequence[Chunk]) -> None:
