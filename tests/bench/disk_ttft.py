@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,23 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from remote_ttft import PREFIX, run_engine, status  # noqa: E402
+from remote_ttft import PREFIX, run_engine, start_serve, status  # noqa: E402
 from vllm_ttft import CHUNK, prompt  # noqa: E402
-
-
-def start_serve(directory: Path, url: str) -> subprocess.Popen[bytes]:
-    directory.mkdir(mode=0o700, exist_ok=True)
-    sock = directory / "kv.sock"
-    sock.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", str(sock)]
-    cmd += ["--remote", url, "--remote-prefix", PREFIX, "--max-host-bytes", "4G"]
-    with (directory / "serve.log").open("a") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
-    while not sock.exists():
-        if proc.poll() is not None:
-            raise SystemExit(f"serve failed:\n{(directory / 'serve.log').read_text()[-2000:]}")
-        time.sleep(0.1)
-    return proc
 
 
 def drop_page_cache() -> bool:

@@ -173,11 +173,13 @@ def start_valkey(binary: str, workdir: Path) -> tuple[subprocess.Popen[bytes], i
 
 
 def start_serve(directory: Path, url: str) -> subprocess.Popen[bytes]:
-    directory.mkdir(mode=0o700)
+    """``serve --remote url`` on ``directory/kv.sock`` (again, after a stop: ``disk_ttft.py``)."""
+    directory.mkdir(mode=0o700, exist_ok=True)
     sock = directory / "kv.sock"
+    sock.unlink(missing_ok=True)  # a stopped server removed it; a killed one may not have
     cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", str(sock)]
     cmd += ["--remote", url, "--remote-prefix", PREFIX, "--max-host-bytes", "4G"]
-    with (directory / "serve.log").open("w") as log:
+    with (directory / "serve.log").open("a") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
     while not sock.exists():
         if proc.poll() is not None:
