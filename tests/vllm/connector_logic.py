@@ -262,6 +262,20 @@ class Pools:
         return [self.block_pool.blocks[b].ref_cnt for b in ids]
 
 
+#: Stand-ins for the engines' workers: a live registration in each namespace a scheduler
+#: asks about (a lookup offers hits only for namespaces some engine can load into).
+_WORKERS: list[tuple[ServerClient, TinyEngine]] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_workers() -> Iterator[None]:
+    yield
+    while _WORKERS:
+        client, engine = _WORKERS.pop()
+        client.close()
+        engine.close()
+
+
 def scheduler(
     serve: Serve, kv: KVCacheConfig, cfg: SimpleNamespace | None = None, **settings: Any
 ) -> tuple[SchedulerSide, Pools]:
@@ -272,6 +286,11 @@ def scheduler(
     )
     pools = Pools()
     side.bind(pools)
+    for namespace in getattr(side, "namespaces", []):
+        engine = TinyEngine()
+        client = ServerClient(str(serve.socket_path), timeout=30)
+        engine.register(client, namespace)
+        _WORKERS.append((client, engine))
     # The client connects in the background; a lookup sent before that is a miss by design.
     deadline = time.monotonic() + 10
     while side._client is not None and side._client.state != "healthy":
