@@ -62,7 +62,7 @@ def test_the_transfer_section_runs_against_a_separate_engine_process(with_server
 
 def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) -> None:
     # What scripts/gpu-check runs with --device cuda, at the smallest size: a real serve,
-    # two engine processes, a fresh and an evicting server.
+    # two engine processes, a fresh, a prepared (--host-memory eager) and an evicting server.
     out = tmp_path / "server.json"
     cmd = [sys.executable, "-m", "lmcache_platform._bench.serverpath", "--device", "cpu"]
     proc = subprocess.run(
@@ -81,8 +81,8 @@ def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) 
             "spare_nonzero": 0,
             "checked_chunks": 2,
         }
-        assert s["put_gb_s"]["requests"] == (2 if s["scenario"] == "fresh" else 4)
+        assert s["put_gb_s"]["requests"] == (4 if s["scenario"] == "evicting" else 2)
         assert s["get_gb_s"]["requests"] == 2 and s["copy_to_host_gb_s"] > 0
-    evicting = report["scenarios"][1]
+    evicting = report["scenarios"][2]
     assert evicting["working_set_bytes"] < evicting["max_host_bytes"] < 2 * evicting["working_set_bytes"]
     assert "bytes identical" in proc.stdout
