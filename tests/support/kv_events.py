@@ -34,6 +34,13 @@ class Subscriber:
             [str(vllm_python()), "-m", "support.kv_events", endpoint, str(out)], env=env, cwd=ROOT
         )
 
+    def wait_connected(self, timeout: float = 120) -> None:
+        """Until the subscriber has imported vLLM and connected (events before that are lost)."""
+        deadline = time.monotonic() + timeout
+        while not self.out.with_suffix(".connected").exists():
+            assert time.monotonic() < deadline and self.proc.poll() is None, "the subscriber did not start"
+            time.sleep(0.1)
+
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.out.read_text().splitlines() if line]
 
@@ -64,6 +71,7 @@ def main(endpoint: str, out: str) -> None:
     sock = zmq.Context().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(endpoint)
+    Path(out).with_suffix(".connected").write_text("")
     while True:
         _topic, _seq, payload = sock.recv_multipart()
         batch = decoder.decode(payload)
