@@ -185,7 +185,7 @@ def test_a_transfer_racing_close_is_refused_with_transfer_error(
 ) -> None:
     """Deterministic: close() runs right after the request was validated, before the lock."""
     _, ctx = engine_and_context
-    validate = ctx._plan  # the step between the open check and the lock
+    validate = ctx._planner.check  # the step between the open check and the lock
 
     def validate_then_close(*args: Any, **kwargs: Any) -> Any:
         plan = validate(*args, **kwargs)
@@ -194,7 +194,7 @@ def test_a_transfer_racing_close_is_refused_with_transfer_error(
             pass
         return plan
 
-    monkeypatch.setattr(ctx, "_plan", validate_then_close)
+    monkeypatch.setattr(ctx._planner, "check", validate_then_close)
     with pytest.raises(TransferError, match="closed"):
         getattr(ctx, op)([[4, 5]])
 

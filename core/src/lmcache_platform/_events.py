@@ -30,7 +30,10 @@ Contract (stable within an API major):
 from __future__ import annotations
 
 import abc
+from collections import OrderedDict
 from typing import TYPE_CHECKING, ClassVar
+
+from ._errors import LMCachePlatformError, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -61,3 +64,40 @@ class DeviceEvent(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release what :meth:`open` took; called when the context drops the event."""
+
+
+class OpenEvents:
+    """The events one context opened from handles: a few, most recently used, until it closes.
+
+    Engines reuse a few events, so the same handles come back; opening one per request
+    would cost a driver call each.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self._limit = limit
+        self._events: OrderedDict[bytes, DeviceEvent] = OrderedDict()
+
+    def get(self, handle: bytes, cls: type[DeviceEvent], device: torch.device) -> DeviceEvent:
+        """The event ``handle`` names, opened now or before (:class:`TransferError` if none)."""
+        event = self._events.get(handle)
+        if event is None:
+            try:
+                event = cls.open(handle, device)
+            except LMCachePlatformError:
+                raise
+            except Exception as exc:  # the backend's own failure: name the handle
+                raise TransferError(
+                    f"{cls.__name__} refused a device event handle of {len(handle)} bytes: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            self._events[handle] = event
+            while len(self._events) > self._limit:
+                self._events.popitem(last=False)[1].close()
+        self._events.move_to_end(handle)
+        return event
+
+    def close(self) -> None:
+        """Close every event (each close is the backend's; the first failure propagates)."""
+        events, self._events = list(self._events.values()), OrderedDict()
+        for event in events:
+            event.close()

@@ -188,6 +188,7 @@ def create_cache_context(
         full_sw_kv=full_sw_kv,
         layer_names=tuple(layer_names),
         chunk_format=chunk_format,
+        device_event_class=REGISTRY.device_event_class(device_types[0]),
     )
     return cls(kv_caches, config)
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._events import DeviceEvent
 
 
 class EngineType(enum.Enum):
@@ -104,6 +108,10 @@ class CacheContextConfig:
     #: layout) or ``"blocks"`` (the engine's own blocks, copied whole: the fast path when
     #: every reader has this layout, as in one cache namespace). See :data:`CHUNK_FORMATS`.
     chunk_format: str = "tokens"
+    #: The :class:`DeviceEvent` class of the backend that was selected for the device
+    #: (its ``lmcache_platform_device_event_class`` hook), filled in by whoever selects
+    #: the backend (``create_cache_context``); None: this context takes no events.
+    device_event_class: type[DeviceEvent] | None = field(default=None, metadata={"server": True})
 
     def __post_init__(self) -> None:
         if self.chunk_format not in CHUNK_FORMATS:

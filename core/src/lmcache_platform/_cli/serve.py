@@ -160,8 +160,8 @@ def _configure_logging(json_log: bool, verbose: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..remote import RemoteConfigError, RemoteStoreLoadError
     from ..server import ReferenceServer, ServerError
+    from ..server._log import log_event
     from ..server._process import freeze_startup_objects
-    from ..server._server import log_event
 
     _configure_logging(args.json_log, getattr(args, "verbose", False))
     if not args.socket:
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _make_private_dir(directory: str) -> None:
     """Create the socket's directory (one level) with mode 0700 if it is missing."""
-    from ..server._server import log_event
+    from ..server._log import log_event
 
     try:
         os.mkdir(directory, 0o700)

@@ -1,63 +1,11 @@
 """``BaseCacheContext``: server-side view of one engine's registered KV caches.
 
 The base does everything that does not depend on the device: it reopens the
-wrappers (``to_tensors()``, one call per wrapper class), discovers each layer's
-layout (``layout.py``), groups layers (``groups.py``), builds per-kernel-group
-pointer tensors and the staging buffer (``staging.py``), validates transfer
-requests and moves chunks with generic torch ops (``transfer.py``, ``blocks.py``).
-A backend subclass only says how its device differs.
-
-Contract with backends (stable within an API major):
-
-* Constructor ``cls(kv_caches, config)``: the IPC wrappers (one per layer) and a
-  frozen :class:`CacheContextConfig`. Keyword fields can be added to the config
-  without breaking any backend. The context owns the wrappers: :meth:`close` closes
-  them, and a failing constructor closes those it tried to reopen (it reopens each
-  wrapper class's with one ``to_tensors`` call, in layer order).
-* Customization points, all optional:
-
-  - :meth:`allocate_staging` -- staging memory on the device (default
-    ``torch.empty`` on :attr:`device`; a backend may pin or register it).
-  - :meth:`create_stream` -- the object :attr:`stream` returns (default a
-    :class:`NullStream` for devices that copy synchronously, like the host).
-  - :meth:`stream_context` -- a context manager that makes work issued inside it
-    run on :attr:`stream` (default: does nothing).
-  - :meth:`store` / :meth:`retrieve` -- move one validated
-    :class:`~lmcache_platform.ChunkTransfer`; override these with native kernels and keep
-    the validation and block-id staging of :meth:`store_chunk`/:meth:`retrieve_chunk`.
-    A kernel moves between the blocks and each part's ``buffer``: a staging slot's
-    view, or (``plan.staged`` False) the caller's host tensors of :meth:`read_chunk` /
-    :meth:`write_chunk` on a host context. Plans come in the context's chunk format
-    (``plan.chunk_format``); an override that handles only ``"tokens"`` passes
-    ``"blocks"`` plans on to ``super()``.
-  - :meth:`allocate_chunk` -- fresh host tensors for one chunk (default: huge-page
-    advised on the host, pinned for a device; a backend may register them with a NIC).
-  - :meth:`device_event_class` -- the :class:`~lmcache_platform.DeviceEvent` class that
-    :meth:`wait_event` opens handles with (default: the one the selected backend's
-    ``lmcache_platform_device_event_class`` hook gives for :attr:`device_type`).
-  - :meth:`synchronize` -- wait for enqueued transfers (default: ``stream.synchronize()``).
-  - :meth:`release` -- free device resources on :meth:`close`, after
-    :meth:`synchronize` and before the wrappers are closed.
-  - :meth:`prefault_memory` -- make the engine's memory cheap to touch from this
-    process before the first transfer does (default: nothing; host contexts map
-    every page, see :class:`~lmcache_platform.hostmem.HostMemoryCacheContext`).
-
-  Hooks run inside the base ``__init__``, so a subclass sets any attribute they
-  need *before* calling ``super().__init__``. If a subclass's own ``__init__``
-  fails after ``super().__init__`` returned, it calls ``self.close()`` and re-raises.
-
-Moving a chunk to or from host memory (what a server does): :meth:`read_chunk` and
-:meth:`write_chunk` take the chunk's host tensors (one 1-D uint8 tensor per object
-group, as :meth:`allocate_chunk` makes them) and pick the path. On a host context the
-movers gather straight into them and scatter straight from them: one pass over the
-bytes. On a device they go through staging slot ``slot`` and one device-host copy each,
-enqueued on :attr:`stream`: call :meth:`synchronize` before reading what
-:meth:`read_chunk` filled, and keep :meth:`write_chunk`'s tensors unchanged until then.
-
-Chunk formats (``CacheContextConfig.chunk_format``): ``"tokens"``, the default, is
-token-major (``[kv, layers, tokens, hidden]`` per kernel group), readable by any layout;
-``"blocks"`` keeps the engine's own block order, so a move copies whole blocks
-(``blocks.py``). Both hold the same bytes per chunk in the same regions.
+wrappers (``reopen.py``), discovers each layer's layout (``layout.py``), groups
+layers (``groups.py``), builds per-kernel-group pointer tensors and the staging
+buffer (``staging.py``), checks and plans transfer requests (``plan.py``) and moves
+chunks with generic torch ops (``transfer.py``, ``blocks.py``). A backend subclass
+only says how its device differs: the contract is :class:`BaseCacheContext`'s docstring.
 """
 
 from __future__ import annotations
@@ -65,22 +13,23 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
-import operator
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Union
 
-from .._errors import LayoutError, LMCachePlatformError, TransferError
-from .blocks import BlockMover, block_order
-from .groups import KVLayerGroupsManager, resolve_engine_groups
+from .._errors import TransferError
+from .._events import OpenEvents
+from .blocks import BlockMover
+from .groups import KVLayerGroupsManager, discover_groups
 from .hostalloc import DEFAULT_AHEAD_BYTES, HUGE_PAGE_BYTES, POOL, host_empty
-from .layout import LayerTensors, discover_layouts, plane_views
-from .staging import STAGING_ALIGN, StagingLayout
+from .layout import LayerTensors
+from .movers import build_movers
+from .plan import ChunkPlanner, is_int
+from .reopen import close_all, one_device, reopen_layers, tensors_of
+from .staging import StagingLayout
 from .transfer import (
     GATHER_WORD_DTYPES,
     SCATTER_WORD_DTYPES,
-    SKIP_BLOCK,
     ChunkTransfer,
     GroupMover,
     GroupTransfer,
@@ -95,16 +44,14 @@ if TYPE_CHECKING:
     from .._events import DeviceEvent
     from .._ipc_wrapper import DeviceIPCWrapper
     from .._types import CacheContextConfig, KVFormat
+    from .groups import KernelGroup
 
 
 #: One layer's registration: its wrapper, or a (K, V) pair of wrappers (SGLang).
 KVCacheEntry = Union["DeviceIPCWrapper", tuple["DeviceIPCWrapper", "DeviceIPCWrapper"]]
 
 _log = logging.getLogger(__name__)
-#: Alignment the staging buffer's start must have (torch's allocators give at least this).
-_STAGING_BASE_ALIGN = 64
-#: Events a context keeps open (an engine reuses a few; see ``DeviceEvent``).
-_MAX_OPEN_EVENTS = 64
+T = TypeVar("T")
 
 
 class NullStream:
@@ -122,10 +69,62 @@ class NullStream:
 
 
 class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, see __init__
-    """Base of every backend's cache context; see the module docstring for the contract.
+    """Base of every backend's cache context: the server-side view of one engine's KV caches.
 
     Every member has a portable default, so a backend may add nothing but
     ``device_type``; the base itself refuses to be instantiated without one.
+
+    Contract with backends (stable within an API major):
+
+    * Constructor ``cls(kv_caches, config)``: the IPC wrappers (one per layer) and a
+      frozen :class:`CacheContextConfig`. Keyword fields can be added to the config
+      without breaking any backend. The context owns the wrappers: :meth:`close` closes
+      them, and a failing constructor closes those it tried to reopen (it reopens each
+      wrapper class's with one ``to_tensors`` call, in layer order).
+    * Customization points, all optional:
+
+      - :meth:`allocate_staging` -- staging memory on the device (default
+        ``torch.empty`` on :attr:`device`; a backend may pin or register it).
+      - :meth:`create_stream` -- the object :attr:`stream` returns (default a
+        :class:`NullStream` for devices that copy synchronously, like the host).
+      - :meth:`stream_context` -- a context manager that makes work issued inside it
+        run on :attr:`stream` (default: does nothing).
+      - :meth:`store` / :meth:`retrieve` -- move one validated
+        :class:`~lmcache_platform.ChunkTransfer`; override these with native kernels and keep
+        the validation and block-id staging of :meth:`store_chunk`/:meth:`retrieve_chunk`.
+        A kernel moves between the blocks and each part's ``buffer``: a staging slot's
+        view, or (``plan.staged`` False) the caller's host tensors of :meth:`read_chunk` /
+        :meth:`write_chunk` on a host context. Plans come in the context's chunk format
+        (``plan.chunk_format``); an override that handles only ``"tokens"`` passes
+        ``"blocks"`` plans on to ``super()``.
+      - :meth:`allocate_chunk` -- fresh host tensors for one chunk (default: huge-page
+        advised on the host, pinned for a device; a backend may register them with a NIC).
+      - :meth:`device_event_class` -- the :class:`~lmcache_platform.DeviceEvent` class that
+        :meth:`wait_event` opens handles with (default: ``config.device_event_class``, which
+        ``create_cache_context`` fills from the selected backend's hook).
+      - :meth:`synchronize` -- wait for enqueued transfers (default: ``stream.synchronize()``).
+      - :meth:`release` -- free device resources on :meth:`close`, after
+        :meth:`synchronize` and before the wrappers are closed.
+      - :meth:`prefault_memory` -- make the engine's memory cheap to touch from this
+        process before the first transfer does (default: nothing; host contexts map
+        every page, see :class:`~lmcache_platform.hostmem.HostMemoryCacheContext`).
+
+      Hooks run inside the base ``__init__``, so a subclass sets any attribute they
+      need *before* calling ``super().__init__``. If a subclass's own ``__init__``
+      fails after ``super().__init__`` returned, it calls ``self.close()`` and re-raises.
+
+    Moving a chunk to or from host memory (what a server does): :meth:`read_chunk` and
+    :meth:`write_chunk` take the chunk's host tensors (one 1-D uint8 tensor per object
+    group, as :meth:`allocate_chunk` makes them) and pick the path. On a host context the
+    movers gather straight into them and scatter straight from them: one pass over the
+    bytes. On a device they go through staging slot ``slot`` and one device-host copy each,
+    enqueued on :attr:`stream`: call :meth:`synchronize` before reading what
+    :meth:`read_chunk` filled, and keep :meth:`write_chunk`'s tensors unchanged until then.
+
+    Chunk formats (``CacheContextConfig.chunk_format``): ``"tokens"``, the default, is
+    token-major (``[kv, layers, tokens, hidden]`` per kernel group), readable by any layout;
+    ``"blocks"`` keeps the engine's own block order, so a move copies whole blocks.
+    Both hold the same bytes per chunk in the same regions.
     """
 
     #: torch device type served by this class; must match the backend's entry-point name.
@@ -155,49 +154,15 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         # Serializes transfers: they share the block-id buffer (and, on devices with
         # streams, rely on issue order on one stream).
         self._transfer_lock = threading.Lock()
-        #: Device events opened by :meth:`wait_event`, by handle, least recently used first.
-        self._events: OrderedDict[bytes, DeviceEvent] = OrderedDict()
+        self._events = OpenEvents()  # those wait_event opened
         attempted: list[DeviceIPCWrapper] = []  # closed again if construction fails
         try:
-            if not self.kv_caches:
-                raise LayoutError("a cache context needs a non-empty list of KV-cache wrappers")
-            names = config.layer_names
-            if names and len(names) != len(self.layer_wrappers):
-                raise LayoutError(
-                    f"{len(names)} layer names for {len(self.layer_wrappers)} layers; "
-                    f"CacheContextConfig.layer_names must name every layer or none"
-                )
-            for entry in self.layer_wrappers:
-                if len(entry) not in (1, 2):
-                    raise LayoutError(f"a layer is one wrapper or a (K, V) pair, got {len(entry)} wrappers")
-            # One call per wrapper class, in layer order, so a backend can place separate
-            # exports where the layers stack (DeviceIPCWrapper.to_tensors).
-            by_class: dict[type[DeviceIPCWrapper], list[int]] = {}
-            for i, wrapper in enumerate(self.kv_caches):
-                by_class.setdefault(type(wrapper), []).append(i)
-            tensors: dict[int, torch.Tensor] = {}
-            for cls, indices in by_class.items():
-                batch = [self.kv_caches[i] for i in indices]
-                attempted += batch
-                got = cls.to_tensors(batch)
-                if len(got) != len(indices):
-                    raise LayoutError(
-                        f"{cls.__name__}.to_tensors returned {len(got)} tensors for {len(indices)} wrappers"
-                    )
-                tensors.update(zip(indices, got, strict=True))
-            layers: list[LayerTensors] = []
-            flat = 0
-            for entry in self.layer_wrappers:
-                if len(entry) == 1:
-                    layers.append(tensors[flat])
-                else:
-                    layers.append((tensors[flat], tensors[flat + 1]))
-                flat += len(entry)
+            layers = reopen_layers(self.layer_wrappers, attempted)
             self._build(layers)
         except BaseException:
             self._closed = True
             try:
-                _close_all(attempted)
+                close_all(attempted)
             except Exception:
                 # Raise what broke construction; the cleanup failure goes to the log.
                 _log.warning(
@@ -215,133 +180,49 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     def _build(self, layers: list[LayerTensors]) -> None:
         import torch
 
-        flat = [t for entry in layers for t in _tensors_of(entry)]
-        devices = sorted({str(t.device) for t in flat})
-        if len(devices) != 1:
-            raise LayoutError(f"KV tensors must live on one device, got {devices}")
-        device = flat[0].device
-        if device.type != type(self).device_type:
-            raise LayoutError(
-                f"{type(self).__name__} serves {type(self).device_type!r} tensors, got tensors on {device}"
-            )
+        flat = [t for entry in layers for t in tensors_of(entry)]
+        device = one_device(flat, type(self).device_type, type(self).__name__)
         cfg = self.config
-        engine_groups = resolve_engine_groups(cfg.engine_group_infos, len(layers))
-        block_sizes = {layer: eg.block_size for eg in engine_groups or () for layer in eg.layer_indices}
-        layouts = discover_layouts(
-            layers, cfg.layout_hints, block_sizes, names=cfg.layer_names, engine_type=cfg.engine_type
-        )
-        supported = type(self).supported_kv_formats
-        if supported is not None:
-            for index, lay in enumerate(layouts):
-                if lay.kv_format not in supported:
-                    raise LayoutError(
-                        f"{self.layer_name(index)}: {type(self).__name__} does not serve the "
-                        f"{lay.kv_format.value} format (it serves: "
-                        f"{', '.join(f.value for f in supported)})"
-                    )
-        manager = KVLayerGroupsManager(
-            layouts,
-            engine_groups,
-            tokens_per_chunk=cfg.lmcache_tokens_per_chunk,
-            separate_object_groups=cfg.separate_object_groups,
-            full_sw_kv=cfg.full_sw_kv,
+        layouts, manager = discover_groups(
+            layers,
+            cfg,
+            supported=type(self).supported_kv_formats,
+            owner=type(self).__name__,
+            layer_name=self.layer_name,
         )
         self._device = device
         self._tensors = flat
         self._layouts = layouts
         self._manager = manager
         self._num_blocks = min(lay.num_blocks for lay in layouts)
-        # Engine group -> the engine block ids all its kernel groups can address.
-        self._engine_group_blocks = [
-            min(kg.num_engine_blocks for kg in manager.kernel_groups if kg.engine_group_idx == eg.index)
-            for eg in manager.engine_groups
-        ]
+        self._planner = ChunkPlanner(manager, chunk_format=cfg.chunk_format)
         self._kv_pointers = [
             torch.tensor(
-                [t.data_ptr() for i in kg.layer_indices for t in _tensors_of(layers[i])], dtype=torch.int64
+                [t.data_ptr() for i in kg.layer_indices for t in tensors_of(layers[i])], dtype=torch.int64
             ).to(device)
             for kg in manager.kernel_groups
         ]
 
         self._staging_layout = StagingLayout.build(manager, cfg.max_batch_size)
         staging = self.allocate_staging(self._staging_layout.total_nbytes)
-        if (
-            staging.dtype != torch.uint8
-            or staging.dim() != 1
-            or staging.numel() < self._staging_layout.total_nbytes
-            or staging.device != device
-            or staging.data_ptr() % _STAGING_BASE_ALIGN
-        ):
-            raise TypeError(
-                f"{type(self).__name__}.allocate_staging must return a 1-D uint8 tensor of at "
-                f"least {self._staging_layout.total_nbytes} bytes on {device}, "
-                f"{_STAGING_BASE_ALIGN}-byte aligned; got {staging.dtype} {tuple(staging.shape)} "
-                f"on {staging.device} at {staging.data_ptr():#x}"
-            )
+        self._staging_layout.check_buffer(staging, device, f"{type(self).__name__}.allocate_staging")
         self._staging: torch.Tensor | None = staging
-        slot_bytes = self._staging_layout.slot_nbytes
-        self._slot_kg_views = [
-            [
-                staging.narrow(0, s * slot_bytes + off, nbytes)
-                .view(kg.dtype)
-                .view(kg.kv_size, kg.num_layers, kg.tokens_per_slot, kg.hidden_dim)
-                for kg, (off, nbytes) in zip(
-                    manager.kernel_groups, self._staging_layout.kernel_group_spans, strict=True
-                )
-            ]
-            for s in range(cfg.max_batch_size)
-        ]
-        self._movers = [
-            GroupMover(
-                [plane_views(layers[i], layouts[i]) for i in kg.layer_indices],
-                [self._slot_kg_views[s][kg.index] for s in range(cfg.max_batch_size)],
-                block_size=kg.block_size,
-                num_kv_heads=kg.num_kv_heads,
-                gather_words=type(self).store_word_dtypes,
-                scatter_words=type(self).retrieve_word_dtypes,
-            )
-            for kg in manager.kernel_groups
-        ]
-        self._stacked = [mover.stacked for mover in self._movers]
-        self._block_orders = [
-            block_order(_tensors_of(layers[kg.layer_indices[0]]), layouts[kg.layer_indices[0]])
-            for kg in manager.kernel_groups
-        ]
-        self._block_movers: list[BlockMover] = []
-        if cfg.chunk_format == "blocks":
-            for kg in manager.kernel_groups:
-                if kg.tokens_per_slot % kg.block_size:
-                    raise LayoutError(
-                        f"kernel group {kg.index} (layers {list(kg.layer_indices)}): chunk_format "
-                        f"'blocks' keeps whole blocks, but the group keeps {kg.tokens_per_slot} tokens "
-                        f"of a chunk (sliding window {kg.sliding_window}), not a multiple of its block "
-                        f"size {kg.block_size}; use chunk_format='tokens' or full_sw_kv=True"
-                    )
-            self._block_movers = [
-                BlockMover(
-                    [_tensors_of(layers[i]) for i in kg.layer_indices],
-                    layouts[kg.layer_indices[0]],
-                    slot_region=self._slot_kg_views[0][kg.index].reshape(-1),
-                    blocks_per_slot=kg.tokens_per_slot // kg.block_size,
-                    gather_words=type(self).store_word_dtypes,
-                    scatter_words=type(self).retrieve_word_dtypes,
-                )
-                for kg in manager.kernel_groups
-            ]
-            self._stacked = [mover.stacked for mover in self._block_movers]
-        # Enough block ids for every slot's chunk in every engine group.
-        per_chunk = sum(-(-cfg.lmcache_tokens_per_chunk // eg.block_size) for eg in manager.engine_groups)
-        self._block_ids_capacity = cfg.max_batch_size * per_chunk
+        self._slot_kg_views = self._staging_layout.kernel_group_views(staging, manager)
+        self._movers, self._block_movers, self._stacked, self._block_orders = build_movers(
+            layers,
+            layouts,
+            manager,
+            self._slot_kg_views,
+            chunk_format=cfg.chunk_format,
+            gather_words=type(self).store_word_dtypes,
+            scatter_words=type(self).retrieve_word_dtypes,
+        )
+        self._block_ids_capacity = cfg.max_batch_size * self._planner.block_ids_per_chunk
         self._block_ids_buffer: torch.Tensor | None = torch.empty(
             self._block_ids_capacity, dtype=torch.int64, device=device
         )
-        # The tensor block ids one chunk's transfer plan needs, over all kernel groups.
-        kernel_ids = sum(
-            -(-cfg.lmcache_tokens_per_chunk // kg.engine_block_size) * kg.blocks_per_engine_block
-            for kg in manager.kernel_groups
-        )
         self._kernel_ids_buffer: torch.Tensor | None = torch.empty(
-            kernel_ids, dtype=torch.int64, device=device
+            self._planner.tensor_ids_per_chunk, dtype=torch.int64, device=device
         )
         self._stream = self.create_stream()
 
@@ -418,8 +299,8 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """Make host memory ``[address, address + nbytes)`` fast to copy to and from the device.
 
         Called once per host mapping a device context's chunks use (the server's memory,
-        prepared ahead of use: see ``_kv.hostalloc``); what it returns is called before the
-        mapping is unmapped. Default: nothing (copies from pageable memory still work, at
+        prepared ahead of use by :meth:`prepare_host_memory`); what it returns is called
+        before the mapping is unmapped. Default: nothing (copies from pageable memory still work, at
         the cost of a staging copy in the driver). The cuda backend page-locks it
         (``cudaHostRegister``).
         """
@@ -434,12 +315,12 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         another; returns once every byte has landed.
         """
         out: list[list[torch.Tensor]] = []
-        for start in range(0, len(chunks), self.max_batch_size):
-            for slot, block_ids in enumerate(chunks[start : start + self.max_batch_size]):
-                tensors = self.allocate_chunk()
-                self.read_chunk(block_ids, tensors, slot=slot)
-                out.append(tensors)
-            self.synchronize()
+
+        def read(slot: int, block_ids: Sequence[Sequence[int]]) -> None:
+            out.append(self.allocate_chunk())
+            self.read_chunk(block_ids, out[-1], slot=slot)
+
+        self._in_batches(chunks, read)
         return out
 
     def write_chunks(
@@ -454,22 +335,27 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         runs before each batch of :attr:`max_batch_size` chunks (``done`` written so far):
         a caller's deadline check, which may raise to stop between batches.
         """
-        for start in range(0, len(chunks), self.max_batch_size):
-            if before_batch is not None:
-                before_batch(start)
-            for slot, (block_ids, src) in enumerate(chunks[start : start + self.max_batch_size]):
-                self.write_chunk(block_ids, src, slot=slot)
+        self._in_batches(chunks, lambda slot, c: self.write_chunk(c[0], c[1], slot=slot), before_batch)
+
+    def _in_batches(
+        self, items: Sequence[T], move: Callable[[int, T], None], before: Callable[[int], None] | None = None
+    ) -> None:
+        """``move(slot, item)`` for up to :attr:`max_batch_size` items at a time, then synchronize."""
+        for start in range(0, len(items), self.max_batch_size):
+            if before is not None:
+                before(start)
+            for slot, item in enumerate(items[start : start + self.max_batch_size]):
+                move(slot, item)
             self.synchronize()
 
     def device_event_class(self) -> type[DeviceEvent] | None:
         """The event class :meth:`wait_event` opens handles with; None: no events here.
 
-        Default: what the ``lmcache_platform_device_event_class`` hook of the backend
-        selected for :attr:`device_type` gives (None for a hand-installed class).
+        Default: ``config.device_event_class``, what the selected backend's
+        ``lmcache_platform_device_event_class`` hook gave when ``create_cache_context``
+        built this context (None for a context constructed by hand).
         """
-        from .._plugins.registry import REGISTRY  # the registry imports this module
-
-        return REGISTRY.device_event_class(type(self).device_type)
+        return self.config.device_event_class
 
     def release(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free device resources (registrations, events). Called once by :meth:`close`."""
@@ -544,14 +430,17 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     def _kg(self, kernel_group_idx: int) -> int:
         n = self._manager.num_kernel_groups
-        if not _is_int(kernel_group_idx) or not 0 <= kernel_group_idx < n:
+        if not is_int(kernel_group_idx) or not 0 <= kernel_group_idx < n:
             raise TransferError(f"kernel group {kernel_group_idx!r} out of range 0..{n - 1}")
         return kernel_group_idx
+
+    def _kernel_group(self, kernel_group_idx: int) -> KernelGroup:
+        return self._manager.kernel_groups[self._kg(kernel_group_idx)]
 
     def _slot(self, slot: int) -> int:
         self._check_open()
         n = self.max_batch_size
-        if not _is_int(slot) or not 0 <= slot < n:
+        if not is_int(slot) or not 0 <= slot < n:
             raise TransferError(f"staging slot {slot!r} out of range 0..{n - 1}")
         return slot
 
@@ -562,11 +451,11 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
     def get_engine_kv_format(self, kernel_group_idx: int) -> KVFormat:
         """The KV format of the group's layers, as discovered from the engine's tensors."""
-        return self._manager.kernel_groups[self._kg(kernel_group_idx)].kv_format
+        return self._kernel_group(kernel_group_idx).kv_format
 
     def tokens_kept_per_chunk(self, kernel_group_idx: int) -> int:
         """Tokens of a full chunk the group keeps (fewer than a chunk for a trimmed window)."""
-        return self._manager.kernel_groups[self._kg(kernel_group_idx)].tokens_per_slot
+        return self._kernel_group(kernel_group_idx).tokens_per_slot
 
     def get_slots_per_chunk_in_sw(self, kernel_group_idx: int) -> int:
         """Upstream LMCache's name for :meth:`tokens_kept_per_chunk` (it counts tokens, not
@@ -584,8 +473,8 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """
         import torch
 
-        kg = self._manager.kernel_groups[self._kg(kernel_group_idx)]
-        if not _is_int(num_tokens) or num_tokens < 0:
+        kg = self._kernel_group(kernel_group_idx)
+        if not is_int(num_tokens) or num_tokens < 0:
             raise TransferError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         kept = self._manager.kept_tokens(num_tokens, kg.index)
         return torch.Size((kg.kv_size, kg.num_layers, kept, kg.hidden_dim)), kg.dtype
@@ -593,7 +482,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     def calculate_num_blocks(self, num_tokens: int, kernel_group_idx: int) -> int:
         """Block ids covering a chunk of ``num_tokens`` tokens in the group's engine group."""
         self._kg(kernel_group_idx)
-        if not _is_int(num_tokens) or num_tokens < 0:
+        if not is_int(num_tokens) or num_tokens < 0:
             raise TransferError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         return self._manager.blocks_for(num_tokens, kernel_group_idx)
 
@@ -608,7 +497,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     def get_temp_object_group_buffer(self, slot: int, object_group_idx: int) -> torch.Tensor:
         """Flat uint8 view spanning exactly the object group's kernel-group regions in a slot."""
         n = self._manager.num_object_groups
-        if not _is_int(object_group_idx) or not 0 <= object_group_idx < n:
+        if not is_int(object_group_idx) or not 0 <= object_group_idx < n:
             raise TransferError(f"object group {object_group_idx!r} out of range 0..{n - 1}")
         return self._object_group_view(self._slot(slot), object_group_idx)
 
@@ -629,34 +518,11 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             "cache_size_per_token": self.cache_size_per_token(),
             "staging_bytes": self._staging_layout.total_nbytes,
             "kernel_groups": [
-                {
-                    "kernel_group_idx": kg.index,
-                    "engine_group_idx": kg.engine_group_idx,
-                    "object_group_idx": kg.object_group_idx,
-                    "layer_indices": list(kg.layer_indices),
-                    "num_layers": kg.num_layers,
-                    "kv_format": kg.kv_format.value,
-                    "is_mla": kg.is_mla,
-                    "dtype": str(kg.dtype).removeprefix("torch."),
-                    "layer_shape": list(kg.layer_shape),
-                    "num_blocks": kg.num_blocks,
-                    "block_size": kg.block_size,
-                    "num_kv_heads": kg.num_kv_heads,
-                    "head_size": kg.head_size,
-                    "sliding_window": kg.sliding_window,
-                    "tokens_per_slot": kg.tokens_per_slot,
-                    "stacked": self._stacked[kg.index],
-                    "block_order": self._block_orders[kg.index],
-                }
-                for kg in m.kernel_groups
+                {**kg.describe(), "stacked": self._stacked[i], "block_order": self._block_orders[i]}
+                for i, kg in enumerate(m.kernel_groups)
             ],
             "object_groups": [
-                {
-                    "object_group_idx": og.index,
-                    "kernel_group_indices": list(og.kernel_group_indices),
-                    "sliding_window": og.sliding_window,
-                    "nbytes_per_slot": self._staging_layout.object_group_spans[og.index][1],
-                }
+                {**og.describe(), "nbytes_per_slot": self._staging_layout.object_group_spans[og.index][1]}
                 for og in m.object_groups
             ],
         }
@@ -667,55 +533,14 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         if self._closed:
             raise TransferError("the cache context is closed; nothing was written")
 
-    def _validate_ids(
-        self, block_ids_per_group: Sequence[Sequence[int]], *, skip: bool = False
-    ) -> list[list[int]]:
-        """Per engine group, the ids as ints, each checked against the group's block space.
-
-        With ``skip`` (a retrieve), :data:`SKIP_BLOCK` is accepted too: positions of no block.
-        """
-        n_groups = self._manager.num_engine_groups
-        if len(block_ids_per_group) != n_groups:
-            raise TransferError(
-                f"expected block ids for {n_groups} engine group(s), got {len(block_ids_per_group)}"
-            )
-        out = []
-        for g, ids in enumerate(block_ids_per_group):
-            try:
-                values = [operator.index(x) for x in _as_list(ids)]
-            except TypeError as exc:
-                raise TransferError(f"engine group {g}: block ids must be ints ({exc})") from None
-            limit = self._engine_group_blocks[g]
-            for pos, value in enumerate(values):
-                if value == SKIP_BLOCK and not skip:
-                    raise TransferError(
-                        f"engine group {g}: block id {SKIP_BLOCK} (skip) at position {pos} is allowed "
-                        "only in a retrieve; a store reads every block it names"
-                    )
-                if not 0 <= value < limit and not (skip and value == SKIP_BLOCK):
-                    raise TransferError(
-                        f"engine group {g}: block id {value} at position {pos} is out of range 0..{limit - 1}"
-                    )
-            out.append(values)
-        return out
-
     def _stage(self, ids: list[list[int]]) -> list[torch.Tensor]:
-        import torch
-
-        flat = [x for group in ids for x in group]
-        if len(flat) > self._block_ids_capacity:
+        total = sum(len(group) for group in ids)
+        if total > self._block_ids_capacity:
             raise TransferError(
-                f"{len(flat)} block ids exceed the staging capacity of {self._block_ids_capacity}"
+                f"{total} block ids exceed the staging capacity of {self._block_ids_capacity}"
             )
-        host = torch.tensor(flat, dtype=torch.int64)
         assert self._block_ids_buffer is not None  # callers check the context is open
-        staged = self._block_ids_buffer[: len(flat)]
-        staged.copy_(host, non_blocking=True)
-        views, start = [], 0
-        for group in ids:
-            views.append(staged.narrow(0, start, len(group)))
-            start += len(group)
-        return views
+        return _to_device(self._block_ids_buffer, ids)
 
     def stage_block_ids(self, block_ids_per_group: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Copy block ids (one list per engine group) to :attr:`device`; one view per group.
@@ -726,53 +551,10 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         staging call on this context.
         """
         self._check_open()
-        ids = self._validate_ids(block_ids_per_group)
+        ids = self._planner.validate_ids(block_ids_per_group)
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
             return self._stage(ids)
-
-    def _plan(
-        self,
-        block_ids_per_group: Sequence[Sequence[int]],
-        slot: int,
-        num_tokens: int | None,
-        *,
-        retrieve: bool,
-    ) -> tuple[int, int, list[list[int]]]:
-        """Validate a transfer request completely; returns ``(slot, num_tokens, ids)``."""
-        self._check_open()
-        slot = self._slot(slot)
-        chunk = self.lmcache_tokens_per_chunk
-        if num_tokens is None:
-            num_tokens = chunk
-        if not _is_int(num_tokens) or not 1 <= num_tokens <= chunk:
-            raise TransferError(f"num_tokens must be an int in 1..{chunk}, got {num_tokens!r}")
-        if self.chunk_format == "blocks":
-            for kg in self._manager.kernel_groups:
-                if num_tokens % kg.block_size:
-                    raise TransferError(
-                        f"chunk_format 'blocks' moves whole blocks: num_tokens {num_tokens} is not a "
-                        f"multiple of kernel group {kg.index}'s block size {kg.block_size}"
-                    )
-        ids = self._validate_ids(block_ids_per_group, skip=retrieve)
-        for eg, group_ids in zip(self._manager.engine_groups, ids, strict=True):
-            want = -(-num_tokens // eg.block_size)
-            if len(group_ids) != want:
-                raise TransferError(
-                    f"engine group {eg.index}: {num_tokens} tokens with block size "
-                    f"{eg.block_size} need {want} block ids, got {len(group_ids)}"
-                )
-        if retrieve:
-            for eg, group_ids in zip(self._manager.engine_groups, ids, strict=True):
-                kgs = [kg for kg in self._manager.kernel_groups if kg.engine_group_idx == eg.index]
-                first = min(self._manager.kept_range(num_tokens, kg.index)[0] for kg in kgs)
-                written = [b for b in group_ids[first // eg.block_size :] if b != SKIP_BLOCK]
-                if len(set(written)) != len(written):
-                    raise TransferError(
-                        f"engine group {eg.index}: retrieve would write block ids {written} "
-                        f"and some repeat; every written block must be distinct"
-                    )
-        return slot, num_tokens, ids
 
     def validate_transfer(
         self,
@@ -786,7 +568,8 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         Lets a caller validate a multi-chunk request up front so that a bad last chunk
         does not leave earlier chunks written. Raises :class:`TransferError`.
         """
-        self._plan(block_ids_per_group, 0, num_tokens, retrieve=retrieve)
+        self._check_open()
+        self._planner.check(block_ids_per_group, num_tokens, retrieve=retrieve)
 
     def _transfer_plan(
         self,
@@ -795,49 +578,30 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         ids: list[list[int]],
         host: Sequence[torch.Tensor] | None = None,
     ) -> ChunkTransfer:
-        """Per kernel group, its kept positions and the tensor blocks holding them, staged.
+        """The planner's runs as a :class:`ChunkTransfer`, their ids on the device in one copy.
 
-        Engine block ``b`` of a group split into ``r`` kernel blocks is tensor blocks
-        ``b * r .. b * r + r - 1``; all groups' ids go to the device in one copy. The
-        parts' buffers are slot ``slot``'s, or views of the chunk's ``host`` tensors.
+        The parts' buffers are slot ``slot``'s, or views of the chunk's ``host`` tensors.
         """
-        import torch
-
         blocks = self.chunk_format == "blocks"
         buffers = [
-            self._slot_kg_views[slot][kg.index] if host is None else self._host_view(host, kg.index)
+            self._slot_kg_views[slot][kg.index] if host is None else self._staging_layout.host_view(host, kg)
             for kg in self._manager.kernel_groups
         ]
-
-        runs = []  # (kernel group, first position, positions, tensor ids, staging offset)
-        for kg in self._manager.kernel_groups:
-            first, count = self._manager.kept_range(num_tokens, kg.index)
-            r = kg.blocks_per_engine_block
-            tensor_ids = [
-                SKIP_BLOCK if b == SKIP_BLOCK else b * r + j
-                for b in ids[kg.engine_group_idx]
-                for j in range(r)
-            ]
-            for run in _unskipped(first, count, kg.block_size, tensor_ids[first // kg.block_size :]):
-                runs.append((kg, *run, run[0] - first))
-        flat = [x for run in runs for x in run[3]]
+        runs = self._planner.runs(num_tokens, ids)
         assert self._kernel_ids_buffer is not None  # callers check the context is open
-        staged = self._kernel_ids_buffer[: len(flat)]
-        staged.copy_(torch.tensor(flat, dtype=torch.int64), non_blocking=True)
-        parts, start = [], 0
-        for kg, first, count, tensor_ids, offset in runs:
-            parts.append(
-                GroupTransfer(
-                    kernel_group_idx=kg.index,
-                    first_token=first,
-                    num_tokens=count,
-                    block_ids=staged.narrow(0, start, len(tensor_ids)),
-                    block_id_list=tuple(tensor_ids),
-                    buffer=buffers[kg.index].reshape(-1) if blocks else buffers[kg.index],
-                    staging_offset=offset,
-                )
+        staged = _to_device(self._kernel_ids_buffer, [run.tensor_ids for run in runs])
+        parts = [
+            GroupTransfer(
+                kernel_group_idx=kg.index,
+                first_token=first,
+                num_tokens=count,
+                block_ids=ids_on_device,
+                block_id_list=tuple(tensor_ids),
+                buffer=buffers[kg.index].reshape(-1) if blocks else buffers[kg.index],
+                staging_offset=offset,
             )
-            start += len(tensor_ids)
+            for (kg, first, count, tensor_ids, offset), ids_on_device in zip(runs, staged, strict=True)
+        ]
         return ChunkTransfer(
             slot=slot,
             num_tokens=num_tokens,
@@ -845,14 +609,6 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             staged=host is None,
             chunk_format=self.chunk_format,
         )
-
-    def _host_view(self, host: Sequence[torch.Tensor], kernel_group_idx: int) -> torch.Tensor:
-        """Kernel group ``kernel_group_idx``'s region of a chunk's host tensors, typed like staging's."""
-        kg = self._manager.kernel_groups[kernel_group_idx]
-        og_offset = self._staging_layout.object_group_spans[kg.object_group_idx][0]
-        offset, nbytes = self._staging_layout.kernel_group_spans[kg.index]
-        region = host[kg.object_group_idx].narrow(0, offset - og_offset, nbytes).view(kg.dtype)
-        return region.view(kg.kv_size, kg.num_layers, kg.tokens_per_slot, kg.hidden_dim)
 
     def store_chunk(
         self,
@@ -926,37 +682,6 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """
         self._run(block_ids_per_group, slot, num_tokens, retrieve=True, host=src)
 
-    def _check_host(self, host: Sequence[torch.Tensor]) -> bool:
-        """Check a chunk's host tensors; True when the movers can use them in place.
-
-        In place needs a host context and tensors whose start is aligned like a
-        staging slot's (the movers' word types assume it); others go through staging.
-        """
-        import torch
-
-        sizes = self.chunk_nbytes
-        if len(host) != len(sizes):
-            raise TransferError(f"expected {len(sizes)} host tensors (one per object group), got {len(host)}")
-        for og, (t, nbytes) in enumerate(zip(host, sizes, strict=True)):
-            if (
-                not isinstance(t, torch.Tensor)
-                or t.dtype != torch.uint8
-                or t.dim() != 1
-                or t.numel() != nbytes
-                or t.device.type != "cpu"
-                or not t.is_contiguous()
-            ):
-                got = (
-                    f"{t.dtype} {tuple(t.shape)} on {t.device}"
-                    if isinstance(t, torch.Tensor)
-                    else type(t).__name__
-                )
-                raise TransferError(
-                    f"object group {og}: expected a contiguous 1-D uint8 host tensor of {nbytes} "
-                    f"bytes, got {got}"
-                )
-        return self._device.type == "cpu" and all(t.storage_offset() % STAGING_ALIGN == 0 for t in host)
-
     def _run(
         self,
         block_ids_per_group: Sequence[Sequence[int]],
@@ -968,11 +693,13 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     ) -> None:
         """Validate in full, then plan and run the store or retrieve under the transfer lock.
 
-        With ``host`` tensors: moved in place where :meth:`_check_host` allows, else
-        through slot ``slot`` and one copy each way, in the same critical section.
+        With ``host`` tensors: moved in place on a host context when they are aligned like
+        a slot, else through slot ``slot`` and one copy each way, in the same critical section.
         """
-        slot, num_tokens, ids = self._plan(block_ids_per_group, slot, num_tokens, retrieve=retrieve)
-        direct = host is not None and self._check_host(host)
+        self._check_open()
+        slot = self._slot(slot)
+        num_tokens, ids = self._planner.check(block_ids_per_group, num_tokens, retrieve=retrieve)
+        direct = host is not None and self._staging_layout.check_host(host) and self._device.type == "cpu"
         staged_host = None if direct else host
         with self._transfer_lock:
             self._check_open()  # again: a close() may have won the race for the lock
@@ -987,9 +714,8 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
                         out.copy_(self._object_group_view(slot, og), non_blocking=True)
 
     def _object_group_view(self, slot: int, og: int) -> torch.Tensor:
-        off, nbytes = self._staging_layout.object_group_spans[og]
         assert self._staging is not None  # callers check the context is open
-        return self._staging.narrow(0, slot * self._staging_layout.slot_nbytes + off, nbytes)
+        return self._staging_layout.object_group_view(self._staging, slot, og)
 
     # -- device events -----------------------------------------------------------------
 
@@ -1010,21 +736,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             )
         with self._transfer_lock:
             self._check_open()
-            event = self._events.get(handle)
-            if event is None:
-                try:
-                    event = cls.open(handle, self._device)
-                except LMCachePlatformError:
-                    raise
-                except Exception as exc:  # the backend's own failure: name the handle
-                    raise TransferError(
-                        f"{cls.__name__} refused a device event handle of {len(handle)} bytes: "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
-                self._events[handle] = event
-                while len(self._events) > _MAX_OPEN_EVENTS:
-                    self._events.popitem(last=False)[1].close()
-            self._events.move_to_end(handle)
+            event = self._events.get(handle, cls, self._device)
             with self.stream_context():
                 event.wait()
 
@@ -1039,9 +751,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         try:
             with self._transfer_lock:
                 self.synchronize()
-                events, self._events = list(self._events.values()), OrderedDict()
-                for event in events:
-                    event.close()
+                self._events.close()
                 self.release()
         finally:
             # Drop every reference to device memory, so it can be freed before the
@@ -1053,7 +763,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             self._staging = None
             self._block_ids_buffer = None
             self._kernel_ids_buffer = None
-            _close_all(self.kv_caches)
+            close_all(self.kv_caches)
 
     def __enter__(self) -> Self:
         return self
@@ -1071,57 +781,15 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         return f"<{type(self).__name__} {state}>"
 
 
-def _unskipped(
-    first: int, count: int, block_size: int, ids: Sequence[int]
-) -> Iterator[tuple[int, int, list[int]]]:
-    """Split positions ``[first, first + count)``, held by ``ids`` from the block of
-    ``first`` on, into runs of real blocks: ``(first position, positions, ids)`` each.
+def _to_device(buffer: torch.Tensor, groups: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Copy ``groups`` of ids to the start of ``buffer`` in one copy, not waited for; a view each."""
+    import torch
 
-    The one place :data:`SKIP_BLOCK` takes effect: its positions are in no run, so
-    nothing reads or writes them. Without skips it yields ``(first, count, ids)`` once.
-    """
-    base, end = first // block_size, first + count
-    run: list[int] = []
-    run_start = run_end = first
-    for i, block in enumerate(ids):
-        lo, hi = max(first, (base + i) * block_size), min(end, (base + i + 1) * block_size)
-        if lo >= hi:
-            break
-        if block == SKIP_BLOCK:
-            if run:
-                yield run_start, run_end - run_start, run
-            run = []
-            continue
-        if not run:
-            run_start = lo
-        run.append(block)
-        run_end = hi
-    if run:
-        yield run_start, run_end - run_start, run
-
-
-def _is_int(value: object) -> bool:
-    """An int index, but not a bool (``True`` is never meant as slot 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _tensors_of(layer: LayerTensors) -> tuple[torch.Tensor, ...]:
-    return layer if isinstance(layer, tuple) else (layer,)
-
-
-def _as_list(ids: Sequence[int]) -> list[Any]:
-    tolist = getattr(ids, "tolist", None)
-    return list(tolist() if callable(tolist) else ids)
-
-
-def _close_all(wrappers: Sequence[DeviceIPCWrapper]) -> None:
-    """Close every wrapper even if some fail; re-raise the first failure."""
-    first: BaseException | None = None
-    for wrapper in wrappers:
-        try:
-            wrapper.close()
-        except Exception as exc:  # keep closing the rest; the first error is re-raised
-            if first is None:
-                first = exc
-    if first is not None:
-        raise first
+    flat = [x for group in groups for x in group]
+    staged = buffer[: len(flat)]
+    staged.copy_(torch.tensor(flat, dtype=torch.int64), non_blocking=True)
+    views, start = [], 0
+    for group in groups:
+        views.append(staged.narrow(0, start, len(group)))
+        start += len(group)
+    return views

@@ -25,16 +25,18 @@ engine's, and the transfer plan translates each into its ``ratio`` kernel blocks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._errors import LayoutError
 from .._types import EngineGroupInfo, KVFormat
-from .layout import FORMATS, FormatDims, LayerLayout
+from .layout import FORMATS, FormatDims, LayerLayout, LayerTensors, discover_layouts
 
 if TYPE_CHECKING:
     import torch
+
+    from .._types import CacheContextConfig
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,26 @@ class KernelGroup(FormatDims):
         """Bytes one token takes in this group's layers (all planes, all layers)."""
         return self.kv_size * self.num_layers * self.hidden_dim * self.itemsize
 
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready facts of the group, for a context's ``report_status()``."""
+        return {
+            "kernel_group_idx": self.index,
+            "engine_group_idx": self.engine_group_idx,
+            "object_group_idx": self.object_group_idx,
+            "layer_indices": list(self.layer_indices),
+            "num_layers": self.num_layers,
+            "kv_format": self.kv_format.value,
+            "is_mla": self.is_mla,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "layer_shape": list(self.layer_shape),
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "sliding_window": self.sliding_window,
+            "tokens_per_slot": self.tokens_per_slot,
+        }
+
 
 @dataclass(frozen=True)
 class ObjectGroup:
@@ -109,6 +131,14 @@ class ObjectGroup:
     index: int
     kernel_group_indices: tuple[int, ...]
     sliding_window: int | None
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready facts of the group, for a context's ``report_status()``."""
+        return {
+            "object_group_idx": self.index,
+            "kernel_group_indices": list(self.kernel_group_indices),
+            "sliding_window": self.sliding_window,
+        }
 
 
 def resolve_engine_groups(
@@ -269,3 +299,43 @@ class KVLayerGroupsManager:
     def blocks_for(self, num_tokens: int, kernel_group_idx: int) -> int:
         """Block ids the engine passes for a chunk of ``num_tokens`` tokens in this group."""
         return -(-num_tokens // self.kernel_groups[kernel_group_idx].engine_block_size)
+
+
+def discover_groups(
+    layers: Sequence[LayerTensors],
+    config: CacheContextConfig,
+    *,
+    supported: Sequence[KVFormat] | None,
+    owner: str,
+    layer_name: Callable[[int], str],
+) -> tuple[list[LayerLayout], KVLayerGroupsManager]:
+    """Each layer's layout and the groups of one registration, as ``config`` describes it.
+
+    ``supported``: the formats the context (``owner``) serves, None for all; a layer of
+    another format is refused, named by ``layer_name``.
+    """
+    names = config.layer_names
+    if names and len(names) != len(layers):
+        raise LayoutError(
+            f"{len(names)} layer names for {len(layers)} layers; "
+            f"CacheContextConfig.layer_names must name every layer or none"
+        )
+    engine_groups = resolve_engine_groups(config.engine_group_infos, len(layers))
+    block_sizes = {layer: eg.block_size for eg in engine_groups or () for layer in eg.layer_indices}
+    layouts = discover_layouts(
+        layers, config.layout_hints, block_sizes, names=config.layer_names, engine_type=config.engine_type
+    )
+    for index, lay in enumerate(layouts):
+        if supported is not None and lay.kv_format not in supported:
+            raise LayoutError(
+                f"{layer_name(index)}: {owner} does not serve the {lay.kv_format.value} format "
+                f"(it serves: {', '.join(f.value for f in supported)})"
+            )
+    manager = KVLayerGroupsManager(
+        layouts,
+        engine_groups,
+        tokens_per_chunk=config.lmcache_tokens_per_chunk,
+        separate_object_groups=config.separate_object_groups,
+        full_sw_kv=config.full_sw_kv,
+    )
+    return layouts, manager

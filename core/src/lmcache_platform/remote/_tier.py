@@ -59,7 +59,7 @@ HEALTHY, DOWN, CONNECTING, CLOSED = "healthy", "down", "connecting", "closed"
 
 
 def log_event(level: int, event: str, message: str, **fields: Any) -> None:
-    """One server log line, in the format of ``server._server.log_event`` (``--json-log`` fields)."""
+    """One server log line, in the format of the server's ``log_event`` (``--json-log`` fields)."""
     logger.log(level, message, extra={"event": event, "fields": fields})
 
 

@@ -23,13 +23,8 @@ transfers of different contexts run in parallel. A context belongs to the
 connection that registered it: other connections cannot use it, and it is closed
 when that connection ends.
 
-Deadlines: a request may carry ``deadline`` (``time.monotonic_ns()``; client and
-server share the host's clock). Work whose deadline has passed is not done: a request
-is dropped if it is late when read, a transfer checks again under its context's lock
-before each batch of writes into the engine's blocks, and a store checks after its
-reads, before it commits (a late store commits nothing). A dropped request is answered
-with an error of type ``DeadlineExceeded`` and counted (``deadline_drops``). So an
-engine that stopped waiting is never written into afterwards.
+Deadlines: see ``_transfers``; a late request is answered with ``DeadlineExceeded``
+and counted (``deadline_drops``), and nothing more is done for it.
 
 Leases (``server._leases``) pin what a ``lookup`` found until a ``get`` reads it.
 
@@ -57,18 +52,17 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import wire
-from .._errors import DescriptorError, LMCachePlatformError, TransferError, WireFormatError
-from ..remote._entry import TensorSpec
+from .._errors import LMCachePlatformError, TransferError, WireFormatError
 from . import _frames, _protocol
-from ._index import ChunkIndex, Reservation, StoredChunk
+from ._index import ChunkIndex
 from ._leases import LeaseTable
 from ._listen import Listener
-from ._namespaces import Bindings, layout_of, plain, show_name, show_namespace
+from ._log import log_event
+from ._namespaces import Bindings, layout_of, plain, show_namespace
 from ._ops import (
     Chunk,
     GetRequest,
@@ -94,11 +88,24 @@ from ._ops import (
     StoreResult,
     UnregisterRequest,
 )
+from ._registration import open_context, prefault
+from ._transfers import (
+    DeadlineExceeded,
+    Entry,
+    check_deadline,
+    check_unique,
+    chunk_names,
+    content_key,
+    fetch_remote,
+    gather,
+    namespace_of,
+    num_object_groups,
+    precheck,
+    remote_share,
+    scatter,
+)
 
 if TYPE_CHECKING:
-    import torch
-
-    from .._kv.context import BaseCacheContext
     from ..remote._chain import RemoteChain
     from ..remote._tier import RemoteTier
 
@@ -120,47 +127,6 @@ _ACCEPT_POLL_S = 1.0  # a fallback: stop() wakes accept() at once
 
 
 _DROP_LOG_PERIOD_NS = 10_000_000_000  # at most one line about late requests per 10 s
-#: The share of a request's time left that a remote call may use: the rest answers the engine.
-_REMOTE_SHARE = 0.8
-
-
-def log_event(level: int, event: str, message: str, **fields: Any) -> None:
-    """One server log line: ``message`` for people, ``event`` and ``fields`` for ``--json-log``."""
-    logger.log(level, message, extra={"event": event, "fields": fields})
-
-
-class DeadlineExceeded(LMCachePlatformError):
-    """A request's deadline passed before (or while) the server did its work.
-
-    It travels as an error reply of type ``"DeadlineExceeded"``
-    (:data:`~lmcache_platform.server._protocol.DEADLINE_EXCEEDED`); what was not done
-    by then was not done at all: a late store commits nothing.
-    """
-
-
-def check_deadline(deadline: int | None, what: str) -> None:
-    """Raise :class:`DeadlineExceeded` if ``deadline`` (monotonic ns) has passed."""
-    if deadline is not None:
-        late = time.monotonic_ns() - deadline
-        if late > 0:
-            raise DeadlineExceeded(f"deadline passed {late / 1e6:.1f} ms ago, {what}")
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One registered cache context."""
-
-    context: int
-    ctx: BaseCacheContext
-    device_type: str
-    #: The namespace of its keyed chunks; empty when registered without one.
-    namespace: bytes
-    #: Bytes of one chunk in host memory (all object groups).
-    chunk_bytes: int
-    #: Held for each transfer on this context: its staging slots are not shareable.
-    lock: threading.Lock
-    #: Its namespace's name in the remote tier (``remote_namespace``); empty without one.
-    remote_ns: bytes = b""
 
 
 @dataclass(eq=False)  # identity semantics: kept in a set
@@ -241,7 +207,7 @@ class ReferenceServer:
         self._stats = _Stats()
         self._stats_lock = threading.Lock()
         self._started_ns = self._listening_ns = time.monotonic_ns()
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
         self._bindings = Bindings()
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
@@ -521,35 +487,20 @@ class ReferenceServer:
         self,
         req: StoreRequest | RetrieveRequest | PutRequest | GetRequest | UnregisterRequest | StatusRequest,
         conn: _Connection,
-    ) -> _Entry:
+    ) -> Entry:
         if req.context not in conn.contexts:
             raise TransferError(f"unknown context {req.context}: not registered on this connection")
         with self._lock:
             return self._entries[req.context]
 
     def _register(self, req: RegisterRequest, conn: _Connection, fds: list[int]) -> Registration:
-        from .._facade import create_cache_context
         from .._plugins.registry import selected_backend
 
-        if fds and conn.uid != os.geteuid():
-            _frames.close_fds(fds)
-            raise DescriptorError(
-                f"register from {conn.peer}: {len(fds)} file descriptors from another user (uid {conn.uid}; "
-                f"this server runs as uid {os.geteuid()}); run the engine and the server as one user"
-            )
-        wrappers = wire.decode(req.wrappers, fds=fds)
-        if not wrappers:
-            raise WireFormatError("register: the wrapper list is empty")
-        device_type = type(wrappers[0]).device_type
-        try:
-            ctx = create_cache_context(wrappers, **req.config)
-        except BaseException:
-            for w in wrappers:
-                w.close()
-            raise
+        ctx = open_context(req, conn.peer, conn.uid, fds)
+        device_type = ctx.device_type
         try:
             backend = selected_backend(device_type)
-            n_groups = _num_object_groups(ctx)
+            n_groups = num_object_groups(ctx)
             chunk_bytes = sum(ctx.get_temp_object_group_buffer(0, og).nbytes for og in range(n_groups))
             layout = layout_of(ctx) if req.namespace else {}
             with self._lock:
@@ -560,7 +511,7 @@ class ReferenceServer:
                 )
                 ctx_id = next(self._ids)
                 lock = threading.Lock() if self.parallel_transfers else self._serial_lock
-                self._entries[ctx_id] = _Entry(
+                self._entries[ctx_id] = Entry(
                     ctx_id, ctx, device_type, req.namespace, chunk_bytes, lock, remote_ns
                 )
                 conn.contexts.add(ctx_id)
@@ -575,26 +526,26 @@ class ReferenceServer:
         log_event(
             logging.INFO,
             "register",
-            f"registered context {ctx_id} for {conn.peer}: {len(wrappers)} {device_type} layers "
+            f"registered context {ctx_id} for {conn.peer}: {len(ctx.kv_caches)} {device_type} layers "
             f"({backend.name}), {chunk_bytes} bytes per chunk of {ctx.lmcache_tokens_per_chunk} tokens, "
             f"namespace {show_namespace(req.namespace)}",
             context=ctx_id,
             peer=conn.peer,
             device_type=device_type,
             backend=backend.name,
-            num_layers=len(wrappers),
+            num_layers=len(ctx.kv_caches),
             chunk_bytes=chunk_bytes,
             tokens_per_chunk=ctx.lmcache_tokens_per_chunk,
             namespace=req.namespace.hex(),
         )
         threading.Thread(
-            target=self._prefault, args=(ctx_id, ctx), name=f"lmcache-prefault-{ctx_id}", daemon=True
+            target=prefault, args=(ctx_id, ctx), name=f"lmcache-prefault-{ctx_id}", daemon=True
         ).start()
         return Registration(
             context=ctx_id,
             device_type=device_type,
             backend={"name": backend.name, "distribution": backend.distribution, "version": backend.version},
-            num_layers=len(wrappers),
+            num_layers=len(ctx.kv_caches),
             num_object_groups=n_groups,
             max_batch_size=ctx.max_batch_size,
             chunk_bytes=chunk_bytes,
@@ -602,64 +553,28 @@ class ReferenceServer:
             now=time.monotonic_ns(),
         )
 
-    def _prefault(self, ctx_id: int, ctx: BaseCacheContext) -> None:
-        """Let the context prepare the engine's memory beside the first transfers; log the outcome.
-
-        A host context maps every page now, so no transfer pays a page fault for the
-        first touch of a block (``HostMemoryCacheContext.prefault_memory``).
-        """
-        from ..hostmem import PopulateUnsupported
-
-        start = time.monotonic()
-        try:
-            nbytes = ctx.prefault_memory()
-        except PopulateUnsupported as exc:
-            logger.debug("context %d: not prefaulted (%s); pages fault in during transfers", ctx_id, exc)
-            return
-        except Exception as exc:  # an optimization failed: transfers still work, page by page
-            log_event(
-                logging.WARNING,
-                "prefault",
-                f"context {ctx_id}: prefaulting the engine's memory failed ({type(exc).__name__}: {exc}); "
-                "its pages fault in during transfers",
-                context=ctx_id,
-                error=str(exc),
-            )
-            return
-        if nbytes:
-            seconds = time.monotonic() - start
-            log_event(
-                logging.INFO,
-                "prefault",
-                f"context {ctx_id}: {nbytes / 2**20:.0f} MiB of the engine's memory mapped in {seconds:.2f} s"
-                f"{' (stopped early: closed)' if ctx.closed else ''}",
-                context=ctx_id,
-                bytes=nbytes,
-                seconds=round(seconds, 3),
-            )
-
     def _store(self, req: StoreRequest, conn: _Connection) -> StoreResult:
         entry = self._entry(req, conn)
-        _check_unique(req.chunks)
+        check_unique(req.chunks)
         with entry.lock:
             check_deadline(req.deadline, "before the store began")
-            _precheck(entry.ctx, req.chunks, retrieve=False)
-            res = self._index.reserve(entry.context, _names(req.chunks), entry.chunk_bytes, shared=False)
-            self._gather(entry, req.chunks, res, req.deadline, req.event)
+            precheck(entry.ctx, req.chunks, retrieve=False)
+            res = self._index.reserve(entry.context, chunk_names(req.chunks), entry.chunk_bytes, shared=False)
+            gather(self._index, entry, req.chunks, res, req.deadline, req.event)
         return StoreResult(stored=len(res.keys), bytes=len(res.keys) * entry.chunk_bytes)
 
     def _put(self, req: PutRequest, conn: _Connection) -> PutResult:
         entry = self._entry(req, conn)
-        namespace = _namespace_of(entry, "put")
-        _check_unique(req.chunks)
+        namespace = namespace_of(entry, "put")
+        check_unique(req.chunks)
         with entry.lock:
             check_deadline(req.deadline, "before the put began")
-            _precheck(entry.ctx, req.chunks, retrieve=False)
-            res = self._index.reserve(namespace, _names(req.chunks), entry.chunk_bytes, shared=True)
-            payloads = self._gather(entry, req.chunks, res, req.deadline, req.event)
+            precheck(entry.ctx, req.chunks, retrieve=False)
+            res = self._index.reserve(namespace, chunk_names(req.chunks), entry.chunk_bytes, shared=True)
+            payloads = gather(self._index, entry, req.chunks, res, req.deadline, req.event)
         if self.tier is not None:  # only chunks computed here: a put skips chunks a get brought
             for key, (tensors, _) in zip(res.keys, payloads, strict=True):
-                self.tier.write_behind(entry.remote_ns, _key(key), tensors)
+                self.tier.write_behind(entry.remote_ns, content_key(key), tensors)
         return PutResult(
             stored=len(res.keys),
             present=res.present,
@@ -668,40 +583,9 @@ class ReferenceServer:
             bytes=len(res.keys) * entry.chunk_bytes,
         )
 
-    def _gather(
-        self,
-        entry: _Entry,
-        chunks: Sequence[Chunk],
-        res: Reservation,
-        deadline: int | None = None,
-        event: bytes = b"",
-    ) -> list[tuple[list[torch.Tensor], int]]:
-        """Copy the reserved chunks out of the engine's blocks, then commit them. Caller holds entry.lock.
-
-        Each chunk is read into fresh host tensors (one pass on the host); with an
-        ``event``, the reads wait for it on the device first. Past ``deadline`` once
-        the copies are done, nothing is committed: the engine may have reused its blocks
-        meanwhile, so what was read is not trusted. Returns ``(tensors, nbytes)`` per
-        reserved key, in order.
-        """
-        ctx = entry.ctx
-        todo = set(res.keys)
-        payloads: list[tuple[list[torch.Tensor], int]] = []
-        try:
-            if event:
-                ctx.wait_event(event)
-            read = ctx.read_chunks([c.block_ids for c in chunks if c.chunk_id in todo])
-            payloads = [(tensors, sum(t.nbytes for t in tensors)) for tensors in read]
-            check_deadline(deadline, "after the store's reads; nothing was committed")
-        except BaseException:
-            self._index.abort(res)
-            raise
-        self._index.commit(res, payloads)  # readable only once every byte has landed
-        return payloads
-
     def _retrieve(self, req: RetrieveRequest, conn: _Connection) -> RetrieveResult:
         entry = self._entry(req, conn)
-        names = _names(req.chunks)
+        names = chunk_names(req.chunks)
         with entry.lock:
             missing = self._index.missing(entry.context, names)
             if missing:
@@ -709,19 +593,19 @@ class ReferenceServer:
                     f"unknown chunk ids {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
                     "nothing was retrieved"
                 )
-            _precheck(entry.ctx, req.chunks, retrieve=True)
+            precheck(entry.ctx, req.chunks, retrieve=True)
             held = self._index.acquire(entry.context, names)
-            total = self._scatter(entry, req.chunks, held, req.deadline, req.event)
+            total = scatter(self._index, entry, req.chunks, held, req.deadline, req.event)
         return RetrieveResult(retrieved=len(req.chunks), bytes=total)
 
     def _get(self, req: GetRequest, conn: _Connection) -> GetResult:
         entry = self._entry(req, conn)
-        namespace = _namespace_of(entry, "get")
+        namespace = namespace_of(entry, "get")
         try:
             with entry.lock:
-                _precheck(entry.ctx, req.chunks, retrieve=True)
-                held = self._index.acquire(namespace, _names(req.chunks))
-                total = self._scatter(entry, req.chunks[: len(held)], held, req.deadline, req.event)
+                precheck(entry.ctx, req.chunks, retrieve=True)
+                held = self._index.acquire(namespace, chunk_names(req.chunks))
+                total = scatter(self._index, entry, req.chunks[: len(held)], held, req.deadline, req.event)
             done = len(held)
             if done < len(req.chunks) and self.tier is not None:
                 more, nbytes = self._get_remote(entry, req.chunks, done, req.deadline)
@@ -735,71 +619,19 @@ class ReferenceServer:
         return GetResult(retrieved=done, bytes=total)
 
     def _get_remote(
-        self, entry: _Entry, chunks: Sequence[Chunk], start: int, deadline: int | None
+        self, entry: Entry, chunks: Sequence[Chunk], start: int, deadline: int | None
     ) -> tuple[int, int]:
-        """Fetch ``chunks[start:]`` from the remote tier, keep them here, write the leading run.
-
-        Each entry is checked against this context's chunk (one uint8 tensor per object
-        group, of its size) besides its identity and checksum; the first chunk the store
-        lacks, refuses or loses ends the run. Returns ``(chunks written, bytes)``.
-        """
+        """Fetch ``chunks[start:]`` from the remote tier (:func:`fetch_remote`), keep them here,
+        write the leading run into the engine's blocks. Returns ``(chunks written, bytes)``."""
         assert self.tier is not None
-        keys = [_key(c.chunk_id) for c in chunks[start:]]
-        expect = [TensorSpec("uint8", (n,)) for n in entry.ctx.chunk_nbytes]
-        fetched = self.tier.fetch(entry.remote_ns, keys, _share(deadline), expect)
-        run = list(itertools.takewhile(lambda d: d is not None, fetched))
-        if not run:
+        items = fetch_remote(self.tier, entry, [content_key(c.chunk_id) for c in chunks[start:]], deadline)
+        if not items:
             return 0, 0
         with entry.lock:
-            items: list[tuple[Hashable, Sequence[Any], int]] = []
-            for key, decoded in zip(keys, run, strict=False):
-                assert decoded is not None
-                tensors = entry.ctx.allocate_chunk()  # pool memory, like a put's: the fetched bytes go
-                for dst, src in zip(tensors, decoded.tensors, strict=True):
-                    dst.copy_(src)
-                items.append((key, tensors, decoded.nbytes))
             head = [c.chunk_id for c in chunks[:start]]
             held = self._index.adopt(entry.namespace, items, head=head)
-            total = self._scatter(entry, chunks[start : start + len(held)], held, deadline)
+            total = scatter(self._index, entry, chunks[start : start + len(held)], held, deadline)
         return len(held), total
-
-    def _scatter(
-        self,
-        entry: _Entry,
-        chunks: Sequence[Chunk],
-        held: Sequence[StoredChunk],
-        deadline: int | None = None,
-        event: bytes = b"",
-    ) -> int:
-        """Write pinned chunks into the engine's blocks, then unpin them. Caller holds entry.lock.
-
-        Each chunk is written straight from its host tensors on the host (one pass);
-        with an ``event``, the writes wait for it on the device first. Before each batch
-        of writes, :class:`DeadlineExceeded` once ``deadline`` has passed: the engine no
-        longer waits for those blocks. Earlier batches stay written.
-        """
-        ctx = entry.ctx
-        total = 0
-        try:
-            for stored in held:  # a namespace has one layout, so this holds; check before writing
-                if len(stored.payload) != _num_object_groups(ctx) or stored.nbytes != entry.chunk_bytes:
-                    raise TransferError(
-                        "a stored chunk does not match this context's layout; nothing written"
-                    )
-            if event:
-                ctx.wait_event(event)
-
-            def before_batch(done: int) -> None:
-                check_deadline(deadline, f"after {done} of {len(held)} chunks were written")
-
-            ctx.write_chunks(
-                [(c.block_ids, stored.payload) for c, stored in zip(chunks, held, strict=True)],
-                before_batch=before_batch,
-            )
-            total = sum(host.nbytes for stored in held for host in stored.payload)
-        finally:
-            self._index.release(held)
-        return total
 
     def _lookup(self, req: LookupRequest, conn: _Connection) -> LookupResult:
         hits = self._leases.lookup(
@@ -836,13 +668,15 @@ class ReferenceServer:
             return 0
         local = self._index.leading_counts(spaces, keys)
         more = self.tier.lookup_more_many(
-            [(ns, keys[n:]) for ns, n in zip(named, local, strict=True)], _share(deadline)
+            [(ns, keys[n:]) for ns, n in zip(named, local, strict=True)], remote_share(deadline)
         )
         return max(min(n + m for n, m in zip(local, more, strict=True)) - hits, 0)
 
     def _removals(self, req: RemovalsRequest, conn: _Connection) -> RemovalsResult:
         removed, cursor, missed = self._index.removed_since(req.namespaces, req.since, _protocol.MAX_CHUNKS)
-        return RemovalsResult(removed=tuple((i, _key(k)) for i, k in removed), cursor=cursor, missed=missed)
+        return RemovalsResult(
+            removed=tuple((i, content_key(k)) for i, k in removed), cursor=cursor, missed=missed
+        )
 
     def _release(self, req: ReleaseRequest, conn: _Connection) -> None:
         self._leases.release(conn, req.lease)
@@ -933,55 +767,6 @@ class ReferenceServer:
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def _num_object_groups(ctx: BaseCacheContext) -> int:
-    return int(ctx.kv_layer_groups_manager.num_object_groups)
-
-
-def _names(chunks: Sequence[Chunk]) -> list[str | bytes]:
-    return [c.chunk_id for c in chunks]
-
-
-def _key(chunk_id: Hashable) -> bytes:
-    """A content key (``put``/``get`` chunks carry bytes; the protocol checks it)."""
-    assert isinstance(chunk_id, bytes), chunk_id
-    return chunk_id
-
-
-def _share(deadline: int | None) -> int | None:
-    """The deadline of a remote call made for a request due at ``deadline`` (``None``: the tier's own)."""
-    if deadline is None:
-        return None
-    now = time.monotonic_ns()
-    return now + int(max(deadline - now, 0) * _REMOTE_SHARE)
-
-
-def _namespace_of(entry: _Entry, op: str) -> bytes:
-    if not entry.namespace:
-        raise TransferError(
-            f"{op}: context {entry.context} was registered without a namespace; "
-            "keyed chunks need one (register with namespace=...)"
-        )
-    return entry.namespace
-
-
-def _check_unique(chunks: Sequence[Chunk]) -> None:
-    seen: set[str | bytes] = set()
-    for c in chunks:
-        if c.chunk_id in seen:
-            raise TransferError(f"{show_name(c.chunk_id)} appears twice in one request")
-        seen.add(c.chunk_id)
-
-
-def _precheck(ctx: BaseCacheContext, chunks: Sequence[Chunk], *, retrieve: bool) -> None:
-    """Check every chunk before any chunk moves, so a bad request writes nothing."""
-    for i, chunk in enumerate(chunks):
-        try:
-            ctx.validate_transfer(chunk.block_ids, retrieve=retrieve)
-        except TransferError as exc:
-            name = show_name(chunk.chunk_id)
-            raise TransferError(f"chunk {i} ({name}): {exc}; nothing was transferred") from exc
 
 
 _PEERCRED = struct.Struct("3i")
