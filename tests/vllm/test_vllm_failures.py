@@ -6,7 +6,9 @@ it refuses every ``get``, or drops the requested chunks between the scheduler's
 the prompt itself first, so its lookup hits; then vLLM's local prefix cache is
 emptied and the prompt runs again. Whatever the server does, every request must
 finish (never with finish reason ``error``), the engine must keep serving, and the
-output must be the no-connector engine's (tokens and top-5 logprobs to the last bit).
+output must be the no-connector engine's (tokens and top-5 logprobs to the last bit; where
+failed loads are recomputed in batches of other shapes, within ``support.vllm_driver``'s
+tolerance).
 
 The Gemma-2 hybrid case lives in ``test_vllm_windows.py`` with the other hybrid engines.
 """
@@ -19,6 +21,7 @@ from support.vllm_driver import (
     alive_run,
     brief,
     expect,
+    near,
     prompt,
     same,
     store,
@@ -55,7 +58,7 @@ def test_a_server_refusing_every_get_leaves_the_output_unchanged(failing, ref_gq
         observed,
         no_error=all(r["finish_reason"] != "error" for r in results),
         gets_refused=len(gets) >= 1,
-        equal_to_no_connector=all(same(r, ref) for r, ref in zip(results, refs, strict=True)),
+        equal_to_no_connector=all(near(r, ref) for r, ref in zip(results, refs, strict=True)),
         engine_alive=alive == "length",
     )
 

@@ -16,7 +16,7 @@ control (a document changed in one token) must change the output.
 4. The same again on new documents with the new server: every cross-engine request
    loads its prefix, after the links came back by themselves.
 
-Outputs are compared token by token, and their top-5 logprobs within :data:`TOLERANCE`:
+Outputs are compared token by token, and their top-5 logprobs within ``support.vllm_driver.TOLERANCE``:
 the reference computes one request at a time, the fleet in whatever batches the traffic
 makes, and CPU kernels round differently per batch shape. Nothing the servers refuse,
 no lookup that misses a stored prefix: ``status`` (``refused`` by op) and the engines'
@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from support.vllm_driver import TOLERANCE, top_gap
 from support.vllm_engines import ROOT, vllm_python
 from support.vllm_openai import Command, free_port, http_json, metric, wait_healthy
 from support.vllm_servers import Server
@@ -43,7 +44,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("vllm-
 
 ENGINES = 4
 PREFIX = 3 * 256  # three whole chunks shared by every request about one document
-TOLERANCE = 0.02  # top-5 logprobs: bf16 KV computed in other batches; 0.008 the largest measured
 FLAGS = [
     "--enforce-eager",
     *("--max-model-len", "2048"),
@@ -102,16 +102,10 @@ class Engine:
 
 
 def gap(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """How far two outputs are apart: infinite for other tokens or candidates, else the largest
-    difference of a top-5 logprob."""
-    if a.get("status") != 200 or b.get("status") != 200 or a["tokens"] != b["tokens"]:
+    """How far two replies are apart: infinite for a failed reply, else :func:`top_gap`."""
+    if a.get("status") != 200 or b.get("status") != 200:
         return float("inf")
-    worst = 0.0
-    for x, y in zip(a["top"], b["top"], strict=True):
-        if set(x) != set(y):
-            return float("inf")
-        worst = max(worst, *(abs(x[t] - y[t]) for t in x))
-    return worst
+    return top_gap(a["tokens"], a["top"], b["tokens"], b["top"])
 
 
 def at_once(calls: list[tuple[Engine, list[int]]]) -> list[dict[str, Any]]:

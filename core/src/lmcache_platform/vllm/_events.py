@@ -12,7 +12,8 @@ also sees what the server holds for this engine:
   hash and the LoRA adapter;
 * ``BlockRemoved`` with medium ``"CPU"`` for such chunks the server evicted since, read
   from the server's removal log (the ``removals`` op) at most once per
-  :data:`POLL_S`, without ever waiting for the answer. After the scheduler's link
+  :data:`POLL_S`, without ever waiting for the answer (vLLM asks on its steps only: an
+  idle engine reports evictions with its next request). After the scheduler's link
   connected again (a restarted server starts empty, with a new removal log) every
   chunk reported is reported removed.
 
