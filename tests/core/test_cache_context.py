@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -57,7 +59,7 @@ def assert_unchanged(ctx, layers, snap):
 # -- round trips ---------------------------------------------------------------------------
 
 
-HINTS = {
+HINTS: dict[str, Callable[[KVFormat], dict[str, Any]]] = {
     "format": lambda fmt: {"layout_hints": LayoutHints(kv_format=fmt)},
     "group": lambda fmt: {"engine_group_infos": [EngineGroupInfo(layer_indices=[0, 1, 2], block_size=BS)]},
     "none": lambda fmt: {},

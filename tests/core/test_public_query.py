@@ -11,6 +11,7 @@ from lmcache_platform import Availability, BackendInfo, Status
 from lmcache_platform._cli import main
 from lmcache_platform.testing import fake_backend
 from support.fakes import context_class, wrapper_class
+from support.plugins import module_of
 
 
 def backend(device: str, **kw):
@@ -43,7 +44,7 @@ def test_selected_backend_says_which_backend_serves_and_why(installed):
         Status.OK,
     )
     assert info.selected and info.selected_by == "primary"
-    assert lp.get_kv_wrapper_factory("cpu").__self__.__module__ == info_module(installed, "cpu")
+    assert module_of(lp.get_kv_wrapper_factory("cpu")) == info_module(installed, "cpu")
 
 
 def info_module(installed, name: str) -> str:

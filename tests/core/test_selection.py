@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import lmcache_platform as lp
 from lmcache_platform import Availability, Status
 from lmcache_platform.testing import fake_backend
 from support.fakes import context_class, wrapper_class
+from support.plugins import backend_class
 
 
 def backend(device: str, **kw):
@@ -19,8 +22,8 @@ def backend(device: str, **kw):
     )
 
 
-def owner(device: str) -> type:
-    return lp.get_kv_wrapper_factory(device).__self__  # type: ignore[attr-defined]
+def owner(device: str) -> Any:
+    return backend_class(lp.get_kv_wrapper_factory(device))
 
 
 def test_single_candidate_is_used(lmcache_registry):
@@ -112,9 +115,12 @@ def test_manual_registration_is_validated_and_rolled_back(lmcache_registry):
 
 def test_register_kv_wrapper_overrides_backends(lmcache_registry):
     lmcache_registry.install("cpu", backend("cpu"))
-    calls = []
-    lp.register_kv_wrapper("cpu", calls.append)
-    assert lp.get_kv_wrapper_factory("cpu") == calls.append
+
+    def factory(tensor: Any) -> Any:
+        return tensor
+
+    lp.register_kv_wrapper("cpu", factory)
+    assert lp.get_kv_wrapper_factory("cpu") is factory
 
 
 def test_resolved_factory_is_cached_without_pluggy(lmcache_registry, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 IMPORT_LOG_ENV = "LMCACHE_TEST_IMPORT_LOG"
 
@@ -86,3 +87,13 @@ def env_with_tests_on_path(extra: dict[str, str] | None = None) -> dict[str, str
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
     env.update(extra or {})
     return env
+
+
+def backend_class(factory: Any) -> Any:
+    """The backend class whose wrapper factory this is (a bound classmethod: its ``__self__``)."""
+    return factory.__self__
+
+
+def module_of(factory: Any) -> str:
+    """The module of the backend class whose wrapper factory this is."""
+    return str(backend_class(factory).__module__)

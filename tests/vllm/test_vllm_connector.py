@@ -107,7 +107,7 @@ def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(pyt
             cwd=ROOT,
         )
         assert a_proc.stdout is not None
-        lines = []
+        lines: list[str] = []
         while len(_results("".join(lines))) < 2:
             line = a_proc.stdout.readline()
             assert line, "engine A exited before answering"

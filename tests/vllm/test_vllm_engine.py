@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_hybrid_groups_overlay_the_same_bytes(engine_run):
     _common(r, layers=4, kv_format="vllm")
     windows = sorted((g[2] or 0) for g in r["engine_groups"])
     assert windows == [0, 128]  # a full-attention group and a sliding-window group
-    offsets = {}
+    offsets: dict[Any, Any] = {}
     for group in r["engine_groups"]:
         for layer in group[0]:
             offsets.setdefault(list(r["layers"].values())[layer][2], set()).add(group[2])

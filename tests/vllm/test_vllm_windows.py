@@ -55,7 +55,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def pair(lab: Lab, config: str) -> tuple[object, EngineDriver, EngineDriver]:
+def pair(lab: Lab, config: str) -> tuple[Any, EngineDriver, EngineDriver]:
     """The windows server (reset to behave) and engines A and B of ``config``."""
     server = lab.server("windows", double=True)
     server.set_mode(get="normal")
