@@ -583,3 +583,68 @@ def test_a_hung_server_is_not_asked_more_often_than_the_backoff(tmp_path: Path, 
             assert client.stats()["connects"] == attempts
         finally:
             os.kill(hung.proc.pid, signal.SIGCONT)
+
+
+class HeldRegistrar(Registrar):
+    """Registers as :class:`Registrar`, but from its second session on only once released."""
+
+    def __init__(self, engine: TinyEngine, ns: bytes, failures: int = 0) -> None:
+        super().__init__(engine, ns, failures)
+        self.release = threading.Event()
+        self.held = threading.Event()
+
+    def __call__(self, client: ServerClient) -> dict[str, Any]:
+        if self.runs:
+            self.held.set()
+            assert self.release.wait(WAIT_S)
+        return super().__call__(client)
+
+
+def test_requests_while_a_restarted_server_is_being_reached_wait_for_it(
+    tmp_path: Path, engine: TinyEngine
+) -> None:
+    """The moment between a new server's listening and the connect costs no request."""
+    path = private_dir(tmp_path) / "kv.sock"
+    hook = HeldRegistrar(engine, fresh())
+    with (
+        Serve(path) as first,
+        AsyncClient(str(path), name="t", deadline_ms=10_000, retry_first_s=30, on_connect=hook) as client,
+    ):
+        healthy(client)
+        first.kill()
+        wait_until(lambda: client.state == "unavailable", "the client to notice")
+        assert not client.accepting  # the dead server's socket: nothing to wait for
+        assert client.put(CTX, [(key(0), [engine.blocks(0)])]).exception(WAIT_S) is not None
+        refused = client.stats()["refused"]
+        with Serve(path).wait_ready():
+            assert client.accepting  # a socket this client has not tried
+            hook.held.wait(WAIT_S)  # the client is connecting, and still unavailable
+            assert client.state == "unavailable"
+            engine.fill(1, seed=7)
+            put = client.put(CTX, [(key(1), [engine.blocks(1)])])
+            found = client.lookup([hook.ns], [key(1)])
+            assert not put.done()
+            hook.release.set()
+            assert put.result(WAIT_S).stored == 1  # sent once registered, into the new context
+            found.result(WAIT_S)  # answered (sent before the put, so it found nothing yet)
+            assert client.stats()["refused"] == refused
+            assert client.lookup([hook.ns], [key(1)]).result(WAIT_S).hits == 1
+
+
+def test_a_new_server_whose_connect_failed_is_not_waited_for(tmp_path: Path, engine: TinyEngine) -> None:
+    path = private_dir(tmp_path) / "kv.sock"
+    hook = Registrar(engine, fresh())
+    with (
+        Serve(path) as first,
+        AsyncClient(str(path), name="t", retry_first_s=30, retry_max_s=60, on_connect=hook) as client,
+    ):
+        healthy(client)
+        first.kill()
+        wait_until(lambda: client.state == "unavailable", "the client to notice")
+        hook.failures = 10**6  # the new server refuses every registration
+        with Serve(path).wait_ready():
+            wait_until(lambda: hook.runs >= 2, "an attempt at the new server")
+            wait_until(lambda: not client.accepting, "the failed attempt to count")
+            assert client.state == "unavailable"
+            failed = client.put(CTX, [(key(2), [engine.blocks(0)])])
+            assert failed.done() and isinstance(failed.exception(0), ServerUnavailable)

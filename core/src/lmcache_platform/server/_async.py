@@ -22,7 +22,11 @@ server drops it once late). When it passes with no reply, the future fails local
 on the control connection: an answer means the server is merely *slow* (counted); no
 answer within the ping's deadline means it is *unavailable*: both connections are
 given up, every pending future fails, and the client reconnects with exponential
-backoff. Submissions while not healthy fail at once.
+backoff. Submissions while not healthy fail at once, with one exception: while a server
+this client has not tried yet listens on the socket path (a restart), they wait in the
+queue for the connect, bounded by their deadlines (:attr:`AsyncClient.accepting`), so the
+first requests after a restart are not lost to the moment between its listening and
+this client's noticing.
 
 A restarted server is found at once, however long the backoff has grown: while
 unavailable the client looks at the socket path every :data:`WATCH_S` (a ``stat``, nothing
@@ -205,6 +209,7 @@ class AsyncClient:
         #: counts attempts).
         self.sessions = 0
         self._known: tuple[int, int] | None = None  # the socket of the last healthy session
+        self._failed: tuple[int, int] | None = None  # the socket of the last failed attempt
         self._watched_at = 0.0
         self._dialing: list[socket.socket] = []
         self._wake_r, self._wake_w = socket.socketpair()
@@ -218,8 +223,8 @@ class AsyncClient:
     def execute(self, request: RequestLike[R], *, deadline_ms: float | None = None) -> Pending[R]:
         """Queue ``request`` (or a function of :attr:`session` that makes it when sent).
 
-        Never blocks and never raises for the server's sake: when the server is not
-        healthy the returned :class:`Pending` has already failed (and is resolved). The
+        Never blocks and never raises for the server's sake: when the client is not
+        :attr:`accepting`, the returned :class:`Pending` has already failed (and is resolved). The
         request's class says which connection carries it (``Request.control``); its id
         and deadline (``deadline_ms``, default the client's ``deadline_ms``) are the client's.
         """
@@ -258,7 +263,7 @@ class AsyncClient:
             op, next(self._ids), time.monotonic_ns() + int(ms * 1e6), control=control
         )
         with self._submit_lock:
-            accepted = not self._closed and self.state == "healthy"
+            accepted = not self._closed and self.accepting
             if accepted:
                 self._submitted.append((pending, request))
         if not accepted:
@@ -344,6 +349,24 @@ class AsyncClient:
     def status(self, *, deadline_ms: float | None = None) -> Pending[Json]:
         return self.execute(StatusRequest(), deadline_ms=deadline_ms)
 
+    @property
+    def accepting(self) -> bool:
+        """Whether a request submitted now is sent rather than failed at once.
+
+        True while healthy, and while unavailable once a server this client has not tried
+        binds the socket path (a restart): such requests wait for the connect, bounded
+        by their deadlines, and fail if it fails. A server that failed an attempt (hung,
+        or refusing the registration) is not waited for again. Costs a ``stat`` while
+        unavailable, nothing while healthy.
+        """
+        state = self.state
+        if state == "healthy":
+            return True
+        if state != "unavailable":
+            return False
+        seen = _socket_identity(self.socket_path)
+        return seen is not None and seen != self._known and seen != self._failed
+
     def stats(self) -> dict[str, int]:
         """Counters: ``submitted``, ``refused`` (not healthy), ``answered``, ``errors``
         (error replies), ``deadline_misses`` (failed locally), ``slow`` (pings answered
@@ -409,7 +432,7 @@ class AsyncClient:
 
     def _step(self) -> None:
         if not self._links:
-            self._watch_socket()
+            self._watch_socket(waiting=bool(self._submitted))
         if not self._links and time.monotonic() >= self._next_attempt:
             self._attempt()
         self._send_submitted()
@@ -442,6 +465,7 @@ class AsyncClient:
         except Exception as exc:
             for link in links.values():
                 link.close()
+            self._failed = _socket_identity(self.socket_path)
             self._unavailable(_why(exc))
             return
         finally:
@@ -476,10 +500,14 @@ class AsyncClient:
             raise
         return sock
 
-    def _watch_socket(self) -> None:
-        """Connect at once when a new server bound the socket path (see the module docstring)."""
+    def _watch_socket(self, *, waiting: bool = False) -> None:
+        """Connect at once when a new server bound the socket path (see the module docstring).
+
+        ``waiting``: requests accepted for a new server are queued, so look now rather
+        than at the next ``WATCH_S`` tick.
+        """
         now = time.monotonic()
-        if now < self._watched_at + WATCH_S or now >= self._next_attempt:
+        if (now < self._watched_at + WATCH_S and not waiting) or now >= self._next_attempt:
             return
         self._watched_at = now
         seen = _socket_identity(self.socket_path)

@@ -208,14 +208,19 @@ class SchedulerSide:
         that a rank could not reach the server goes stale once this side's own link has
         reconnected since: the server is back, and the workers' links find it as fast
         (``AsyncClient`` watches the socket path), so the next request is looked up and
-        stored without waiting for a step to say so.
+        stored without waiting for a step to say so. Likewise while a restarted server
+        listens that the links have not reached yet (:attr:`AsyncClient.accepting`):
+        lookups and stores submitted now wait for the links' connects, within their
+        deadlines, instead of being skipped.
         """
         client = self._client
         if client is None or not self._groups.pools:
             return False
         if all(s == READY for s in self._rank_states.values()):
             return True
-        return client.state == "healthy" and client.healthy_since > self._states_at
+        if client.state == "healthy":
+            return client.healthy_since > self._states_at
+        return client.accepting
 
     def on_new_request(self, request: Any) -> None:
         if self._client is None or not self._groups.pools:
