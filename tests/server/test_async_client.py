@@ -613,11 +613,12 @@ def test_requests_while_a_restarted_server_is_being_reached_wait_for_it(
         healthy(client)
         first.kill()
         wait_until(lambda: client.state == "unavailable", "the client to notice")
-        assert not client.accepting  # the dead server's socket: nothing to wait for
+        accepting = lambda: client.accepting  # noqa: E731 (read afresh each time)
+        assert not accepting()  # the dead server's socket: nothing to wait for
         assert client.put(CTX, [(key(0), [engine.blocks(0)])]).exception(WAIT_S) is not None
         refused = client.stats()["refused"]
         with Serve(path).wait_ready():
-            assert client.accepting  # a socket this client has not tried
+            assert accepting()  # a socket this client has not tried
             hook.held.wait(WAIT_S)  # the client is connecting, and still unavailable
             assert client.state == "unavailable"
             engine.fill(1, seed=7)
