@@ -57,6 +57,8 @@ def read_bandwidth(disk: Path, url: str, prompts: int, cold: bool) -> dict[str, 
     tier = RemoteTier.open(url, prefix=PREFIX, call_timeout_s=60)
     try:
         assert tier.wait_ready(10)
+        # Untimed: the first fetch imports torch and starts the decoders (seconds, once per process).
+        tier.fetch(namespace, keys[:1])
         out: dict[str, float] = {"entries": per, "bytes": nbytes}
         for label in ("cold", "warm") if cold else ("warm",):
             if label == "cold":
