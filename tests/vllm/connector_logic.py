@@ -11,7 +11,10 @@ real-engine tests (``test_vllm_*.py``) cover the same paths end to end.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -328,12 +331,15 @@ def answer(side: SchedulerSide, req: Request, computed: int = 0) -> tuple[int | 
         time.sleep(0.01)
 
 
-def test_a_lookup_never_waits_and_an_answered_hit_loads_asynchronously(serve: Serve) -> None:
+def test_a_busy_engine_never_waits_for_a_lookup_and_an_answered_hit_loads_asynchronously(
+    serve: Serve,
+) -> None:
     kv = kv_config(attention())
     side, _ = scheduler(serve, kv)
     req = request(prompt(3, seed=1), "hit")
     store(serve, side.namespaces[0], keys_of(req)[:2])
     side.on_new_request(req)
+    side.build_connector_meta(step({"busy": (0, 16)}))  # the engine computes: asks never wait
     t0 = time.perf_counter()
     first = side.get_num_new_matched_tokens(req, 0)
     waited = time.perf_counter() - t0
@@ -684,7 +690,13 @@ def until(pred: Any, timeout: float = 20) -> None:
         time.sleep(0.02)
 
 
+def open_contexts(serve: Serve) -> int:
+    with ServerClient(str(serve.socket_path), timeout=30) as c:
+        return int(c.status()["server"]["contexts"])
+
+
 def test_sleep_drops_every_server_mapping_and_wake_up_loads_into_the_new_memory(serve: Serve) -> None:
+    until(lambda: open_contexts(serve) == 0)  # earlier tests' engines are closed by now
     before = server_holds(serve)
     side, kv = worker_side(serve)
     assert server_holds(serve) > before  # the server maps the engine's memory
@@ -725,3 +737,61 @@ def test_may_load_async_only_for_an_answered_hit(serve: Serve) -> None:
     assert producer.may_load_async(hit) is False
     side.shutdown()
     producer.shutdown()
+
+
+# -- an idle engine waits for the server instead of spinning against it ----------------------
+
+
+@contextlib.contextmanager
+def stopped_for(serve: Serve, seconds: float) -> Iterator[None]:
+    """The server process stopped (SIGSTOP) now and continued ``seconds`` later, or on exit."""
+    os.kill(serve.proc.pid, signal.SIGSTOP)
+    timer = threading.Timer(seconds, os.kill, (serve.proc.pid, signal.SIGCONT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        os.kill(serve.proc.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def own_serve(tmp_path: Any) -> Iterator[Serve]:
+    with Serve(private_dir(tmp_path) / "kv.sock") as proc:
+        yield proc
+
+
+def test_an_idle_engine_waits_for_a_lookup_a_busy_one_asks_again(own_serve: Serve) -> None:
+    side, _ = scheduler(own_serve, kv_config(attention()))
+    busy, idle = request(prompt(2, seed=60), "busy"), request(prompt(2, seed=61), "idle")
+    store(own_serve, side.namespaces[0], keys_of(busy))
+    store(own_serve, side.namespaces[0], keys_of(idle))
+    side.build_connector_meta(step({"other": (0, 16)}))
+    with stopped_for(own_serve, 0.3):
+        side.on_new_request(busy)
+        assert side.get_num_new_matched_tokens(busy, 0) == (None, False)  # at once: the server is stopped
+    assert answer(side, busy) == (2 * CHUNK, True)
+    side.build_connector_meta(step())  # a step that computed nothing
+    with stopped_for(own_serve, 0.3):
+        side.on_new_request(idle)
+        # One pass: it waits for the answer that comes once the server continues.
+        assert side.get_num_new_matched_tokens(idle, 0) == (2 * CHUNK, True)
+    side.shutdown()
+
+
+def test_a_worker_in_an_idle_step_waits_for_a_transfer_under_way(own_serve: Serve) -> None:
+    side, _ = worker_side(own_serve)
+    key, blocks = b"w" * 32, [[1, 2, 3, 4]]
+    side.wait_for_save(StepPlan(stores=[Transfer(1, "stored", [(key, blocks)])]))
+    until(lambda: 1 in side.report().resolved)
+    loads = [Transfer(2, "busy", [(key, [[5, 6, 7, 8]])])]
+    with stopped_for(own_serve, 0.1):
+        side.start_load_kv(StepPlan(loads=loads))
+        assert side.transfer_results(StepPlan()) == (set(), set())  # a step that computed: no wait
+    until(lambda: side.transfer_results()[0] == {"busy"})
+    loads = [Transfer(3, "idle", [(key, [[9, 10, 11, 12]])])]
+    with stopped_for(own_serve, 0.1):
+        side.start_load_kv(StepPlan(loads=loads, idle=True))
+        # One call: it waits for the load that ends once the server continues.
+        assert side.transfer_results(StepPlan(idle=True)) == ({"idle"}, set())
+    side.shutdown()

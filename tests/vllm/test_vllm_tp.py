@@ -31,10 +31,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-tp")]
 
 L3 = 3 * 256 + 10
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-#: The two TP workers busy-wait on the two cores of the machines this suite runs on, so the
-#: server and the connector's I/O threads are starved for seconds (a get of 768 tokens
-#: missed the 5 s default here). Generous deadlines keep these tests about how ranks agree;
-#: how deadlines behave is test_vllm_hung_server.py's subject.
+#: The two TP workers busy-wait on the two cores of the machines this suite runs on while
+#: their engine steps, so the server and the connector's I/O threads get little CPU (a get of
+#: 768 tokens missed the 5 s default here; before an idle engine waited instead of stepping,
+#: the server read no lookup until its deadline). Generous deadlines keep these tests about
+#: how ranks agree; how deadlines behave is test_vllm_hung_server.py's subject.
 PATIENT = {"lookup_deadline_ms": 20_000, "transfer_deadline_ms": 60_000}
 
 

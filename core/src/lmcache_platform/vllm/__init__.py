@@ -146,7 +146,7 @@ class LMCachePlatformConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None
-        finished, failed = self.worker.transfer_results()
+        finished, failed = self.worker.transfer_results(self._connector_metadata)
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:

@@ -41,6 +41,8 @@ class StepPlan(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
+    #: The step computes nothing: a worker may wait a moment for its transfers to end.
+    idle: bool = False
 
 
 #: Link states a worker reports; the scheduler offers hits only while every rank is "ready".

