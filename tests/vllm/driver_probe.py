@@ -90,25 +90,3 @@ def counters() -> dict[str, float]:
             if isinstance(v, (int, float)):
                 total[k] = total.get(k, 0) + v
     return total
-
-
-def seeded_weights(model: Any, seed: int = 1234) -> None:
-    """``engine_check.sensitive_weights`` with another seed: other weights, the same shapes.
-
-    Two engines with the same ``model_id`` but other seeds share a namespace while their
-    KV bytes differ, so a test can tell whose KV landed in a block.
-    """
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.is_floating_point():
-                continue
-            if p.dim() >= 2:
-                bound = 1.0 / p.shape[-1] ** 0.5
-                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1).mul_(bound).to(p.dtype))
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()

