@@ -169,14 +169,16 @@ def sensitive_weights(model: Any, seed: int = 1234) -> None:
         return ((torch.rand(shape, generator=gen) * 2 - 1) / shape[-1] ** 0.5).to(dtype)
 
     with torch.no_grad():
-        packed = {name: m for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
+        # Its own packed copy, not one a wrapper (LoRA) reaches through its base layer.
+        packed = {name: m for name, m in model.named_modules() if "cpu_linear" in vars(m)}
         done = set()
         for name, layer in packed.items():
             weight = layer.weight
             removed = weight.numel() == 0
-            if removed:  # emptied after packing: rebuild it from the layer's sizes
-                shape = (layer.output_size_per_partition, layer.input_size_per_partition)
-                layer.weight = torch.nn.Parameter(uniform(shape, weight.dtype), requires_grad=False)
+            if removed:  # emptied after packing: rebuild it, in place, from the layer's sizes
+                out = getattr(layer, "output_size_per_partition", None) or layer.output_size
+                into = getattr(layer, "input_size_per_partition", None) or layer.input_size
+                weight.data = uniform((out, into), weight.dtype)
             else:  # embeddings and the LM head keep their weight next to the packed copy
                 weight.copy_(uniform(tuple(weight.shape), weight.dtype))
             if getattr(layer, "bias", None) is not None:
