@@ -358,7 +358,7 @@ class SchedulerSide:
         self._idle = not scheduler_output.total_num_scheduled_tokens
         plan = StepPlan(loads=self._loads, idle=self._idle)
         self._loads = []
-        if not scheduler_output.total_num_scheduled_tokens and self._holds:
+        if self._idle and self._holds:
             # Nothing to compute, only transfers to hear about: vLLM steps again at once, so
             # yield the CPU a moment (the server may need it to finish them on a small host).
             time.sleep(_IDLE_STEP_S)
