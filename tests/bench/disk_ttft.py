@@ -18,7 +18,6 @@ Prints figures; asserts nothing about speed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,11 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-from remote_ttft import PREFIX, run_engine, start_serve, status  # noqa: E402
-from vllm_ttft import CHUNK, prompt  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
+from bench.remote_ttft import PREFIX, start_serve, status  # noqa: E402
+from bench.vllm_ttft import CHUNK, arguments, medians, prompts_of, run_engine  # noqa: E402
 
 
 def drop_page_cache() -> bool:
@@ -80,19 +78,15 @@ def read_bandwidth(disk: Path, url: str, prompts: int, cold: bool) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, default=2048 + 17)
-    parser.add_argument("--prompts", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    prompts = [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
+    args = arguments(__doc__).parse_args()
+    prompts = prompts_of(args)
     chunks = (args.prompt_tokens - 1) // CHUNK
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         os.chmod(work, 0o700)
         disk = work / "disk"
         url = f"file://{disk}"
-        base = {"prompts": prompts}
+        base = {"prompts": prompts, "tokens": 2 * CHUNK + 17, "model_id": "bench disk ttft"}
         first = start_serve(work / "srv", url)
         sock = work / "srv" / "kv.sock"
         try:
@@ -116,12 +110,8 @@ def main() -> None:
             restarted.wait(60)
         bandwidth = read_bandwidth(disk, url, args.prompts, cold)
     result = {
-        "prompt_tokens": args.prompt_tokens,
-        "prompts": args.prompts,
+        **medians(args, recompute=recompute, disk_hit=disk_hit, memory_hit=memory_hit),
         "page_cache": "dropped before the disk hit" if cold else "warm (not root: could not drop it)",
-        "ttft_recompute_s": statistics.median(r["ttft_s"] for r in recompute),
-        "ttft_disk_hit_s": statistics.median(r["ttft_s"] for r in disk_hit),
-        "ttft_memory_hit_s": statistics.median(r["ttft_s"] for r in memory_hit),
         "cached_tokens_disk_hit": statistics.median(r["cached"] for r in disk_hit),
         "loaded_bytes": statistics.median(r["loaded_bytes"] for r in disk_hit),
         **bandwidth,

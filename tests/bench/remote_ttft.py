@@ -29,7 +29,6 @@ Prints figures; asserts nothing about speed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -43,85 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-# vllm_ttft.py's model (prefill dominates on 2 cores), chunk size and prompts.
-from vllm_ttft import CHUNK, MODEL, prompt  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
+# vllm_ttft.py's engines (its model: prefill dominates on 2 cores), chunk size and prompts.
+from bench.vllm_ttft import CHUNK, arguments, load_gbps, medians, prompts_of, run_engine  # noqa: E402
 
 PREFIX = "bench"
-
-
-# -- an engine (a child process) ---------------------------------------------------------------
-
-
-def engine(spec: dict[str, Any]) -> None:
-    """Warm up, run the prompts one at a time, print one JSON line each."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
-    from engine_check import sensitive_weights
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    from vllm import LLM, SamplingParams
-
-    with tempfile.TemporaryDirectory() as model_dir:
-        Path(model_dir, "config.json").write_text(json.dumps(MODEL))
-        transfer = None
-        if spec["socket"]:
-            transfer = KVTransferConfig(
-                kv_connector="ProbeConnector",
-                kv_connector_module_path="probe_connector",
-                kv_role="kv_both",
-                kv_connector_extra_config={
-                    "socket": spec["socket"],
-                    "tokens_per_chunk": CHUNK,
-                    "model_id": "bench remote ttft",
-                },
-            )
-        llm = LLM(
-            model=model_dir,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            kv_cache_memory_bytes=512 << 20,
-            max_model_len=8192,
-            max_num_batched_tokens=8192,
-            enforce_eager=True,
-            enable_prefix_caching=True,
-            seed=0,
-            kv_transfer_config=transfer,
-        )
-        llm.apply_model(sensitive_weights)
-        one = SamplingParams(max_tokens=1, temperature=0.0)
-        llm.generate([TokensPrompt(prompt_token_ids=prompt(99, 2 * CHUNK + 17))], one, use_tqdm=False)
-        import probe_connector
-
-        def total(key: str) -> float:
-            return float(sum(c.stats[key] for c in probe_connector.INSTANCES))
-
-        for ids in spec["prompts"]:
-            before = {k: total(k) for k in ("loaded_bytes", "load_seconds")}
-            t0 = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)[0]
-            ttft = time.perf_counter() - t0
-            moved = {k: total(k) - v for k, v in before.items()}
-            print(
-                json.dumps({"ttft_s": ttft, "cached": int(out.num_cached_tokens or 0), **moved}), flush=True
-            )
-
-
-def run_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--engine", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        cwd=ROOT,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"engine failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"ttft_s"')]
 
 
 # -- the nodes ---------------------------------------------------------------------------------
@@ -205,7 +131,7 @@ def fetch_bandwidth(url: str, prompts: int) -> dict[str, float]:
     from lmcache_platform.remote._tier import RemoteTier
 
     host, port = url.removeprefix("valkey://").split("/")[0].split(":")
-    keys = sorted(valkey.Valkey(host=host, port=int(port)).keys(f"{PREFIX}:*"))
+    keys: list[bytes] = sorted(valkey.Valkey(host=host, port=int(port)).keys(f"{PREFIX}:*"))  # type: ignore[arg-type]
     per = len(keys) // prompts
     tier = RemoteTier.open(url, prefix=PREFIX)
     try:
@@ -265,17 +191,10 @@ def socket_copy_gbps(nbytes: int, repeats: int = 3) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, default=2048 + 17)
-    parser.add_argument("--prompts", type=int, default=3)
+    parser = arguments(__doc__)
     parser.add_argument("--valkey-server", metavar="PATH")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.engine:
-        engine(json.loads(args.engine))
-        return
-    prompts = [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
+    prompts = prompts_of(args)
     chunks = (args.prompt_tokens - 1) // CHUNK
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -286,7 +205,7 @@ def main() -> None:
         servers = [start_serve(work / name, url) for name in ("a", "b")]
         sock_a, sock_b = work / "a" / "kv.sock", work / "b" / "kv.sock"
         try:
-            base = {"prompts": prompts}
+            base = {"prompts": prompts, "tokens": 2 * CHUNK + 17, "model_id": "bench remote ttft"}
             run_engine({**base, "socket": str(sock_a)})  # A computes; node A writes behind
             deadline = time.monotonic() + 300
             while status(sock_a)["remote"]["written"] < chunks * args.prompts:
@@ -306,24 +225,15 @@ def main() -> None:
             valkey_proc.wait(30)
     copy_gbps = socket_copy_gbps(int(bandwidth["fetch_bytes"]))
     result = {
-        "model": "qwen2-style, 8 layers, hidden 1024, 8 KV heads x 64, bf16",
-        "prompt_tokens": args.prompt_tokens,
-        "prompts": args.prompts,
-        "ttft_recompute_s": statistics.median(r["ttft_s"] for r in cold),
-        "ttft_local_hit_s": statistics.median(r["ttft_s"] for r in local_hit),
-        "ttft_remote_hit_s": statistics.median(r["ttft_s"] for r in remote_hit),
+        **medians(args, recompute=cold, local_hit=local_hit, remote_hit=remote_hit),
         "cached_tokens": {
             "remote": statistics.median(r["cached"] for r in remote_hit),
             "local": statistics.median(r["cached"] for r in local_hit),
             "recompute": statistics.median(r["cached"] for r in cold),
         },
         "loaded_bytes": statistics.median(r["loaded_bytes"] for r in remote_hit),
-        "remote_load_gbps": statistics.median(
-            r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in remote_hit if r["load_seconds"]
-        ),
-        "local_load_gbps": statistics.median(
-            r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in local_hit if r["load_seconds"]
-        ),
+        "remote_load_gbps": load_gbps(remote_hit),
+        "local_load_gbps": load_gbps(local_hit),
         "node_b_remote": {
             k: node_b["remote"][k] for k in ("fetched", "bytes_fetched", "fetch_misses", "errors")
         },

@@ -78,10 +78,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "support"))
+sys.path.insert(0, str(ROOT / "tests"))  # support.*, as pytest's pythonpath has it
 
-from procs import sigstop  # noqa: E402
-from vllm_models import make_tiny_model  # noqa: E402
+from support.procs import sigstop  # noqa: E402
+from support.vllm_models import make_tiny_model  # noqa: E402
 
 #: config.json of the model (vllm_ttft.py's MODEL, on make_tiny_model's Qwen2 kind).
 MODEL = {

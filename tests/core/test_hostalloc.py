@@ -10,6 +10,7 @@ import torch
 from lmcache_platform import KVFormat, LayoutHints
 from lmcache_platform._kv.hostalloc import HUGE_PAGE_BYTES, POOL, HostBufferPool, host_empty
 from support.cache import context, make_layers
+from support.waits import wait_until
 
 MiB = 1 << 20
 
@@ -64,28 +65,23 @@ def test_chunks_reuse_the_memory_of_chunks_nobody_holds() -> None:
         assert ctx.allocate_chunk()[0].data_ptr() == address
 
 
-def wait_for(pred: Callable[[], bool], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_memory_is_prepared_ahead_of_use_and_a_take_uses_it() -> None:
     pool = HostBufferPool()
     pool.prepare(4 * MiB, limit=64 * MiB, ahead=12 * MiB)
-    wait_for(lambda: pool.stats()["idle"] == 3)  # 12 MiB ahead, mapped and faulted in off our path
+    wait_until(
+        lambda: pool.stats()["idle"] == 3, "3 buffers ready", 20
+    )  # 12 MiB ahead, mapped and faulted in off our path
     assert pool.stats()["prepared_bytes"] == 12 * MiB
     taken = [pool.take(4 * MiB) for _ in range(3)]
     assert pool.stats()["slow_takes"] == 0  # every take found prepared memory
-    wait_for(lambda: pool.stats()["idle"] == 3)  # topped up again behind the takes
+    wait_until(lambda: pool.stats()["idle"] == 3, "3 buffers ready", 20)  # topped up again behind the takes
     assert len(taken) == 3 and pool.stats()["bytes"] == 24 * MiB
 
 
 def test_eager_preparation_fills_the_bound_and_never_passes_it() -> None:
     pool = HostBufferPool()
     pool.prepare(4 * MiB, limit=20 * MiB, eager=True)
-    wait_for(lambda: pool.stats()["bytes"] == 20 * MiB)
+    wait_until(lambda: pool.stats()["bytes"] == 20 * MiB, "20 MiB mapped", 20)
     time.sleep(0.2)
     assert pool.stats()["bytes"] == 20 * MiB and pool.stats()["mappings"] == 5
     held = [pool.take(4 * MiB) for _ in range(6)]  # one more than the bound: mapped on the path, counted

@@ -9,15 +9,8 @@ import pytest
 import lmcache_platform as lp
 from lmcache_platform import Availability, BackendInfo, Status
 from lmcache_platform._cli import main
-from lmcache_platform.testing import fake_backend
-from support.fakes import context_class, wrapper_class
+from support.fakes import backend
 from support.plugins import module_of
-
-
-def backend(device: str, **kw):
-    return fake_backend(
-        device, context_class=context_class(device), wrapper_class=wrapper_class(device), **kw
-    )
 
 
 @pytest.fixture

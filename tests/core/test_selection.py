@@ -9,17 +9,8 @@ import pytest
 import lmcache_platform as lp
 from lmcache_platform import Availability, Status
 from lmcache_platform.testing import fake_backend
-from support.fakes import context_class, wrapper_class
+from support.fakes import backend, context_class, wrapper_class
 from support.plugins import backend_class
-
-
-def backend(device: str, **kw):
-    return fake_backend(
-        device,
-        context_class=context_class(device),
-        wrapper_class=wrapper_class(device, kw.pop("tag", None)),
-        **kw,
-    )
 
 
 def owner(device: str) -> Any:

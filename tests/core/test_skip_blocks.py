@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_platform import EngineGroupInfo, KVFormat, LayoutHints, TransferError
-from support.cache import context, make_layers, token_rows
+from lmcache_platform import KVFormat, TransferError
+from support.cache import hybrid as support_hybrid
+from support.cache import token_rows
 
 CHUNK, BS, NB, WINDOW = 16, 4, 12, 6
 FMTS = [KVFormat.FLASH_ATTN, KVFormat.FLASHINFER_HND] * 2
@@ -20,20 +21,7 @@ SKIP = -1
 
 
 def hybrid():
-    fa = make_layers(KVFormat.FLASH_ATTN, 2, nb=NB, bs=BS, seed=3)
-    sw = make_layers(KVFormat.FLASHINFER_HND, 2, nb=NB, bs=BS, seed=4, shared=True)
-    layers = [fa[0], sw[0], fa[1], sw[1]]
-    infos = [
-        EngineGroupInfo(layer_indices=[0, 2], block_size=BS),
-        EngineGroupInfo(layer_indices=[1, 3], block_size=BS, sliding_window=WINDOW),
-    ]
-    ctx = context(
-        layers,
-        engine_group_infos=infos,
-        layout_hints=LayoutHints(num_kv_heads=2),
-        separate_object_groups=True,
-    )
-    return ctx, layers
+    return support_hybrid(nb=NB, bs=BS, window=WINDOW, seed=3, separate_object_groups=True)
 
 
 def rows(x, fmt, block, pos):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_platform import KVFormat, allocate_kv_caches
+from lmcache_platform import KVFormat
 from lmcache_platform._kv.layout import LayerLayout, plane_views
 from lmcache_platform._kv.transfer import GroupMover, GroupTransfer, _block_runs
+from support.cache import engine_views
 
 NB, BS, H, D, L, SLOT_TOKENS = 12, 4, 2, 8, 3, 16
 ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
@@ -19,16 +20,7 @@ def test_block_runs_merge_consecutive_ids_in_chunk_order() -> None:
 
 
 def _mover(order: str) -> tuple[GroupMover, list[list[torch.Tensor]], torch.Tensor]:
-    layers: list[torch.Tensor] = allocate_kv_caches(  # type: ignore[assignment]  # VLLM: one tensor a layer
-        KVFormat.VLLM,
-        num_layers=L,
-        num_blocks=NB,
-        block_size=BS,
-        num_kv_heads=H,
-        head_size=D,
-        dtype=torch.float8_e4m3fn,
-        engine_layout=order,
-    )
+    layers = engine_views(L, NB, BS, H, D, torch.float8_e4m3fn, order=order)
     gen = torch.Generator().manual_seed(3)
     backing = torch.empty(0, dtype=torch.uint8).set_(layers[0].untyped_storage())
     backing.copy_(torch.randint(0, 256, backing.shape, dtype=torch.uint8, generator=gen))

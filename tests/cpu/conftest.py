@@ -1,8 +1,7 @@
-"""Fixtures of the CPU-backend tests, and the leak checks that guard every one of them.
+"""Fixtures of the CPU-backend tests, and the leak check that guards every one of them.
 
 Per test: every segment this process created is unlinked, and every memfd it exported
-closed, once the test's objects are collected. Per session: no segment made by this process or by a child it spawned
-(their pids are recorded through ``child_pids``) is left in /dev/shm.
+closed, once the test's objects are collected (the session check is ``tests/conftest.py``'s).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import pytest
 
 import lmcache_platform as lp
 from lmcache_platform_cpu import _memfd, _shm
-from support.shm import no_segment_left
 
 
 @pytest.fixture(params=["memfd", "shm"])
@@ -25,18 +23,6 @@ def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     yield request.param
     monkeypatch.delenv("LMCACHE_PLATFORM_CPU_IPC")
     lp.refresh()
-
-
-@pytest.fixture(scope="session")
-def child_pids() -> set[int]:
-    """Pids of processes the tests start; their segments count for the session check."""
-    return set()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def no_segment_left_in_dev_shm(child_pids: set[int]) -> Iterator[None]:
-    with no_segment_left("the CPU tests", child_pids):
-        yield
 
 
 @pytest.fixture(autouse=True)

@@ -13,17 +13,13 @@ written for it fails, so none of them is a check that cannot fail.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
-from xml.etree import ElementTree
 
 import pytest
 
 from lmcache_platform.testing import make_distribution
+from support.conformance import check, clean_env, junit_outcomes, pytest_suite
 
 pytestmark = pytest.mark.slow
 
@@ -122,37 +118,10 @@ def leaky_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def outcomes(site: Path, tmp_path: Path, faults: str) -> dict[str, str]:
     """Run the host-memory checks against ``cpu.leaky``: check name -> outcome."""
     junit = tmp_path / f"junit-{faults or 'none'}.xml"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
-    env.update(PYTHONPATH=str(site), LEAKY_FAULTS=faults)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--pyargs",
-            "lmcache_platform.conformance",
-            "--lmcache-backend",
-            "cpu.leaky",
-            "-k",
-            "test_hostmem",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            f"--junitxml={junit}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-        timeout=600,
-    )
+    env = clean_env(PYTHONPATH=str(site), LEAKY_FAULTS=faults)
+    proc = pytest_suite("cpu.leaky", junit, env=env, cwd=tmp_path, extra=("-k", "test_hostmem"))
     assert junit.exists(), proc.stdout + proc.stderr
-    result: dict[str, str] = {}
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        result[case.get("name", "")] = kind
-    return result
+    return junit_outcomes(junit)
 
 
 def test_without_faults_every_host_memory_check_passes(leaky_site: Path, tmp_path: Path) -> None:
@@ -172,19 +141,8 @@ def test_each_fault_fails_exactly_the_host_memory_check_written_for_it(
 
 
 def test_the_named_segment_kind_passes_the_whole_suite(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
-    env["LMCACHE_PLATFORM_CPU_IPC"] = "shm"
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmcache_platform._cli", "check", "cpu", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-        timeout=900,
-    )
-    summary = json.loads(proc.stdout)
-    assert proc.returncode == 0 and summary["verdict"] == "pass", proc.stderr[-3000:]
+    code, summary, stderr = check("cpu", env=clean_env(LMCACHE_PLATFORM_CPU_IPC="shm"), cwd=tmp_path)
+    assert code == 0 and summary["verdict"] == "pass", stderr[-3000:]
     counts = summary["counts"]
     assert counts["failed"] == counts["error"] == counts["skipped"] == 0 and counts["passed"] >= 40, counts
     assert any("test_hostmem.py" in r["test"] for r in summary["results"])

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import lmcache_platform as lp
-from lmcache_platform import KVFormat, LayoutHints, allocate_kv_caches, create_cache_context, wire
+from lmcache_platform import KVFormat, LayoutHints, create_cache_context, wire
 from lmcache_platform.hostmem import HostMemoryCacheContext, PopulateUnsupported, _populate
 from lmcache_platform.server import ServerClient
+from support.cache import engine_views
 from support.serve import Serve, TinyEngine, private_dir
 
 BLOCKS, BLOCK, HEADS, HEAD, LAYERS = 160, 16, 4, 64, 4  # 20 MiB of float32: two 16 MiB pieces
@@ -43,16 +44,7 @@ def resident(start: int, nbytes: int, pid: int | str = "self") -> int:
 def engine(layout: str) -> list[torch.Tensor]:
     """vLLM's views of one buffer, or one flash-attention allocation per layer; random bytes."""
     if layout == "views":
-        views = allocate_kv_caches(
-            KVFormat.VLLM,
-            num_layers=LAYERS,
-            num_blocks=BLOCKS,
-            block_size=BLOCK,
-            num_kv_heads=HEADS,
-            head_size=HEAD,
-            dtype=torch.float32,
-        )
-        tensors = [v for v in views if isinstance(v, torch.Tensor)]
+        tensors = engine_views(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, torch.float32)
         tensors[0].untyped_storage()  # one storage under every view
         for t in tensors:
             t.normal_()

@@ -24,13 +24,12 @@ from lmcache_platform import (
     DescriptorError,
     KVFormat,
     LayoutHints,
-    allocate_kv_caches,
     create_cache_context,
     wire,
 )
 from lmcache_platform.hostmem import HostMemoryIPCWrapper, SideBySideStore
 from lmcache_platform_cpu import CpuMemfdIPCWrapper, CpuShmIPCWrapper, _memfd, _shm
-from support.cache import slot_rows, token_rows
+from support.cache import engine_kv, slot_rows, token_rows
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 4, 32, 16, 2, 64
 SHAPE = (2, BLOCKS, BLOCK, HEADS, HEAD)  # flash-attention, one allocation per layer
@@ -205,15 +204,7 @@ def rows(entry: Any, fmt: KVFormat, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", [KVFormat.FLASH_ATTN, KVFormat.FLASH_ATTN_HND, KVFormat.MLA, KVFormat.SGLANG])
 def test_a_server_context_stacks_per_layer_exports_and_moves_exact_bytes(kind: str, fmt: KVFormat) -> None:
-    first = allocate_kv_caches(
-        fmt,
-        num_layers=1,
-        num_blocks=BLOCKS,
-        block_size=BLOCK,
-        num_kv_heads=HEADS,
-        head_size=HEAD,
-        dtype=torch.float16,
-    )[0]
+    first = engine_kv(fmt, 1, BLOCKS, BLOCK, HEADS, HEAD)[0]
     gen = torch.Generator().manual_seed(7)
 
     def fresh(t: torch.Tensor) -> torch.Tensor:

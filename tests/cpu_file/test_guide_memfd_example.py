@@ -9,16 +9,13 @@ conformance suite on the result.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lmcache_platform.testing import make_distribution
+from support.conformance import check, clean_env
 from support.imports import non_stdlib_imports
 
 pytestmark = pytest.mark.slow
@@ -70,19 +67,8 @@ def test_the_example_passes_the_whole_conformance_suite(tmp_path: Path) -> None:
     sources[f"{target.split('.')[0]}/__init__.py"] = ""
     site = tmp_path / "site"
     make_distribution(site, dist, version, entry_points={name: target}, files=sources)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
-    env["PYTHONPATH"] = str(site)
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmcache_platform._cli", "check", name, "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-        timeout=900,
-    )
-    summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
-    assert proc.returncode == 0 and summary.get("verdict") == "pass", proc.stderr[-4000:]
+    code, summary, stderr = check(name, env=clean_env(PYTHONPATH=str(site)), cwd=tmp_path)
+    assert code == 0 and summary.get("verdict") == "pass", stderr[-4000:]
     assert summary["backend"]["distribution"] == "lmcache-platform-cpu-sealed"
     counts = summary["counts"]
     assert counts["failed"] == counts["error"] == counts["skipped"] == 0, summary["skips"]

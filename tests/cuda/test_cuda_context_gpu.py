@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_platform import DeviceIPCWrapper, KVFormat, allocate_kv_caches, wire
+from lmcache_platform import DeviceIPCWrapper, KVFormat, wire
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
+from support.cache import engine_kv
 from support.cuda_workers import PeerHandle, pattern
 
 pytestmark = [
@@ -53,17 +54,7 @@ def spec(fmt: KVFormat) -> dict[str, Any]:
 def caches(fmt: KVFormat, dtype: torch.dtype) -> list[torch.Tensor]:
     shape, _ = FORMATS[fmt]
     if fmt in (KVFormat.VLLM, KVFormat.VLLM_MLA):
-        views = allocate_kv_caches(
-            fmt,
-            num_layers=LAYERS,
-            num_blocks=BLOCKS,
-            block_size=BLOCK,
-            num_kv_heads=HEADS,
-            head_size=HEAD,
-            dtype=dtype,
-            device="cuda",
-            engine_layout="LBNHC",
-        )
+        views = engine_kv(fmt, LAYERS, BLOCKS, BLOCK, HEADS, HEAD, dtype, device="cuda", order="LBNHC")
         layers = [v for v in views if isinstance(v, torch.Tensor)]
         assert [tuple(v.shape) for v in layers] == [shape] * LAYERS
     else:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import lmcache_platform
-from lmcache_platform import KVFormat, TransferError, allocate_kv_caches
+from lmcache_platform import TransferError
 from lmcache_platform_cuda import CudaEvent, _plugin
 from lmcache_platform_cuda._event import HANDLE_BYTES, RING
+from support.cache import engine_views
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 4, 64, 16, 8, 128
@@ -50,18 +51,7 @@ def test_recording_cycles_through_a_few_reused_events() -> None:
 
 @pytest.fixture
 def engine() -> Iterator[list[torch.Tensor]]:
-    views = allocate_kv_caches(
-        KVFormat.VLLM,
-        num_layers=LAYERS,
-        num_blocks=BLOCKS,
-        block_size=BLOCK,
-        num_kv_heads=HEADS,
-        head_size=HEAD,
-        dtype=torch.float16,
-        device="cuda",
-        engine_layout="LBNHC",
-    )
-    tensors = [v for v in views if isinstance(v, torch.Tensor)]  # one tensor per layer here
+    tensors = engine_views(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, device="cuda", order="LBNHC")
     for v in tensors:
         v.zero_()
     torch.cuda.synchronize()

@@ -27,10 +27,9 @@ from lmcache_platform import (
     KVFormat,
     LayoutHints,
     NullStream,
-    allocate_kv_caches,
 )
 from lmcache_platform_cuda import GPUCacheContext, _kernels
-from support.cache import HeldWrapper
+from support.cache import HeldWrapper, engine_kv
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
 
@@ -132,17 +131,7 @@ def engine(
     """Layers as the engine of ``fmt`` allocates them (``separate``: one allocation a layer)."""
 
     def build(device: str) -> list[Any]:
-        layers = allocate_kv_caches(
-            fmt,
-            num_layers=L,
-            num_blocks=nb,
-            block_size=bs,
-            num_kv_heads=h,
-            head_size=d,
-            dtype=dtype,
-            device=device,
-            engine_layout=order,
-        )
+        layers = engine_kv(fmt, L, nb, bs, h, d, dtype, device=device, order=order)
         if separate:
             return [tuple(x.clone() for x in e) if isinstance(e, tuple) else e.clone() for e in layers]
         return list(layers)

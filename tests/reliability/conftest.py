@@ -1,8 +1,4 @@
-"""Guards of the reliability tests: nothing of ours may be left in /dev/shm.
-
-Per session, no segment made by this process or by a child it started (pids
-recorded through ``rel_child_pids``) may remain; leftovers are removed, then
-reported as a failure.
+"""The reliability tests' CPU IPC kind (their /dev/shm guard is ``tests/conftest.py``'s).
 
 Each module exports with the CPU IPC kind it names in ``CPU_IPC_KIND`` (default
 ``shm``: the matrix's cases 1 to 9 were written for named segments; the memfd cases
@@ -17,19 +13,6 @@ from collections.abc import Iterator
 import pytest
 
 import lmcache_platform as lp
-from support.shm import no_segment_left
-
-
-@pytest.fixture(scope="session")
-def rel_child_pids() -> set[int]:
-    """Pids of processes the tests start; their segments count for the session check."""
-    return set()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def rel_no_segment_left(rel_child_pids: set[int]) -> Iterator[None]:
-    with no_segment_left("the reliability tests", rel_child_pids):
-        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -51,9 +51,9 @@ def server_counters(server: ServerProcess) -> dict[str, Any]:
 
 
 @pytest.fixture
-def no_client_segments(rel_child_pids: set[int]) -> Iterator[None]:
+def no_client_segments(child_pids: set[int]) -> Iterator[None]:
     yield
-    assert segments_of(rel_child_pids) == []  # every engine's segments went with it
+    assert segments_of(child_pids) == []  # every engine's segments went with it
 
 
 # -- 8.1 ------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ UNIVERSE = 64
 
 
 def test_mixed_load_under_eviction_pressure_tears_nothing(
-    rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+    child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
 ) -> None:
     chunk_bytes = SMALL_CHUNK_BYTES
     cap = UNIVERSE // 4 * chunk_bytes
@@ -74,7 +74,7 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
         for i in range(CLIENTS)
     ]
     with ServerProcess(max_host_bytes=cap) as server:
-        with Workers(mixed_client, [(server.socket_path, spec) for spec in specs], rel_child_pids) as clients:
+        with Workers(mixed_client, [(server.socket_path, spec) for spec in specs], child_pids) as clients:
             reports, wall = clients.release()
         status = server_counters(server)
     errors = [e for r in reports for e in r["errors"]]
@@ -112,7 +112,7 @@ COMMON = 8
 
 
 def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
-    rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+    child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
 ) -> None:
     chunk_bytes = SMALL_CHUNK_BYTES
     namespace = ns("8.2", SMALL)
@@ -125,7 +125,7 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
     ]
     with ServerProcess(max_host_bytes=2 * len(everyone) * chunk_bytes) as server:
         args = [(server.socket_path, spec) for spec in specs]
-        with Workers(store_then_load_client, args, rel_child_pids) as clients:
+        with Workers(store_then_load_client, args, child_pids) as clients:
             assert all(r == {"ready": True} for r in clients.gather())
             started = clients.go()
             assert all(r == {"stored": True} for r in clients.gather())
@@ -162,7 +162,7 @@ ROUNDS = 3
 
 
 def test_loads_of_different_engines_in_parallel_and_serialized(
-    rel_child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+    child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
 ) -> None:
     chunk_bytes = BIG_CHUNK_BYTES
     cap = READERS * READ_CHUNKS * chunk_bytes
@@ -185,7 +185,7 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
         ServerProcess(max_host_bytes=cap, parallel_transfers=False) as ser,
     ):
         args = [([par.socket_path, ser.socket_path], spec) for spec in specs]
-        with Workers(reader_client, args, rel_child_pids) as clients:
+        with Workers(reader_client, args, child_pids) as clients:
             assert all(r == {"ready": True} for r in clients.gather())
             for _ in range(ROUNDS):  # alternate, so a busy moment of the machine hits both
                 for i, mode in enumerate(modes):

@@ -267,7 +267,7 @@ def test_a_fork_after_wrap_never_unlinks_in_the_child(
 
 
 def test_spawned_workers_each_resolve_on_their_own(
-    rel_child_pids: set[int], request: pytest.FixtureRequest
+    child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
     """Each child starts with nothing loaded, scans metadata once, and decodes with its own allow-list."""
     from lmcache_platform.testing import fake_backend
@@ -284,9 +284,7 @@ def test_spawned_workers_each_resolve_on_their_own(
         "relworker",
     )
     try:
-        with Workers(
-            resolve_worker, [(wire.encode(wrappers), checksum)] * WORKERS, rel_child_pids
-        ) as workers:
+        with Workers(resolve_worker, [(wire.encode(wrappers), checksum)] * WORKERS, child_pids) as workers:
             reports = workers.gather(120)
             workers.join()
     finally:

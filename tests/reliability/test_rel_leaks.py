@@ -91,12 +91,12 @@ def test_10k_wrap_reopen_close_cycles_stay_flat(request: pytest.FixtureRequest) 
 
 
 def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
-    rel_child_pids: set[int], request: pytest.FixtureRequest
+    child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
     """The consumer is another process, as in production; both sides' figures are checked."""
     from support.reliability_workers import reopen_consumer
 
-    with Workers(reopen_consumer, [()], rel_child_pids) as consumer:
+    with Workers(reopen_consumer, [()], child_pids) as consumer:
         (conn,) = consumer.conns
 
         def ask(data: bytes) -> Any:

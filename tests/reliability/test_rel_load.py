@@ -101,14 +101,14 @@ def warm_up(server: ServerProcess) -> None:
 
 
 def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
-    server: ServerProcess, rel_child_pids: set[int], request: pytest.FixtureRequest
+    server: ServerProcess, child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
     pid = server.pid
     assert pid is not None
     warm_up(server)  # first-use allocations of the server are not leaks
     base_status, before, threads = settle(server, pid)
 
-    reports, wall = run_clients(server, CLIENTS, REQUESTS, rel_child_pids)
+    reports, wall = run_clients(server, CLIENTS, REQUESTS, child_pids)
 
     status, after, threads_after = settle(server, pid, threads)
     errors = [e for r in reports for e in r["errors"]]
@@ -121,7 +121,7 @@ def test_eight_engines_hammer_the_server_without_errors_leaks_or_corruption(
     assert (d["fds"], d["shm_maps"]) == (0, 0), describe(before, after)
     assert d["rss"] < RSS_SLACK, describe(before, after)
     assert threads_after <= threads, (threads, threads_after)
-    assert segments_of({r for r in rel_child_pids}) == []  # every client's segments went with it
+    assert segments_of({r for r in child_pids}) == []  # every client's segments went with it
 
     total = CLIENTS * REQUESTS
     moved = sum(r["bytes"] for r in reports)

@@ -144,7 +144,7 @@ class Worker:
 
 
 @pytest.fixture
-def workers(rel_child_pids: set[int]) -> Iterator[list[Worker]]:
+def workers(child_pids: set[int]) -> Iterator[list[Worker]]:
     started: list[Worker] = []
     yield started
     for w in started:
@@ -163,10 +163,10 @@ def punch_hole(fd: int, nbytes: int) -> int:
 
 
 def test_a_producer_cannot_shrink_a_memfd_under_its_consumer(
-    workers: list[Worker], rel_child_pids: set[int], request: pytest.FixtureRequest
+    workers: list[Worker], child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
-    engine = Worker("engine", rel_child_pids)
-    consumer = Worker("consumer", rel_child_pids)
+    engine = Worker("engine", child_pids)
+    consumer = Worker("consumer", child_pids)
     workers += [engine, consumer]
     assert set(engine.first["kinds"]) == {"cpu.memfd/1"}
     mapped = consumer.call("map", wire=engine.first["wire"])
@@ -217,11 +217,11 @@ def test_a_producer_cannot_shrink_a_memfd_under_its_consumer(
 
 
 def test_a_named_segment_shrunk_under_its_consumer_is_refused_before_the_transfer(
-    workers: list[Worker], rel_child_pids: set[int], request: pytest.FixtureRequest
+    workers: list[Worker], child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
     """The measured reason for memfd: the shm kind, truncated; checked, then unchecked."""
-    engine = Worker("engine", rel_child_pids, kind="shm")
-    consumer = Worker("consumer", rel_child_pids)  # accepts both kinds, whatever it exports
+    engine = Worker("engine", child_pids, kind="shm")
+    consumer = Worker("consumer", child_pids)  # accepts both kinds, whatever it exports
     workers += [engine, consumer]
     assert set(consumer.call("map", wire=engine.first["wire"])["kinds"]) == {"cpu.shm/1"}
     name = engine.first["handles"][0]["shm_name"]
@@ -251,10 +251,10 @@ def memfd_maps(pid: int | str = "self", names: set[str] | None = None) -> int:
 
 
 def test_a_sigkilled_producer_leaves_nothing_and_its_memory_goes_with_the_consumers_mapping(
-    workers: list[Worker], rel_child_pids: set[int], request: pytest.FixtureRequest
+    workers: list[Worker], child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
-    engine = Worker("engine", rel_child_pids)
-    consumer = Worker("consumer", rel_child_pids)
+    engine = Worker("engine", child_pids)
+    consumer = Worker("consumer", child_pids)
     workers += [engine, consumer]
     names = {h["memfd_name"] for h in engine.first["handles"]}
     consumer.call("map", wire=engine.first["wire"])

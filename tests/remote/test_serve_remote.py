@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import pytest
 from lmcache_platform.server import ServerClient
 from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir
 from support.valkey import ValkeyNode
+from support.waits import until
 
 NS = namespace()
 OTHER_NS = namespace(model="other")
@@ -47,15 +48,6 @@ def counters(srv: Serve) -> dict[str, Any]:
 
 def remote(srv: Serve) -> dict[str, Any]:
     return dict(counters(srv)["remote"])
-
-
-def until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def written(srv: Serve, n: int) -> None:

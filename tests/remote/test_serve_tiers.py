@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +21,11 @@ from lmcache_platform.remote._tier import RemoteTier
 from lmcache_platform.server import ServerClient
 from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir
 from support.valkey import ValkeyNode
+from support.waits import until
 
 NS = namespace(model="tiers")
 KEYS = [bytes([i]) * 32 for i in range(1, 40)]
 WAIT_S = 30.0
-
-
-def until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def tier(directory: Path, **kw: Any) -> RemoteTier:

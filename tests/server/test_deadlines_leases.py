@@ -12,7 +12,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,23 +19,10 @@ import pytest
 from lmcache_platform.server import LookupRequest, ServerClient, ServerError, new_lease_id
 from lmcache_platform.server import _protocol as P
 from support.serve import CHUNK_BYTES, InProcess, TinyEngine, namespace
+from support.waits import wait_until
 
 WAIT_S = 60  # a bound for waits, never a measured time
 MS = 1_000_000
-
-
-@pytest.fixture
-def server(request: pytest.FixtureRequest) -> Iterator[InProcess]:
-    proc = InProcess(getattr(request, "param", 64 * CHUNK_BYTES))
-    yield proc
-    proc.close()
-
-
-@pytest.fixture
-def engine() -> Iterator[TinyEngine]:
-    eng = TinyEngine()
-    yield eng
-    eng.close()
 
 
 def key(i: int, tag: bytes = b"k") -> bytes:
@@ -49,14 +35,6 @@ def past() -> int:
 
 def soon(ms: float) -> int:
     return time.monotonic_ns() + int(ms * MS)
-
-
-def wait_until(predicate: Callable[[], bool], what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < WAIT_S, f"timed out waiting for {what}"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def stored(client: ServerClient, engine: TinyEngine, ns: bytes, n: int, tag: bytes = b"k") -> int:

@@ -20,13 +20,6 @@ WAIT_S = 60  # a bound for the waits below, never a measured time
 
 
 @pytest.fixture
-def server(request: pytest.FixtureRequest) -> Iterator[InProcess]:
-    proc = InProcess(getattr(request, "param", 64 * CHUNK_BYTES))
-    yield proc
-    proc.close()
-
-
-@pytest.fixture
 def engines() -> Iterator[tuple[TinyEngine, TinyEngine]]:
     a, b = TinyEngine(), TinyEngine()
     yield a, b

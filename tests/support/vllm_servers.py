@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -45,6 +44,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from lmcache_platform.server._link import socket_identity
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -85,11 +86,11 @@ class Server:
     def _spawn(self, args: list[str]) -> None:
         """Start the process; return once it listens (a killed server's socket file may remain)."""
         self.args = args
-        stale = _inode(self.socket)
+        stale = socket_identity(self.socket)
         with self.log.open("a") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen([*self._cmd, *args], stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
         deadline = time.monotonic() + 60
-        while _inode(self.socket) in (None, stale):
+        while socket_identity(self.socket) in (None, stale):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"server did not start: {self.log.read_text()[-2000:]}")
             time.sleep(0.02)
@@ -174,15 +175,6 @@ class Server:
                 raise AssertionError(f"the test double did not answer {action}: {self.log_text()[-2000:]}")
             time.sleep(0.05)
         return json.loads(out.read_text())
-
-
-def _inode(path: str) -> tuple[int, int] | None:
-    """Which file ``path`` names: a replaced socket may reuse the old inode number, not its ctime."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_ctime_ns
 
 
 # -- the double (this file run as a script, with the vLLM venv's Python) --------------------

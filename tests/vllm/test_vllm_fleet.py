@@ -39,6 +39,7 @@ from support.vllm_driver import TOLERANCE, top_gap
 from support.vllm_engines import ROOT, vllm_python
 from support.vllm_openai import Command, free_port, http_json, metric, wait_healthy
 from support.vllm_servers import Server
+from support.waits import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("vllm-fleet")]
 
@@ -113,13 +114,6 @@ def at_once(calls: list[tuple[Engine, list[int]]]) -> list[dict[str, Any]]:
         return list(pool.map(lambda c: c[0].complete(c[1]), calls))
 
 
-def wait_for(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> None:
     python = vllm_python()
     model = tmp_path / "model"
@@ -144,7 +138,7 @@ def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> Non
     try:
         for e in [*engines, ref]:
             wait_healthy(e.cmd, e.port)
-        wait_for(lambda: int(server.status()["contexts"]) == ENGINES, 120, "every engine registered")
+        wait_until(lambda: int(server.status()["contexts"]) == ENGINES, "every engine registered", 120)
 
         def reference(calls: list[tuple[Engine, list[int]]]) -> list[dict[str, Any]]:
             return [ref.complete(ids) for _, ids in calls]
@@ -152,7 +146,7 @@ def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> Non
         # 1. each engine computes one document
         store = [(engines[i], ask(document(i), 0)) for i in range(ENGINES)]
         first = at_once(store)
-        wait_for(lambda: int(server.status()["chunks"]) >= 3 * ENGINES, 60, "every document stored")
+        wait_until(lambda: int(server.status()["chunks"]) >= 3 * ENGINES, "every document stored", 60)
         # 2. every engine asks about documents others computed, twice at once
         cross = [(engines[i], ask(document((i + k) % ENGINES), k)) for i in range(ENGINES) for k in (1, 2)]
         hits = at_once(cross)
@@ -167,12 +161,12 @@ def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> Non
             server.restart()
             restarted = time.monotonic()
             answered = inflight.result(timeout=600)
-        wait_for(lambda: int(server.status()["contexts"]) == ENGINES, 60, "every engine registered again")
+        wait_until(lambda: int(server.status()["contexts"]) == ENGINES, "every engine registered again", 60)
         relinked_s = time.monotonic() - restarted
         # 4. new documents through the new server
         store2 = [(engines[i], ask(document(10 + i), 0)) for i in range(ENGINES)]
         second = at_once(store2)
-        wait_for(lambda: int(server.status()["chunks"]) >= 3 * ENGINES, 60, "the new documents stored")
+        wait_until(lambda: int(server.status()["chunks"]) >= 3 * ENGINES, "the new documents stored", 60)
         cross2 = [(engines[i], ask(document(10 + (i + 1) % ENGINES), 5)) for i in range(ENGINES)]
         hits2 = at_once(cross2)
         after = server.status()

@@ -2,7 +2,7 @@
 
 A real multimodal engine: LLaVA (``support.vllm_models`` kind ``llava``: a 2-layer CLIP
 tower over 112 px images, 64 image tokens, and the ``gqa`` text model), dummy weights
-replaced by seeded Kaiming-scale ones (``engine_check.sensitive_weights``), a processor
+replaced by seeded Kaiming-scale ones (``support.vllm_models.sensitive_weights``), a processor
 written by the test. Prompt P: 300 text tokens, one ``<image>`` (vLLM expands it to 64
 placeholder tokens, all the same id, at offset 300), 480 text tokens: 844 tokens, three
 whole chunks of 256 and a partial one. Image X and image Y are seeded noise: the token

@@ -27,7 +27,6 @@ be equal and top-5 logprobs within ``support.vllm_driver.TOLERANCE``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from support.vllm_driver import (
     store,
     tokens,
 )
+from support.waits import until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-remote")]
 
@@ -57,15 +57,6 @@ CHUNK = 256
 PREFIX = "vllm-remote"
 OTHER_MODEL_ID = "tests/vllm gqa, another model identity"
 WAIT_S = 60.0
-
-
-def until(predicate: Any, timeout: float = WAIT_S) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 # -- the stores --------------------------------------------------------------------------------

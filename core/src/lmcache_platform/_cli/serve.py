@@ -23,7 +23,7 @@ from .._env import BACKEND_ENV, DISABLE_ENV, MAX_HOST_BYTES_ENV, SOCKET_ENV
 from .._units import parse_bytes
 from ..server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HOST_BYTES, DEFAULT_TORCH_THREADS
 from . import _remote
-from . import positive_int as _positive
+from ._args import positive_int as _positive
 
 _EPILOG = f"""\
 environment variables:

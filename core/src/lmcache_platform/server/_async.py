@@ -64,14 +64,15 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Final, TypeVar
 
 from .._env import SOCKET_ENV
 from .._errors import ServerError, ServerUnavailable, WireFormatError
 from . import _frames, _protocol
 from ._client import ServerClient, lookup_request
+from ._link import Link, SessionClient, socket_identity, why
 from ._ops import (
     REQUEST_TYPES,
     ChunkLike,
@@ -105,41 +106,6 @@ WATCH_S: Final = 0.1
 MAX_CLOCK_SKEW_NS: Final = 1_000_000_000
 _POLL_S = 0.05  # the watchdog's granularity: a deadline is noticed within this
 _READ_BYTES = 1 << 16
-
-
-@dataclass
-class _Link:
-    """One connection to the server, with its output buffer and unanswered requests."""
-
-    kind: str  # "data" or "control"
-    sock: socket.socket
-    out: bytearray = field(default_factory=bytearray)
-    inbuf: bytearray = field(default_factory=bytearray)
-    queued: int = 0  # bytes ever queued on it
-    sent: int = 0  # bytes ever sent
-    pending: dict[int, Pending[Any]] = field(default_factory=dict)
-    zombie: bool = False
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-
-class _SessionClient(ServerClient):
-    """The blocking client ``on_connect`` gets: the data connection, deadline-bounded, that call only."""
-
-    def __init__(self, sock: socket.socket, deadline_ms: float, ids: Iterator[int]) -> None:
-        self._setup(sock, deadline_ms)
-        self._ids = ids
-        self._usable = True
-
-    def _check_usable(self) -> None:
-        if not self._usable:
-            raise ServerError("the client given to on_connect is valid only while on_connect runs")
-        self._next_id = next(self._ids)  # ids unique across both links: replies are matched by them
-
-    def close(self) -> None:  # the AsyncClient owns the socket
-        self._usable = False
 
 
 class AsyncClient:
@@ -197,8 +163,8 @@ class AsyncClient:
         self._submitted: collections.deque[tuple[Pending[Any], RequestLike[Any]]] = collections.deque()
         self._submit_lock = threading.Lock()  # held for an append: orders submit against close
         self._closed = False
-        self._links: dict[str, _Link] = {}
-        self._zombies: list[_Link] = []
+        self._links: dict[str, Link] = {}
+        self._zombies: list[Link] = []
         self._health: Pending[Any] | None = None
         self._slow = False  # in a slow episode (logged once)
         self._backoff = retry_first_s
@@ -364,7 +330,7 @@ class AsyncClient:
             return True
         if state != "unavailable":
             return False
-        seen = _socket_identity(self.socket_path)
+        seen = socket_identity(self.socket_path)
         return seen is not None and seen != self._known and seen != self._failed
 
     def stats(self) -> dict[str, int]:
@@ -442,11 +408,11 @@ class AsyncClient:
     def _attempt(self) -> None:
         """Connect both links, ping, run ``on_connect``; healthy, or unavailable until the next try."""
         self._count("connects")
-        links: dict[str, _Link] = {}
+        links: dict[str, Link] = {}
         try:
             for kind in ("data", "control"):
-                links[kind] = _Link(kind, self._dial())
-            ping = _SessionClient(links["control"].sock, self.ping_deadline_ms, self._ids)
+                links[kind] = Link(kind, self._dial())
+            ping = SessionClient(links["control"].sock, self.ping_deadline_ms, self._ids)
             skew = ping.ping()["now"] - time.monotonic_ns()
             if not isinstance(skew, int) or abs(skew) > MAX_CLOCK_SKEW_NS:
                 raise ServerError(
@@ -455,7 +421,7 @@ class AsyncClient:
                 )
             session: dict[str, Any] = {}
             if self.on_connect is not None:
-                hook = _SessionClient(links["data"].sock, self.deadline_ms, self._ids)
+                hook = SessionClient(links["data"].sock, self.deadline_ms, self._ids)
                 try:
                     session = dict(self.on_connect(hook) or {})
                 except Exception as exc:
@@ -465,8 +431,8 @@ class AsyncClient:
         except Exception as exc:
             for link in links.values():
                 link.close()
-            self._failed = _socket_identity(self.socket_path)
-            self._unavailable(_why(exc))
+            self._failed = socket_identity(self.socket_path)
+            self._unavailable(why(exc))
             return
         finally:
             self._dialing.clear()
@@ -478,7 +444,7 @@ class AsyncClient:
         self._slow = False
         self.sessions += 1
         self.healthy_since = time.monotonic()
-        self._known = _socket_identity(self.socket_path)
+        self._known = socket_identity(self.socket_path)
         was, self.state, self.reason = self.state, "healthy", ""
         level = logging.INFO if was == "connecting" else logging.WARNING
         logger.log(
@@ -510,7 +476,7 @@ class AsyncClient:
         if (now < self._watched_at + WATCH_S and not waiting) or now >= self._next_attempt:
             return
         self._watched_at = now
-        seen = _socket_identity(self.socket_path)
+        seen = socket_identity(self.socket_path)
         if seen is not None and seen != self._known:
             logger.debug("lmcache-platform %s: a new server socket at %s", self.name, self.socket_path)
             self._backoff = self.retry_first_s
@@ -553,7 +519,7 @@ class AsyncClient:
             self._retire(link, gone, dead=link.kind == "control")
         self._unavailable(why)
 
-    def _retire(self, link: _Link, error: str, *, dead: bool = False) -> None:
+    def _retire(self, link: Link, error: str, *, dead: bool = False) -> None:
         """Fail ``link``'s requests; close it, or keep it as a zombie if some may still act."""
         keep = False
         for pending in list(link.pending.values()):
@@ -612,11 +578,11 @@ class AsyncClient:
             if link.out and self._alive(link):
                 self._flush(link)
 
-    def _alive(self, link: _Link) -> bool:
+    def _alive(self, link: Link) -> bool:
         """Still one of ours (an earlier event in this round may have given it up)."""
         return link.sock.fileno() >= 0 and (link in self._zombies or self._links.get(link.kind) is link)
 
-    def _queue(self, link: _Link, pending: Pending[Any], frame: bytes) -> None:
+    def _queue(self, link: Link, pending: Pending[Any], frame: bytes) -> None:
         link.out += frame
         link.queued += len(frame)
         pending._frame_end = link.queued
@@ -631,13 +597,13 @@ class AsyncClient:
             pending.op = made.wire()[0]
         return _protocol.encode(made)
 
-    def _flush(self, link: _Link) -> None:
+    def _flush(self, link: Link) -> None:
         try:
             n = link.sock.send(link.out)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            self._link_failed(link, f"sending failed: {_why(exc)}", dead=False)
+            self._link_failed(link, f"sending failed: {why(exc)}", dead=False)
             return
         del link.out[:n]
         link.sent += n
@@ -645,7 +611,7 @@ class AsyncClient:
     def _poll(self) -> None:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
-        by_fd: dict[int, _Link] = {}
+        by_fd: dict[int, Link] = {}
         for link in [*self._links.values(), *self._zombies]:
             fd = link.sock.fileno()
             by_fd[fd] = link
@@ -675,14 +641,14 @@ class AsyncClient:
             soonest = min(soonest, now + int(max(self._next_attempt - time.monotonic(), 0) * 1e9))
         return max(soonest - now, 0) / 1e9
 
-    def _read(self, link: _Link) -> None:
+    def _read(self, link: Link) -> None:
         while True:
             try:
                 data = link.sock.recv(_READ_BYTES)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self._link_failed(link, f"connection error: {_why(exc)}", dead=True)
+                self._link_failed(link, f"connection error: {why(exc)}", dead=True)
                 return
             if not data:
                 self._link_failed(link, "the server closed the connection", dead=True)
@@ -701,7 +667,7 @@ class AsyncClient:
             if len(data) < _READ_BYTES:
                 return
 
-    def _reply(self, link: _Link, reply: _protocol.Reply) -> None:
+    def _reply(self, link: Link, reply: _protocol.Reply) -> None:
         pending = link.pending.pop(reply.request_id, None)
         if pending is None:
             if reply.request_id == 0 and not reply.ok:  # e.g. "too many connections"
@@ -745,7 +711,7 @@ class AsyncClient:
 
     _slow_miss = False  # the pending health ping was sent because a deadline passed
 
-    def _link_failed(self, link: _Link, why: str, *, dead: bool) -> None:
+    def _link_failed(self, link: Link, why: str, *, dead: bool) -> None:
         if link.zombie:
             self._retire(link, why, dead=dead)
             return
@@ -787,25 +753,3 @@ class AsyncClient:
         link = self._links["control"]
         self._queue(link, ping, _frames.frame(self._encode(ping, PingRequest())))
         self._flush(link)
-
-
-# -- helpers -----------------------------------------------------------------------------
-
-
-def _socket_identity(path: str) -> tuple[int, int] | None:
-    """``(inode, creation time)`` of the socket at ``path``; None when there is none."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_ctime_ns
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):  # socket.timeout too
-        return "no answer in time (a hung server, or a full listen backlog)"
-    if isinstance(exc, ServerError):
-        return str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror} (errno {exc.errno})"
-    return f"{type(exc).__name__}: {exc}"

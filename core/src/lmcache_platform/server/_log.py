@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-#: The server's logger (``--json-log`` formats its records' ``event`` and ``fields``).
+#: The server's logger (``--json-log`` formats its records' ``event`` and ``fields``). Named
+#: for the handler's module, not this one: operators' filters and the operator guide know
+#: the server's lines by that name, which predates this module.
 logger = logging.getLogger("lmcache_platform.server._server")
 
 

