@@ -122,6 +122,18 @@ def bench_transfer(report: Report, settings: Settings) -> None:
             _report_rows(report, name, params, rows)
 
 
+def _both_ways(key: str, what: str, names: str, out: Result, back: Result, share: float) -> SpeedTarget:
+    """A target on both directions of a path (``names``: "store retrieve") against ``copy_``."""
+    first, second = names.split()
+    return SpeedTarget.at_least(
+        key,
+        f"{what}: {first} and {second} >= {share:.0%} of copy_ bandwidth",
+        min(out.ratio or 0.0, back.ratio or 0.0),
+        share,
+        note=f"{first} {out.ratio:.2f}, {second} {back.ratio:.2f} of copy_",
+    )
+
+
 def _report_rows(report: Report, name: str, params: dict[str, Any], rows: dict[str, list[float]]) -> None:
     """Results with their ratios to the ``copy_`` ceilings, and the section's targets."""
 
@@ -135,13 +147,10 @@ def _report_rows(report: Report, name: str, params: dict[str, Any], rows: dict[s
         store = result(f"store_chunk{tag}", chunk_format=chunk_format).relative_to(store_copy)
         retrieve = result(f"retrieve_chunk{tag}", chunk_format=chunk_format).relative_to(retrieve_copy)
         report.results += [store, retrieve]
+        where = "" if chunk_format == "tokens" else f".{chunk_format}"
         report.targets.append(
-            SpeedTarget.at_least(
-                f"transfer.{name}" + ("" if chunk_format == "tokens" else f".{chunk_format}"),
-                f"{name}{tag}: store and retrieve >= {BANDWIDTH_SHARE:.0%} of copy_ bandwidth",
-                min(store.ratio or 0.0, retrieve.ratio or 0.0),
-                BANDWIDTH_SHARE,
-                note=f"store {store.ratio:.2f}, retrieve {retrieve.ratio:.2f} of copy_",
+            _both_ways(
+                f"transfer.{name}{where}", f"{name}{tag}", "store retrieve", store, retrieve, BANDWIDTH_SHARE
             )
         )
         if f"server put{tag}" not in rows:
@@ -150,12 +159,13 @@ def _report_rows(report: Report, name: str, params: dict[str, Any], rows: dict[s
         get = result(f"server get{tag}", chunk_format=chunk_format, path="server").relative_to(retrieve_copy)
         report.results += [put, get]
         report.targets.append(
-            SpeedTarget.at_least(
-                f"transfer.server.{name}" + ("" if chunk_format == "tokens" else f".{chunk_format}"),
-                f"{name}{tag} through the server: put and get >= {SERVER_SHARE:.0%} of copy_ bandwidth",
-                min(put.ratio or 0.0, get.ratio or 0.0),
+            _both_ways(
+                f"transfer.server.{name}{where}",
+                f"{name}{tag} through the server",
+                "put get",
+                put,
+                get,
                 SERVER_SHARE,
-                note=f"put {put.ratio:.2f}, get {get.ratio:.2f} of copy_",
             )
         )
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from .._env import SOCKET_ENV
 
 
 def positive_int(text: str) -> int:
@@ -11,3 +14,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def add_socket_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--socket PATH``, by default ``$LMCACHE_PLATFORM_SOCKET``: the server's UNIX socket."""
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=os.environ.get(SOCKET_ENV),
+        help=f"{help} (default: ${SOCKET_ENV})",
+    )

@@ -48,6 +48,17 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def add_access_arguments(group: argparse._ArgumentGroup) -> None:
+    """How to reach a remote store: its password and TLS files (``serve --remote``, ``check --remote``)."""
+    group.add_argument("--remote-password-env", metavar="NAME", help="the variable holding the password")
+    group.add_argument("--remote-password-file", metavar="PATH", help="the file holding the password")
+    group.add_argument(
+        "--remote-tls-ca", metavar="PATH", help="CA certificates to trust (default: the system's)"
+    )
+    group.add_argument("--remote-tls-cert", metavar="PATH", help="client certificate, for mutual TLS")
+    group.add_argument("--remote-tls-key", metavar="PATH", help="the client certificate's key")
+
+
 def add_arguments(parser: argparse.ArgumentParser, parse_size: Callable[[str], int]) -> None:
     """The ``--remote*`` flags, in a group of their own (see docs/multi-node.md)."""
     group = parser.add_argument_group(
@@ -75,13 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser, parse_size: Callable[[str], i
         metavar="NAME",
         help="the deployment's key prefix, 1 to 64 of [A-Za-z0-9._-] (default: lmcache)",
     )
-    group.add_argument("--remote-password-env", metavar="NAME", help="the variable holding the password")
-    group.add_argument("--remote-password-file", metavar="PATH", help="the file holding the password")
-    group.add_argument(
-        "--remote-tls-ca", metavar="FILE", help="CA certificates to trust (default: the system's)"
-    )
-    group.add_argument("--remote-tls-cert", metavar="FILE", help="client certificate, for mutual TLS")
-    group.add_argument("--remote-tls-key", metavar="FILE", help="the client certificate's key")
+    add_access_arguments(group)
     group.add_argument(
         "--remote-key-file",
         metavar="PATH",

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import API_VERSION
+from ._remote import add_access_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,11 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     remote.add_argument(
         "--remote-option", metavar="KEY=VALUE", action="append", default=[], help="a store setting"
     )
-    remote.add_argument("--remote-password-env", metavar="NAME", help="the variable holding its password")
-    remote.add_argument("--remote-password-file", metavar="PATH", help="the file holding its password")
-    remote.add_argument("--remote-tls-ca", metavar="PATH", help="CA certificates to trust")
-    remote.add_argument("--remote-tls-cert", metavar="PATH", help="client certificate (mutual TLS)")
-    remote.add_argument("--remote-tls-key", metavar="PATH", help="the client certificate's key")
+    add_access_arguments(remote)
     parser.add_argument("-k", metavar="EXPR", dest="keyword", help="only checks matching EXPR (pytest -k)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     parser.add_argument("--junitxml", metavar="PATH", help="also write a JUnit XML report (for CI)")

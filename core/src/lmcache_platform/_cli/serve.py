@@ -23,6 +23,7 @@ from .._env import BACKEND_ENV, DISABLE_ENV, MAX_HOST_BYTES_ENV, SOCKET_ENV
 from .._units import parse_bytes
 from ..server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HOST_BYTES, DEFAULT_TORCH_THREADS
 from . import _remote
+from ._args import add_socket_argument
 from ._args import positive_int as _positive
 
 _EPILOG = f"""\
@@ -53,12 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "caches over a UNIX socket and share stored chunks by content key."
     )
     parser.epilog = _EPILOG
-    parser.add_argument(
-        "--socket",
-        metavar="PATH",
-        default=os.environ.get(SOCKET_ENV),
-        help=f"UNIX socket to listen on (default: ${SOCKET_ENV})",
-    )
+    add_socket_argument(parser, "UNIX socket to listen on")
     parser.add_argument(
         "--max-host-bytes",
         metavar="N",

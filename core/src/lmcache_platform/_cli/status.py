@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
 from .._env import SOCKET_ENV
 from .._units import format_bytes
+from ._args import add_socket_argument
 
 _BYTES = ("host_bytes", "max_host_bytes")
 _EPILOG = f"""\
@@ -31,12 +31,7 @@ The same counters are served to Prometheus by `serve --metrics-port N`.
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _EPILOG
-    parser.add_argument(
-        "--socket",
-        metavar="PATH",
-        default=os.environ.get(SOCKET_ENV),
-        help=f"the server's UNIX socket (default: ${SOCKET_ENV})",
-    )
+    add_socket_argument(parser, "the server's UNIX socket")
     parser.add_argument("--json", action="store_true", help="print the counters as one JSON object")
     parser.add_argument(
         "--timeout",

@@ -154,7 +154,7 @@ def prometheus_text(counters: Mapping[str, Any]) -> str:
         if key not in counters:
             continue
         full = PREFIX + name
-        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+        lines += _head(full, help_text, kind)
         value = counters[key]
         if isinstance(value, Mapping):
             lines += [f'{full}{{op="{_label(op)}"}} {_number(n)}' for op, n in sorted(value.items())]
@@ -168,20 +168,17 @@ def prometheus_text(counters: Mapping[str, Any]) -> str:
 
 def _remote_lines(stats: Mapping[str, Any]) -> list[str]:
     full = PREFIX + "remote_up"
-    lines = [
-        f"# HELP {full} 1 while the remote store is healthy, else 0 (connecting, down, closed).",
-        f"# TYPE {full} gauge",
-        f'{full}{{store="{_label(stats.get("store", ""))}"}} {int(stats.get("state") == "healthy")}',
-    ]
+    lines = _head(full, "1 while the remote store is healthy, else 0 (connecting, down, closed).", "gauge")
+    lines.append(f'{full}{{store="{_label(stats.get("store", ""))}"}} {int(stats.get("state") == "healthy")}')
     for name, (kind, key, help_text) in REMOTE_METRICS.items():
         if key in stats:
             full = PREFIX + "remote_" + name
-            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full} {_number(stats[key])}"]
+            lines += [*_head(full, help_text, kind), f"{full} {_number(stats[key])}"]
     for prefix, (name, label, help_text) in _REMOTE_LABELLED.items():
         values = sorted((k.removeprefix(prefix), v) for k, v in stats.items() if k.startswith(prefix))
         if values:
             full = PREFIX + "remote_" + name
-            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
+            lines += _head(full, help_text, "counter")
             lines += [f'{full}{{{label}="{_label(why)}"}} {_number(v)}' for why, v in values]
     tiers = stats.get("tiers")
     if isinstance(tiers, list):  # a chain: the sums above, and each tier on its own
@@ -193,7 +190,7 @@ def _tier_lines(tiers: list[Mapping[str, Any]]) -> list[str]:
     """``remote_tier_*{tier="0",store="..."}``: each tier of a chain (``serve --remote`` repeated)."""
     labels = [f'tier="{i}",store="{_label(t.get("store", ""))}"' for i, t in enumerate(tiers)]
     full = PREFIX + "remote_tier_up"
-    lines = [f"# HELP {full} 1 while this tier's store is healthy, else 0.", f"# TYPE {full} gauge"]
+    lines = _head(full, "1 while this tier's store is healthy, else 0.", "gauge")
     lines += [
         f"{full}{{{lab}}} {int(t.get('state') == 'healthy')}" for lab, t in zip(labels, tiers, strict=True)
     ]
@@ -203,8 +200,13 @@ def _tier_lines(tiers: list[Mapping[str, Any]]) -> list[str]:
             f"{full}{{{lab}}} {_number(t[key])}" for lab, t in zip(labels, tiers, strict=True) if key in t
         ]
         if rows:
-            lines += [f"# HELP {full} {help_text} (per tier)", f"# TYPE {full} {kind}", *rows]
+            lines += [*_head(full, f"{help_text} (per tier)", kind), *rows]
     return lines
+
+
+def _head(full: str, help_text: str, kind: str) -> list[str]:
+    """A metric's ``# HELP`` and ``# TYPE`` lines."""
+    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
 
 
 def _number(value: Any) -> str:
