@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
-from bench.remote_ttft import PREFIX, start_serve, status  # noqa: E402
+from bench.remote_ttft import PREFIX, start_serve, wait_written  # noqa: E402
 from bench.vllm_ttft import CHUNK, arguments, medians, prompts_of, run_engine  # noqa: E402
 
 
@@ -91,11 +91,7 @@ def main() -> None:
         sock = work / "srv" / "kv.sock"
         try:
             run_engine({**base, "socket": str(sock)})  # A computes; the server writes behind
-            deadline = time.monotonic() + 300
-            while status(sock)["remote"]["written"] < chunks * args.prompts:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not write its chunks: {status(sock)['remote']}")
-                time.sleep(0.2)
+            wait_written(sock, chunks * args.prompts, "the server")
         finally:
             first.terminate()
             first.wait(60)

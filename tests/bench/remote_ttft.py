@@ -121,6 +121,15 @@ def status(sock: Path) -> dict[str, Any]:
         return dict(c.status()["server"])
 
 
+def wait_written(sock: Path, n: int, who: str, timeout: float = 300) -> None:
+    """Until the server at ``sock`` wrote ``n`` chunks to its remote store (write-behind)."""
+    deadline = time.monotonic() + timeout
+    while status(sock)["remote"]["written"] < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{who} did not write its chunks: {status(sock)['remote']}")
+        time.sleep(0.2)
+
+
 # -- bandwidth ---------------------------------------------------------------------------------
 
 
@@ -207,11 +216,7 @@ def main() -> None:
         try:
             base = {"prompts": prompts, "tokens": 2 * CHUNK + 17, "model_id": "bench remote ttft"}
             run_engine({**base, "socket": str(sock_a)})  # A computes; node A writes behind
-            deadline = time.monotonic() + 300
-            while status(sock_a)["remote"]["written"] < chunks * args.prompts:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"node A did not write its chunks: {status(sock_a)['remote']}")
-                time.sleep(0.2)
+            wait_written(sock_a, chunks * args.prompts, "node A")
             remote_hit = run_engine({**base, "socket": str(sock_b)})  # B1: node B fetches
             node_b = status(sock_b)
             local_hit = run_engine({**base, "socket": str(sock_b)})  # B2: node B holds them now

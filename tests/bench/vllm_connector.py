@@ -78,22 +78,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # support.*, as pytest's pythonpath has it
+sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
 
+# config.json overrides of the model: vllm_ttft.py's, on make_tiny_model's Qwen2 kind.
+from bench.vllm_ttft import SIZES as MODEL  # noqa: E402
 from support.procs import sigstop  # noqa: E402
 from support.vllm_models import make_tiny_model  # noqa: E402
 
-#: config.json of the model (vllm_ttft.py's MODEL, on make_tiny_model's Qwen2 kind).
-MODEL = {
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 8,
-    "head_dim": 64,
-    "vocab_size": 4096,
-    "max_position_embeddings": 8192,
-}
 MODEL_TEXT = (
     "qwen2-style, 8 layers, hidden 1024, 16 heads / 8 KV heads x 64, vocab 4096, bf16 (dummy weights)"
 )

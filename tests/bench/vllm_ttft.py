@@ -34,23 +34,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
 from support.vllm_driver import start_engine  # noqa: E402
 
-#: config.json of the model: the ``gqa`` kind of ``support.vllm_models``, resized.
-MODEL: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
+#: The model: the ``gqa`` kind of ``support.vllm_models``, resized (its ``config.json`` overrides).
+SIZES: dict[str, Any] = {
     "hidden_size": 1024,
     "intermediate_size": 2816,
     "num_attention_heads": 16,
     "num_key_value_heads": 8,
     "num_hidden_layers": 8,
     "head_dim": 64,
-    "use_sliding_window": False,
     "vocab_size": 4096,
     "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
 }
 CHUNK = 256
 
@@ -73,7 +66,7 @@ def run_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     engine = start_engine(
         {
             "model": "gqa",
-            "config": MODEL,
+            "config": SIZES,
             "kv_cache_memory_bytes": 512 << 20,
             "max_model_len": 8192,
             "max_num_batched_tokens": 8192,
