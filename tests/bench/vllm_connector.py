@@ -160,7 +160,7 @@ def session_pids(sid: int) -> list[int]:
                 if int(_stat_fields(entry)[3]) == sid:
                     pids.append(int(entry))
             except (OSError, ValueError, IndexError):
-                pass
+                continue  # it ended between the listing and the read
     return pids
 
 
@@ -528,9 +528,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "kv_connector": "LMCachePlatformConnector",
             "kv_connector_module_path": "lmcache_platform.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"socket": sock},
+            "kv_connector_extra_config": {"socket": sock, **args.connector_config},
         }
     )
+    result["meta"]["connector_config"] = args.connector_config
     rounds, prefix, suffix = args.rounds, args.prefix_tokens, args.suffix_tokens
     prefixes = [ids(("prefix", r), prefix) for r in range(rounds)]
     bandwidth = [ids(("bandwidth", k), prefix) for k in range(args.bandwidth_prompts)]
@@ -964,6 +965,13 @@ def main() -> None:
         default=f"0-{(os.cpu_count() or 1) - 1}",
         help="VLLM_CPU_OMP_THREADS_BIND for every vLLM server, so engines with and without the "
         "connector run alike (default: every CPU; 'none' leaves vLLM's own choice)",
+    )
+    parser.add_argument(
+        "--connector-config",
+        metavar="JSON",
+        type=json.loads,
+        default={},
+        help="more of the connector's kv_connector_extra_config, e.g. '{\"lookup_wait_ms\": 0}'",
     )
     parser.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON document to this file")

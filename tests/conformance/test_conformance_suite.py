@@ -18,8 +18,7 @@ from xml.etree import ElementTree
 import pytest
 
 from lmcache_platform._cli.check import format_summary, summarize
-from lmcache_platform.testing import make_distribution
-from support.conformance import check, clean_env, pytest_suite
+from support.conformance import check, clean_env, one_module_backend, pytest_suite
 
 pytestmark = pytest.mark.slow
 
@@ -155,15 +154,7 @@ BROKEN = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    site = tmp_path_factory.mktemp("broken-site")
-    make_distribution(
-        site,
-        "broken-backend",
-        "0.0.1",
-        entry_points={"cpu.broken": "broken_backend"},
-        files={"broken_backend.py": BROKEN},
-    )
-    return site
+    return one_module_backend(tmp_path_factory.mktemp("broken-site"), "cpu.broken", BROKEN)
 
 
 def failing_checks(broken_site: Path, tmp_path: Path, faults: str) -> set[str]:

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_platform.testing import make_distribution
-from support.conformance import check, clean_env, junit_outcomes, pytest_suite
+from support.conformance import check, clean_env, junit_outcomes, one_module_backend, pytest_suite
 
 pytestmark = pytest.mark.slow
 
@@ -104,15 +103,7 @@ CHECKS = set().union(*FAULT_CHECKS.values())
 
 @pytest.fixture(scope="module")
 def leaky_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    site = tmp_path_factory.mktemp("leaky-site")
-    make_distribution(
-        site,
-        "leaky-backend",
-        "0.0.1",
-        entry_points={"cpu.leaky": "leaky_backend"},
-        files={"leaky_backend.py": LEAKY},
-    )
-    return site
+    return one_module_backend(tmp_path_factory.mktemp("leaky-site"), "cpu.leaky", LEAKY)
 
 
 def outcomes(site: Path, tmp_path: Path, faults: str) -> dict[str, str]:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+from lmcache_platform.testing import make_distribution
+
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_PLATFORM_", "PYTEST_"))}
@@ -47,3 +49,16 @@ def junit_outcomes(junit: Path) -> dict[str, str]:
         kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
         result[case.get("name", "")] = kind
     return result
+
+
+def one_module_backend(site: Path, name: str, source: str) -> Path:
+    """Install backend ``name`` (entry point ``name`` -> module ``<name>_backend``) into ``site``.
+
+    The faulty backends of the conformance tests: one module each, as a real distribution
+    ``<name>-backend`` in a site dir a child process gets on ``PYTHONPATH``.
+    """
+    module = name.rsplit(".", 1)[-1] + "_backend"
+    make_distribution(
+        site, module.replace("_", "-"), "0.0.1", entry_points={name: module}, files={f"{module}.py": source}
+    )
+    return site

