@@ -78,7 +78,13 @@ def read_bandwidth(disk: Path, url: str, prompts: int, cold: bool) -> dict[str, 
 
 
 def main() -> None:
-    args = arguments(__doc__).parse_args()
+    parser = arguments(__doc__)
+    parser.add_argument(
+        "--keep-page-cache",
+        action="store_true",
+        help="never drop the host's page cache (which needs root and slows everything else running)",
+    )
+    args = parser.parse_args()
     prompts = prompts_of(args)
     chunks = (args.prompt_tokens - 1) // CHUNK
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,7 +103,7 @@ def main() -> None:
             first.wait(60)
         restarted = start_serve(work / "srv", url)
         try:
-            cold = drop_page_cache()
+            cold = not args.keep_page_cache and drop_page_cache()
             disk_hit = run_engine({**base, "socket": str(sock)})  # B1: from disk, into memory
             memory_hit = run_engine({**base, "socket": str(sock)})  # B2: from the server's memory
             recompute = run_engine({**base, "socket": None})  # C

@@ -30,7 +30,6 @@ from support.waits import until
 NS = namespace()
 OTHER_NS = namespace(model="other")
 KEYS = [bytes([i]) * 32 for i in range(1, 200)]
-WAIT_S = 30.0
 
 
 def start(tmp: Path, name: str, url: str, *flags: str, env: dict[str, str] | None = None) -> Serve:

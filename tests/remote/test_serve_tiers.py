@@ -25,7 +25,6 @@ from support.waits import until
 
 NS = namespace(model="tiers")
 KEYS = [bytes([i]) * 32 for i in range(1, 40)]
-WAIT_S = 30.0
 
 
 def tier(directory: Path, **kw: Any) -> RemoteTier:

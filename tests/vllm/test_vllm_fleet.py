@@ -138,7 +138,9 @@ def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> Non
     try:
         for e in [*engines, ref]:
             wait_healthy(e.cmd, e.port)
-        wait_until(lambda: int(server.status()["contexts"]) == ENGINES, "every engine registered", 120)
+        wait_until(
+            lambda: int(server.status()["contexts"]) == ENGINES, "every engine registered", 120, interval=0.1
+        )
 
         def reference(calls: list[tuple[Engine, list[int]]]) -> list[dict[str, Any]]:
             return [ref.complete(ids) for _, ids in calls]
@@ -146,7 +148,9 @@ def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> Non
         # 1. each engine computes one document
         store = [(engines[i], ask(document(i), 0)) for i in range(ENGINES)]
         first = at_once(store)
-        wait_until(lambda: int(server.status()["chunks"]) >= 3 * ENGINES, "every document stored", 60)
+        wait_until(
+            lambda: int(server.status()["chunks"]) >= 3 * ENGINES, "every document stored", 60, interval=0.1
+        )
         # 2. every engine asks about documents others computed, twice at once
         cross = [(engines[i], ask(document((i + k) % ENGINES), k)) for i in range(ENGINES) for k in (1, 2)]
         hits = at_once(cross)
@@ -161,12 +165,22 @@ def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> Non
             server.restart()
             restarted = time.monotonic()
             answered = inflight.result(timeout=600)
-        wait_until(lambda: int(server.status()["contexts"]) == ENGINES, "every engine registered again", 60)
+        wait_until(
+            lambda: int(server.status()["contexts"]) == ENGINES,
+            "every engine registered again",
+            60,
+            interval=0.1,
+        )
         relinked_s = time.monotonic() - restarted
         # 4. new documents through the new server
         store2 = [(engines[i], ask(document(10 + i), 0)) for i in range(ENGINES)]
         second = at_once(store2)
-        wait_until(lambda: int(server.status()["chunks"]) >= 3 * ENGINES, "the new documents stored", 60)
+        wait_until(
+            lambda: int(server.status()["chunks"]) >= 3 * ENGINES,
+            "the new documents stored",
+            60,
+            interval=0.1,
+        )
         cross2 = [(engines[i], ask(document(10 + (i + 1) % ENGINES), 5)) for i in range(ENGINES)]
         hits2 = at_once(cross2)
         after = server.status()

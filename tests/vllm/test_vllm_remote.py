@@ -56,7 +56,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-remote")]
 CHUNK = 256
 PREFIX = "vllm-remote"
 OTHER_MODEL_ID = "tests/vllm gqa, another model identity"
-WAIT_S = 60.0
 
 
 # -- the stores --------------------------------------------------------------------------------
@@ -115,7 +114,7 @@ def connected_again(lab: Lab, server: Any) -> Any:
 
 def written(server: Any, before: int, n: int) -> None:
     """Wait until the server's tier wrote ``n`` chunks since it had written ``before``."""
-    assert until(lambda: remote(server)["written"] >= before + n), remote(server)
+    assert until(lambda: remote(server)["written"] >= before + n, interval=0.1), remote(server)
 
 
 class Nodes:

@@ -801,6 +801,25 @@ def test_a_busy_engine_waits_for_a_new_lookup_on_its_first_pass_only(own_serve: 
     side.shutdown()
 
 
+def test_new_requests_in_one_pass_share_one_wait(own_serve: Serve) -> None:
+    side, _ = scheduler(own_serve, kv_config(attention()), lookup_wait_ms=500)
+    first, second = request(prompt(2, seed=64), "first"), request(prompt(2, seed=65), "second")
+    store(own_serve, side.namespaces[0], keys_of(first))
+    store(own_serve, side.namespaces[0], keys_of(second))
+    side.build_connector_meta(step({"other": (0, 16)}))  # the engine computes
+    with stopped_for(own_serve, 0.9):
+        side.on_new_request(first)
+        side.on_new_request(second)
+        assert side.get_num_new_matched_tokens(first, 0) == (None, False)  # the pass's 500 ms
+        # The same pass: nothing left to wait, so the second asks again at once.
+        assert side.get_num_new_matched_tokens(second, 0) == (None, False)
+        side.build_connector_meta(step({"other": (16, 16)}))  # the next pass has a budget again
+        # ...which the second, not yet given any, may wait out: the answer comes meanwhile.
+        assert side.get_num_new_matched_tokens(second, 0) == (2 * CHUNK, True)
+    assert answer(side, first) == (2 * CHUNK, True)
+    side.shutdown()
+
+
 @pytest.mark.parametrize(
     ("extra", "refusal"),
     [
@@ -809,6 +828,8 @@ def test_a_busy_engine_waits_for_a_new_lookup_on_its_first_pass_only(own_serve: 
         ({"lease_ms": "long"}, r"'lease_ms'\] must be a number, got 'long'"),
         ({"lookup_wait_ms": True}, r"'lookup_wait_ms'\] must be 0 or more, got True"),
         ({"lookup_wait": 5}, r"unknown kv_connector_extra_config key\(s\) \['lookup_wait'\]"),
+        ({"lookup_wait_ms": float("nan")}, r"'lookup_wait_ms'\] must be finite, got nan"),
+        ({"lookup_deadline_ms": "inf"}, r"'lookup_deadline_ms'\] must be finite, got 'inf'"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_its_key(extra: dict[str, Any], refusal: str) -> None:

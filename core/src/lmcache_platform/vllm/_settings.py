@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,10 @@ def _number(extra: Mapping[str, Any], key: str, default: Any, kind: type, *, zer
         raise ValueError(
             f"lmcache-platform: kv_connector_extra_config[{key!r}] must be a number, got {value!r}"
         ) from None
+    if not math.isfinite(number):
+        raise ValueError(
+            f"lmcache-platform: kv_connector_extra_config[{key!r}] must be finite, got {value!r}"
+        )
     if isinstance(value, bool) or number < 0 or (number == 0 and not zero):
         what = "0 or more" if zero else "positive"
         raise ValueError(
