@@ -125,7 +125,8 @@ def engine_kv(
 def engine_views(*sizes: Any, **kw: Any) -> list[torch.Tensor]:
     """:func:`engine_kv` of vLLM's format: one tensor a layer (views of one allocation)."""
     views = engine_kv(KVFormat.VLLM, *sizes, **kw)
-    assert all(isinstance(v, torch.Tensor) for v in views)
+    if not all(isinstance(v, torch.Tensor) for v in views):  # the format's contract: one tensor a layer
+        raise TypeError(f"allocate_kv_caches(VLLM) returned {[type(v).__name__ for v in views]}")
     return views
 
 
