@@ -22,14 +22,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
 from bench.remote_ttft import PREFIX, start_serve, wait_written  # noqa: E402
-from bench.vllm_ttft import CHUNK, arguments, medians, prompts_of, run_engine  # noqa: E402
+from bench.vllm_ttft import CHUNK, arguments, medians, prompts_of, run_engine, work_dir  # noqa: E402
 
 
 def drop_page_cache() -> bool:
@@ -87,9 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = prompts_of(args)
     chunks = (args.prompt_tokens - 1) // CHUNK
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        os.chmod(work, 0o700)
+    with work_dir() as work:
         disk = work / "disk"
         url = f"file://{disk}"
         base = {"prompts": prompts, "tokens": 2 * CHUNK + 17, "model_id": "bench disk ttft"}

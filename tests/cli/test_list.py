@@ -12,6 +12,7 @@ from lmcache_platform import Availability
 from lmcache_platform._cli import main
 from lmcache_platform.testing import fake_backend
 from support.fakes import backend
+from support.imports import fresh_run
 
 
 @pytest.fixture
@@ -93,15 +94,12 @@ def test_no_load_imports_nothing(installed, capsys):
 
 
 def test_help_lists_commands_without_importing_torch():
-    code = (
-        "import sys; from lmcache_platform._cli import main\n"
-        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "print('torch' in sys.modules)"
+    run = fresh_run(
+        "from lmcache_platform._cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().endswith("False")
+    assert "torch" not in run.modules
     for command in ("list", "demo", "doctor", "gc", "check", "bench"):
-        assert command in out.stdout
+        assert command in run.stdout
 
 
 def test_an_unusable_explicit_choice_is_reported_as_that_choice(lmcache_registry, capsys):

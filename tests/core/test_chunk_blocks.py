@@ -24,34 +24,16 @@ from lmcache_platform import (
     LayoutError,
     LayoutHints,
     TransferError,
-    allocate_kv_caches,
 )
-from support.cache import HeldWrapper, HostContext, slot_rows, token_rows
+from support.cache import HostContext, engine_kv, slot_rows, token_rows
+from support.layouts import BS, NB, ORDERS, D, H, L, fill, host_context
 
-NB, BS, H, D, L = 10, 4, 2, 8, 3
-CHUNK = 2 * BS
-ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 SRC, DST = [3, 7], [9, 1]
-
-
-def fill(layers: list[Any], seed: int = 7) -> None:
-    """Random bit patterns over every byte of each layer's backing storage."""
-    gen = torch.Generator().manual_seed(seed)
-    seen = set()
-    for entry in layers:
-        for t in entry if isinstance(entry, tuple) else (entry,):
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
 
 def allocate(fmt: KVFormat, order: str | None = None, *, per_layer: bool = False, nb: int = NB) -> list[Any]:
     """``L`` layers of ``fmt`` as its engine allocates them (or one allocation per layer)."""
-    kw: dict[str, Any] = {"num_layers": L, "num_blocks": nb, "block_size": BS, "num_kv_heads": H}
-    layers: list[Any] = allocate_kv_caches(fmt, head_size=D, dtype=torch.bfloat16, engine_layout=order, **kw)
+    layers = engine_kv(fmt, L, nb, BS, H, D, torch.bfloat16, order=order)
     if per_layer:
         layers = [tuple(t.clone() for t in e) if isinstance(e, tuple) else e.clone() for e in layers]
     fill(layers)
@@ -84,14 +66,6 @@ CASES: dict[str, tuple[KVFormat, str | None, bool, dict[str, Any]]] = {
 HND_HINTS = {KVFormat.FLASH_ATTN_HND, KVFormat.FLASHINFER_HND, KVFormat.FLASH_ATTN, KVFormat.FLASHINFER}
 
 
-def ctx_of(layers: list[Any], **config: Any) -> HostContext:
-    config.setdefault("lmcache_tokens_per_chunk", CHUNK)
-    entries = [
-        tuple(HeldWrapper.wrap(t) for t in e) if isinstance(e, tuple) else HeldWrapper.wrap(e) for e in layers
-    ]
-    return HostContext(entries, CacheContextConfig(**config))
-
-
 def reference(fmt: KVFormat) -> Callable[[Any, int], torch.Tensor]:
     """Hand-indexed bytes of one whole block of a layer (``[kv, tokens, hidden]``)."""
     if fmt in (KVFormat.SGLANG, KVFormat.SGLANG_MLA):
@@ -120,7 +94,7 @@ def test_every_layout_round_trips_bit_exact_through_a_blocks_chunk(case: str) ->
     fmt, order, per_layer, extra = CASES[case]
     layers = allocate(fmt, order, per_layer=per_layer)
     before = snapshot(layers, fmt)
-    with ctx_of(layers, chunk_format="blocks", **config_of(fmt, extra)) as ctx:
+    with host_context(layers, chunk_format="blocks", **config_of(fmt, extra)) as ctx:
         assert ctx.chunk_format == "blocks"
         chunk = ctx.allocate_chunk()
         ctx.read_chunk([SRC], chunk)
@@ -132,7 +106,7 @@ def test_every_layout_round_trips_bit_exact_through_a_blocks_chunk(case: str) ->
                 assert torch.equal(after[layer, block], before[layer, src]), (layer, block)
             else:  # and nothing else moved
                 assert torch.equal(after[layer, block], old), (layer, block)
-        with ctx_of(layers, **config_of(fmt, extra)) as tokens:  # same bytes per chunk as token-major
+        with host_context(layers, **config_of(fmt, extra)) as tokens:  # same bytes per chunk as token-major
             assert tokens.chunk_nbytes == ctx.chunk_nbytes
             assert (
                 tokens.report_status()["kernel_groups"][0]["block_order"]
@@ -152,7 +126,7 @@ def test_every_layout_round_trips_bit_exact_through_a_blocks_chunk(case: str) ->
 )
 def test_a_blocks_chunk_is_the_engine_blocks_in_memory_order(order: str, block_order: str) -> None:
     layers = allocate(KVFormat.VLLM, order)
-    with ctx_of(layers, chunk_format="blocks") as ctx:
+    with host_context(layers, chunk_format="blocks") as ctx:
         kg = ctx.report_status()["kernel_groups"][0]
         assert (kg["block_order"], kg["stacked"]) == (block_order, True)
         chunk = ctx.allocate_chunk()
@@ -166,7 +140,7 @@ def test_a_blocks_chunk_is_the_engine_blocks_in_memory_order(order: str, block_o
 
 def test_the_vllm_cpu_layout_payload_is_whole_contiguous_blocks() -> None:
     layers = allocate(KVFormat.VLLM, "LBHNC")
-    with ctx_of(layers, chunk_format="blocks") as ctx:
+    with host_context(layers, chunk_format="blocks") as ctx:
         chunk = ctx.allocate_chunk()
         ctx.read_chunk([SRC], chunk)
         assert torch.equal(chunk[0], torch.cat([as_bytes(x[SRC]) for x in layers]))
@@ -179,7 +153,7 @@ def hybrid(window: int, **config: Any) -> tuple[list[Any], HostContext]:
         EngineGroupInfo(layer_indices=[0], block_size=BS, sliding_window=window),
         EngineGroupInfo(layer_indices=[1], block_size=BS),
     ]
-    return [sw, full], ctx_of([sw, full], engine_group_infos=infos, **config)
+    return [sw, full], host_context([sw, full], engine_group_infos=infos, **config)
 
 
 def test_sliding_window_groups_keep_their_last_blocks() -> None:
@@ -208,7 +182,9 @@ def test_kernel_blocks_smaller_than_the_engine_block() -> None:
     kernel_bs, ratio = BS, 2
     layers = allocate(KVFormat.VLLM, "LBNHC", nb=NB * ratio)
     infos = [EngineGroupInfo(layer_indices=range(L), block_size=kernel_bs * ratio)]
-    with ctx_of(layers, engine_group_infos=infos, lmcache_tokens_per_chunk=16, chunk_format="blocks") as ctx:
+    with host_context(
+        layers, engine_group_infos=infos, lmcache_tokens_per_chunk=16, chunk_format="blocks"
+    ) as ctx:
         # Engine blocks 3 and 6 are kernel blocks 6, 7 and 12, 13; 1 and 9 are 2, 3 and 18, 19.
         want = [as_bytes(x[[6, 7, 12, 13]]).clone() for x in layers]
         chunk = ctx.allocate_chunk()
@@ -220,7 +196,7 @@ def test_kernel_blocks_smaller_than_the_engine_block() -> None:
 
 def test_skipped_blocks_are_neither_read_nor_written() -> None:
     layers = allocate(KVFormat.VLLM, "LBHNC")
-    with ctx_of(layers, chunk_format="blocks") as ctx:
+    with host_context(layers, chunk_format="blocks") as ctx:
         chunk = ctx.allocate_chunk()
         ctx.read_chunk([SRC], chunk)
         skipped = [as_bytes(x[9]).clone() for x in layers]
@@ -234,7 +210,7 @@ def test_skipped_blocks_are_neither_read_nor_written() -> None:
 
 def test_blocks_chunks_hold_whole_blocks_only() -> None:
     layers = allocate(KVFormat.VLLM, "LBHNC")
-    with ctx_of(layers, chunk_format="blocks") as ctx:
+    with host_context(layers, chunk_format="blocks") as ctx:
         chunk = ctx.allocate_chunk()
         with pytest.raises(TransferError, match=r"num_tokens 5 is not a multiple of kernel group 0's block"):
             ctx.read_chunk([SRC], chunk, num_tokens=5)
@@ -246,7 +222,7 @@ def test_blocks_chunks_hold_whole_blocks_only() -> None:
 
 def test_store_and_retrieve_through_staging_use_the_same_format() -> None:
     layers = allocate(KVFormat.VLLM, "LBHNC")
-    with ctx_of(layers, chunk_format="blocks") as ctx:
+    with host_context(layers, chunk_format="blocks") as ctx:
         ctx.store_chunk([SRC], slot=1)
         assert torch.equal(
             ctx.get_temp_object_group_buffer(1, 0), torch.cat([as_bytes(x[SRC]) for x in layers])
@@ -267,7 +243,7 @@ def test_an_unknown_chunk_format_is_refused() -> None:
 @pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
 def test_on_the_host_read_and_write_never_touch_staging(chunk_format: str) -> None:
     layers = allocate(KVFormat.VLLM, "LBHNC")
-    with ctx_of(layers, chunk_format=chunk_format) as ctx:
+    with host_context(layers, chunk_format=chunk_format) as ctx:
         ctx.store_chunk([SRC], slot=0)  # what staging would hold after a staged store
         staged = ctx.get_temp_object_group_buffer(0, 0).clone()
         staging = [ctx.get_temp_object_group_buffer(s, 0) for s in range(ctx.max_batch_size)]
@@ -284,7 +260,7 @@ def test_on_the_host_read_and_write_never_touch_staging(chunk_format: str) -> No
 
 def test_host_tensors_staging_cannot_align_with_go_through_staging() -> None:
     layers = allocate(KVFormat.VLLM, "LBHNC")
-    with ctx_of(layers, chunk_format="blocks") as ctx:
+    with host_context(layers, chunk_format="blocks") as ctx:
         (nbytes,) = ctx.chunk_nbytes
         odd = torch.zeros(nbytes + 8, dtype=torch.uint8)[8:]  # 8 bytes in: not like a slot
         ctx.read_chunk([SRC], [odd])
@@ -309,7 +285,7 @@ def test_host_tensors_staging_cannot_align_with_go_through_staging() -> None:
 )
 def test_host_tensors_are_checked_before_anything_moves(bad: Any, match: str) -> None:
     layers = allocate(KVFormat.VLLM, "LBHNC")
-    with ctx_of(layers) as ctx:
+    with host_context(layers) as ctx:
         (nbytes,) = ctx.chunk_nbytes
         with pytest.raises(TransferError, match=match):
             ctx.read_chunk([SRC], bad(nbytes))
@@ -322,7 +298,7 @@ def test_allocate_chunk_lays_a_chunk_out_like_a_slot() -> None:
         EngineGroupInfo(layer_indices=[0], block_size=BS, sliding_window=BS),
         EngineGroupInfo(layer_indices=[1], block_size=BS),
     ]
-    with ctx_of([sw, full], engine_group_infos=infos) as ctx:
+    with host_context([sw, full], engine_group_infos=infos) as ctx:
         chunk = ctx.allocate_chunk()
         assert [t.numel() for t in chunk] == ctx.chunk_nbytes and len(chunk) == 2
         assert all(t.dtype == torch.uint8 and t.device.type == "cpu" and not t.is_pinned() for t in chunk)

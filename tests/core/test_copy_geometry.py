@@ -13,29 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_platform import (
-    CacheContextConfig,
-    CopyGeometry,
-    EngineGroupInfo,
-    EngineType,
-    KVFormat,
-    LayoutHints,
-    copy_geometry,
-)
-from support.cache import HeldWrapper, HostContext, engine_kv
-
-NB, BS, H, D, L = 10, 4, 2, 8, 3
-CHUNK = 2 * BS
-ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+from lmcache_platform import CopyGeometry, EngineGroupInfo, EngineType, KVFormat, LayoutHints, copy_geometry
+from support.cache import engine_kv
+from support.layouts import BS, NB, ORDERS, D, H, L, fill, host_context, planes
 
 
 def layers_of(fmt: KVFormat, order: str | None = None, d: int = D) -> list[Any]:
     layers = engine_kv(fmt, L, NB, BS, H, d, order=order)
-    gen = torch.Generator().manual_seed(5)
-    for entry in layers:
-        for t in entry if isinstance(entry, tuple) else (entry,):
-            raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    fill(layers, seed=5)
     return layers
 
 
@@ -85,13 +70,9 @@ def gather(geo: CopyGeometry, tensors: list[torch.Tensor], ids: list[int], out: 
 def test_a_gather_by_the_geometry_is_what_store_chunk_stages(case: str, chunk_format: str) -> None:
     fmt, order, config = CASES[case]
     layers = layers_of(fmt, order, d=D)
-    entries = [
-        tuple(HeldWrapper.wrap(t) for t in e) if isinstance(e, tuple) else HeldWrapper.wrap(e) for e in layers
-    ]
-    cfg = CacheContextConfig(lmcache_tokens_per_chunk=CHUNK, chunk_format=chunk_format, **config)
-    with HostContext(entries, cfg) as ctx:
+    with host_context(layers, chunk_format=chunk_format, **config) as ctx:
         (kg,) = ctx.kv_layer_groups_manager.kernel_groups
-        per_layer = [e if isinstance(e, tuple) else (e,) for e in layers]
+        per_layer = planes(layers)
         geo = copy_geometry(kg, per_layer, chunk_format)
         assert geo is not None
         assert len(geo.units) >= L and geo.tokens_per_row * geo.rows_per_block == BS
@@ -131,9 +112,6 @@ def test_a_pair_whose_strides_differ_has_no_single_geometry() -> None:
 
 
 def _group(layers: list[Any], config: dict[str, Any]) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-    entries = [
-        tuple(HeldWrapper.wrap(t) for t in e) if isinstance(e, tuple) else HeldWrapper.wrap(e) for e in layers
-    ]
-    with HostContext(entries, CacheContextConfig(lmcache_tokens_per_chunk=CHUNK, **config)) as ctx:
+    with host_context(layers, **config) as ctx:
         (kg,) = ctx.kv_layer_groups_manager.kernel_groups
-    return kg, [e if isinstance(e, tuple) else (e,) for e in layers]
+    return kg, planes(layers)

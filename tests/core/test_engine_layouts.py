@@ -9,53 +9,21 @@ checked bit-exact against references indexed by hand (``token_rows``/``slot_rows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from lmcache_platform import (
-    CacheContextConfig,
-    EngineGroupInfo,
-    EngineType,
-    KVFormat,
-    LayoutError,
-    LayoutHints,
-    TransferError,
-)
-from support.cache import HeldWrapper, HostContext, engine_kv, slot_rows, token_rows
-
-NB, BS, H, D, L = 10, 4, 2, 8, 3
-CHUNK = 2 * BS
-ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+from lmcache_platform import EngineGroupInfo, EngineType, KVFormat, LayoutError, LayoutHints, TransferError
+from support.cache import HostContext, engine_kv, slot_rows, token_rows
+from support.layouts import BS, CHUNK, NB, ORDERS, D, H, L, fill, host_context, planes
 
 
 def dense(layers: list[Any]) -> list[torch.Tensor]:
     """Layers of one tensor each, as the formats allocated with it here are."""
     assert all(isinstance(x, torch.Tensor) for x in layers)
     return list(layers)
-
-
-def fill(layers: list) -> None:
-    """Random bit patterns over every byte of each layer's backing storage."""
-    gen = torch.Generator().manual_seed(7)
-    seen = set()
-    for entry in layers:
-        for t in entry if isinstance(entry, tuple) else (entry,):
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-
-
-def ctx_of(layers: list, **config) -> HostContext:
-    config.setdefault("lmcache_tokens_per_chunk", CHUNK)
-    entries = [
-        tuple(HeldWrapper.wrap(t) for t in e) if isinstance(e, tuple) else HeldWrapper.wrap(e) for e in layers
-    ]
-    return HostContext(entries, CacheContextConfig(**config))
 
 
 def vllm(order: str = "LBHNC", *, mla: bool = False, nb: int = NB, bs: int = BS) -> list:
@@ -69,8 +37,33 @@ def chunk_ref(x, fmt, ids, lo, hi, bs=BS):
     return torch.cat([token_rows(x, fmt, ids[p // bs], p % bs, p % bs + 1) for p in range(lo, hi)], 1)
 
 
+def page_ref(entry: Any, ids: list[int]) -> torch.Tensor:
+    """Reference for the slot formats: whole pages ``ids`` of one layer (a tensor or a K/V pair)."""
+    return torch.cat([slot_rows(planes([entry])[0], BS, b, 0, BS) for b in ids], 1)
+
+
 def as_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
+
+
+def round_trip(
+    ctx: HostContext,
+    layers: list[Any],
+    ref: Callable[[Any, list[int]], torch.Tensor],
+    src: list[int],
+    dst: list[int],
+) -> None:
+    """Store blocks ``src``, zero every layer, retrieve into ``dst``: each layer's ``dst`` is ``src`` again.
+
+    Zeroing in between makes a retrieve that wrote nothing, or the wrong blocks, fail.
+    """
+    want = [ref(x, src) for x in layers]
+    ctx.store_chunk([src])
+    for t in (t for entry in planes(layers) for t in entry):
+        t.zero_()
+    ctx.retrieve_chunk([dst])
+    for i, x in enumerate(layers):
+        assert torch.equal(as_bytes(ref(x, dst)), as_bytes(want[i])), i
 
 
 # -- the engine's own allocation -------------------------------------------------------------
@@ -109,7 +102,7 @@ def test_vllm_round_trip_in_every_physical_order(order, hinted, num_tokens):
     src, dst = [3, 7], [1, 9]
     n = -(-num_tokens // BS)
     src, dst = src[:n], dst[:n]
-    with ctx_of(layers, layout_hints=hints) as ctx:
+    with host_context(layers, layout_hints=hints) as ctx:
         kg = ctx.report_status()["kernel_groups"][0]
         assert kg["kv_format"] == "vllm" and kg["head_size"] == D and kg["num_kv_heads"] == H
         assert kg["stacked"] is True  # layers sit at one constant step in one allocation
@@ -131,16 +124,16 @@ def test_vllm_round_trip_in_every_physical_order(order, hinted, num_tokens):
 def test_wrong_engine_layout_name_is_refused_naming_the_hint():
     layers = vllm("LBNHC")
     with pytest.raises(LayoutError, match=r"do not match the engine layout LBHNC.*LayoutHints.engine_layout"):
-        ctx_of(layers, layout_hints=LayoutHints(engine_layout="LBHNC"))
+        host_context(layers, layout_hints=LayoutHints(engine_layout="LBHNC"))
     with pytest.raises(LayoutError, match="'XYZ' is not a known layout"):
-        ctx_of(layers, layout_hints=LayoutHints(engine_layout="XYZ"))
+        host_context(layers, layout_hints=LayoutHints(engine_layout="XYZ"))
     # The older two-name vocabulary means the same orders.
-    ctx_of(layers, layout_hints=LayoutHints(engine_layout="NHD")).close()
+    host_context(layers, layout_hints=LayoutHints(engine_layout="NHD")).close()
 
 
 def test_head_size_hint_must_split_the_content_dim():
     with pytest.raises(LayoutError, match=r"content dim \(16\) is neither 2 \* head_size \(24"):
-        ctx_of(vllm(), layout_hints=LayoutHints(head_size=12))
+        host_context(vllm(), layout_hints=LayoutHints(head_size=12))
 
 
 # -- current vLLM MLA ------------------------------------------------------------------------
@@ -150,20 +143,14 @@ def test_vllm_mla_needs_head_size_or_format_and_then_round_trips():
     layers = dense(engine_kv(KVFormat.VLLM_MLA, 2, NB, BS, 1, 24, torch.bfloat16))
     fill(layers)
     with pytest.raises(LayoutError, match=r"ambiguous: with one KV head.*LayoutHints\(head_size=\.\.\.\)"):
-        ctx_of(layers)
+        host_context(layers)
     for hints in (LayoutHints(head_size=24), LayoutHints(kv_format=KVFormat.VLLM_MLA)):
-        with ctx_of(layers, layout_hints=hints) as ctx:
+        with host_context(layers, layout_hints=hints) as ctx:
             kg = ctx.report_status()["kernel_groups"][0]
             assert (kg["kv_format"], kg["is_mla"], kg["head_size"]) == ("vllm_mla", True, 24)
-            want = [chunk_ref(x, KVFormat.VLLM_MLA, [4, 2], 0, CHUNK) for x in layers]
-            ctx.store_chunk([[4, 2]])
-            for x in layers:
-                x.zero_()
-            ctx.retrieve_chunk([[6, 0]])
-            for i, x in enumerate(layers):
-                assert torch.equal(
-                    as_bytes(chunk_ref(x, KVFormat.VLLM_MLA, [6, 0], 0, CHUNK)), as_bytes(want[i])
-                )
+            round_trip(
+                ctx, layers, lambda x, ids: chunk_ref(x, KVFormat.VLLM_MLA, ids, 0, CHUNK), [4, 2], [6, 0]
+            )
 
 
 # -- kernel blocks smaller than the engine's block ---------------------------------------------
@@ -175,7 +162,7 @@ def test_kernel_blocks_translate_engine_block_ids(order):
     kernel_bs, ratio = 4, 2
     layers = vllm(order, nb=NB * ratio, bs=kernel_bs)
     infos = [EngineGroupInfo(layer_indices=range(L), block_size=kernel_bs * ratio)]
-    with ctx_of(layers, engine_group_infos=infos, lmcache_tokens_per_chunk=16) as ctx:
+    with host_context(layers, engine_group_infos=infos, lmcache_tokens_per_chunk=16) as ctx:
         kg = ctx.kv_layer_groups_manager.kernel_groups[0]
         assert (kg.block_size, kg.blocks_per_engine_block, kg.engine_block_size) == (4, 2, 8)
         assert ctx.calculate_num_blocks(16, 0) == 2
@@ -194,7 +181,7 @@ def test_kernel_blocks_translate_engine_block_ids(order):
 
 def test_kernel_block_size_must_divide_the_engine_block():
     with pytest.raises(LayoutError, match="must be 4 or a whole multiple of it"):
-        ctx_of(vllm(), engine_group_infos=[EngineGroupInfo(layer_indices=range(L), block_size=6)])
+        host_context(vllm(), engine_group_infos=[EngineGroupInfo(layer_indices=range(L), block_size=6)])
 
 
 # -- hybrid groups overlaid on the same bytes --------------------------------------------------
@@ -209,7 +196,7 @@ def test_hybrid_groups_overlaid_on_one_allocation():
         EngineGroupInfo(layer_indices=[0], block_size=BS, sliding_window=BS),
         EngineGroupInfo(layer_indices=[1], block_size=BS),
     ]
-    with ctx_of([sw, full], engine_group_infos=infos) as ctx:
+    with host_context([sw, full], engine_group_infos=infos) as ctx:
         assert ctx.kv_layer_groups_manager.num_engine_groups == 2
         want_sw = chunk_ref(sw, KVFormat.VLLM, [0, 5], CHUNK - BS, CHUNK)  # the window keeps one block
         want_full = chunk_ref(full, KVFormat.VLLM, [2, 3], 0, CHUNK)
@@ -230,20 +217,12 @@ def test_sglang_kv_pair_pool_round_trips():
     fill(layers)
     assert all(isinstance(e, tuple) and e[0].shape == (NB * BS, H, D) for e in layers)
     infos = [EngineGroupInfo(layer_indices=range(L), block_size=BS)]
-    with ctx_of(layers, engine_group_infos=infos) as ctx:
+    with host_context(layers, engine_group_infos=infos) as ctx:
         kg = ctx.report_status()["kernel_groups"][0]
         assert (kg["kv_format"], kg["num_blocks"], kg["block_size"]) == ("sglang", NB, BS)
         assert len(ctx.kv_caches) == 2 * L and ctx.get_kernel_group_kv_pointers(0).numel() == 2 * L
-        want = [torch.cat([slot_rows(e, BS, b, 0, BS) for b in (8, 1)], 1) for e in layers]
-        ctx.store_chunk([[8, 1]])
-        for e in layers:
-            e[0].zero_()
-            e[1].zero_()
-        ctx.retrieve_chunk([[2, 5]])
-        for i, e in enumerate(layers):
-            got = torch.cat([slot_rows(e, BS, b, 0, BS) for b in (2, 5)], 1)
-            assert torch.equal(as_bytes(got), as_bytes(want[i]))
-            # Pages not written stay zero.
+        round_trip(ctx, layers, page_ref, [8, 1], [2, 5])
+        for e in layers:  # pages not written stay zero
             assert not e[0][: 2 * BS].any() and not e[1][6 * BS :].any()
     closed = [w.closed for entry in ctx.layer_wrappers for w in entry]
     assert closed == [True] * (2 * L)
@@ -253,26 +232,18 @@ def test_sglang_mla_pool_is_read_by_engine_type_and_needs_the_page_size():
     layers = dense(engine_kv(KVFormat.SGLANG_MLA, 2, NB, BS, 1, D, torch.bfloat16))
     fill(layers)
     with pytest.raises(LayoutError, match="page size is unknown"):
-        ctx_of(layers, engine_type=EngineType.SGLANG)
-    with ctx_of(layers, engine_type=EngineType.SGLANG, layout_hints=LayoutHints(block_size=BS)) as ctx:
+        host_context(layers, engine_type=EngineType.SGLANG)
+    with host_context(layers, engine_type=EngineType.SGLANG, layout_hints=LayoutHints(block_size=BS)) as ctx:
         assert ctx.report_status()["kernel_groups"][0]["kv_format"] == "sglang_mla"
-        want = [torch.cat([slot_rows((x,), BS, b, 0, BS) for b in (3, 4)], 1) for x in layers]
-        ctx.store_chunk([[3, 4]])
-        for x in layers:
-            x.zero_()
-        ctx.retrieve_chunk([[3, 4]])
-        for i, x in enumerate(layers):
-            assert torch.equal(
-                as_bytes(torch.cat([slot_rows((x,), BS, b, 0, BS) for b in (3, 4)], 1)), as_bytes(want[i])
-            )
+        round_trip(ctx, layers, page_ref, [3, 4], [3, 4])
 
 
 def test_a_pair_must_match_and_only_pair_formats_take_pairs():
     k = torch.zeros(NB * BS, H, D)
     with pytest.raises(LayoutError, match="must share shape, dtype and device"):
-        ctx_of([(k, torch.zeros(NB * BS, H, D + 1))], layout_hints=LayoutHints(block_size=BS))
+        host_context([(k, torch.zeros(NB * BS, H, D + 1))], layout_hints=LayoutHints(block_size=BS))
     with pytest.raises(LayoutError, match="takes 1 tensor"):
-        ctx_of([(k, k.clone())], layout_hints=LayoutHints(kv_format=KVFormat.VLLM))
+        host_context([(k, k.clone())], layout_hints=LayoutHints(kv_format=KVFormat.VLLM))
 
 
 # -- engine layer names ------------------------------------------------------------------------
@@ -286,6 +257,6 @@ def test_errors_name_the_engine_layer():
         "model.layers.2.self_attn.attn",
     )
     with pytest.raises(LayoutError, match=r"layer 2 \(model\.layers\.2\.self_attn\.attn\)"):
-        ctx_of(layers, layer_names=names)
+        host_context(layers, layer_names=names)
     with pytest.raises(LayoutError, match="2 layer names for 3 layers"):
-        ctx_of(layers, layer_names=names[:2])
+        host_context(layers, layer_names=names[:2])

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import lmcache_platform as lp
 from lmcache_platform import CacheContextConfig, EngineGroupInfo, EngineType, LayoutHints
 from lmcache_platform.testing import fake_backend
 from support.fakes import context_class, wrapper_class
+from support.imports import fresh_run
 from support.plugins import backend_class
 
 
@@ -138,22 +137,13 @@ def test_create_cache_context_takes_exactly_the_engine_fields_of_the_config():
 
 
 def test_import_is_light_and_lazy():
-    code = (
-        "import sys, lmcache_platform; "
-        "bad = [m for m in ('torch', 'lmcache_platform_cpu', 'lmcache_platform_cuda', 'numpy')"
-        " if m in sys.modules]; print(bad)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    heavy = {"torch", "lmcache_platform_cpu", "lmcache_platform_cuda", "numpy"}
+    assert sorted(fresh_run("import lmcache_platform").modules & heavy) == []
 
 
 def test_resolving_cpu_never_imports_cuda():
-    code = (
-        "import sys, torch, lmcache_platform as lp; lp.get_kv_wrapper_factory('cpu'); "
-        "print('lmcache_platform_cuda' in sys.modules, 'lmcache_platform_cpu' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "True"]
+    modules = fresh_run("import torch, lmcache_platform as lp; lp.get_kv_wrapper_factory('cpu')").modules
+    assert "lmcache_platform_cuda" not in modules and "lmcache_platform_cpu" in modules
 
 
 def test_wrap_kv_caches_preflights_each_device_batch_before_wrapping(lmcache_registry):
@@ -188,6 +178,5 @@ def test_default_backend_names_the_device_type_that_is_always_available():
         "print(DEFAULT_BACKEND, torch.empty(0).device.type, info.name, info.status.value)"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_PLATFORM_")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.split() == ["cpu", "cpu", "cpu", "ok"]
+    assert fresh_run(code, env).stdout.split() == ["cpu", "cpu", "cpu", "ok"]
     assert "DEFAULT_BACKEND" in lp.__all__

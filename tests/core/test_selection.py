@@ -8,13 +8,24 @@ import pytest
 
 import lmcache_platform as lp
 from lmcache_platform import Availability, Status
-from lmcache_platform.testing import fake_backend
+from lmcache_platform.testing import RegistryFixture, fake_backend
 from support.fakes import backend, context_class, wrapper_class
 from support.plugins import backend_class
 
 
 def owner(device: str) -> Any:
     return backend_class(lp.get_kv_wrapper_factory(device))
+
+
+def choose_unavailable(registry: RegistryFixture, variant: str, reason: str) -> lp.BackendUnavailableError:
+    """Install ``cpu`` and a ``variant`` whose probe declines with ``reason``, choose the variant
+    explicitly: the error resolving ``cpu`` then raises (it must not fall back to ``cpu``)."""
+    registry.install("cpu", backend("cpu"))
+    registry.install(variant, backend("cpu", probe=Availability.no(reason)))
+    registry.setenv("LMCACHE_PLATFORM_BACKEND", variant)
+    with pytest.raises(lp.BackendUnavailableError) as excinfo:
+        owner("cpu")
+    return excinfo.value
 
 
 def test_single_candidate_is_used(lmcache_registry):
@@ -40,13 +51,9 @@ def test_two_variants_are_ambiguous_until_one_is_chosen(lmcache_registry):
 
 
 def test_explicit_choice_never_falls_back(lmcache_registry):
-    lmcache_registry.install("cpu", backend("cpu"))
-    lmcache_registry.install("cpu.file", backend("cpu", probe=Availability.no("dir missing")))
-    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.file")
-    with pytest.raises(lp.BackendUnavailableError) as excinfo:
-        owner("cpu")
-    assert excinfo.value.reasons == {"cpu.file": "dir missing"}
-    assert "other installed backends of this type: cpu" in str(excinfo.value)
+    error = choose_unavailable(lmcache_registry, "cpu.file", "dir missing")
+    assert error.reasons == {"cpu.file": "dir missing"}
+    assert "other installed backends of this type: cpu" in str(error)
 
     lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.nope")
     with pytest.raises(lp.BackendUnavailableError, match="not installed"):
@@ -139,18 +146,14 @@ def test_wire_classes_allow_list(lmcache_registry):
 
 def test_an_unavailable_explicit_choice_says_what_is_true(lmcache_registry):
     """A vendor's variant, chosen but declined by its probe: registered, unavailable, why, what to do."""
-    lmcache_registry.install("cpu", backend("cpu"))
-    lmcache_registry.install("cpu.hugetlb", backend("cpu", probe=Availability.no("vm.nr_hugepages is 0")))
-    lmcache_registry.setenv("LMCACHE_PLATFORM_BACKEND", "cpu.hugetlb")
-    with pytest.raises(lp.BackendUnavailableError) as excinfo:
-        owner("cpu")
-    assert str(excinfo.value) == (
+    error = choose_unavailable(lmcache_registry, "cpu.hugetlb", "vm.nr_hugepages is 0")
+    assert str(error) == (
         "LMCACHE_PLATFORM_BACKEND chooses 'cpu.hugetlb' for device type 'cpu', but it cannot serve: "
         "'cpu.hugetlb' is registered but unavailable here: vm.nr_hugepages is 0. An explicit choice "
         "never falls back: fix that, or take 'cpu.hugetlb' out of LMCACHE_PLATFORM_BACKEND to let the "
         "selection rule choose among the other installed backends of this type: cpu."
     )
-    assert excinfo.value.reasons == {"cpu.hugetlb": "vm.nr_hugepages is 0"}
+    assert error.reasons == {"cpu.hugetlb": "vm.nr_hugepages is 0"}
 
 
 def test_nothing_usable_says_each_backend_is_registered_and_why_not(lmcache_registry):

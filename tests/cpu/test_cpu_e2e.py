@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from support import cpu_workers as workers
+from support.procs import stop_worker
 
 CHUNK = 32
 #: Tokens per chunk of each transfer: full chunks and a partial one.
@@ -79,13 +80,7 @@ class Peer:
         return reply
 
     def stop(self) -> None:
-        try:
-            self.call("exit")
-        finally:
-            self.proc.join(30)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
+        stop_worker(self.proc, lambda: self.call("exit"), 30)
         assert self.proc.exitcode == 0
 
 

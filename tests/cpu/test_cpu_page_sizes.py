@@ -34,6 +34,14 @@ def memfd(nbytes: int, flags: int = 0) -> int:
     return fd
 
 
+def hugetlb_memfd() -> int:
+    """An empty memfd on huge pages (``MFD_HUGETLB``); skip, saying why, where the kernel makes none."""
+    try:
+        return os.memfd_create("lmcache_platform_test", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"this kernel makes no MFD_HUGETLB memfds: {exc}")
+
+
 @pytest.fixture
 def region() -> Iterator[tuple[int, int]]:
     """8 MiB of private anonymous memory, as an engine's allocation; yields its 2 MiB-aligned middle 4 MiB."""
@@ -60,10 +68,7 @@ def test_an_ordinary_memfd_has_the_systems_pages() -> None:
 
 def test_a_hugetlb_memfd_reports_its_huge_page_size() -> None:
     """No huge page is needed for this: the size is known at creation, before any is reserved."""
-    try:
-        fd = os.memfd_create("lmcache_platform_test", os.MFD_CLOEXEC | os.MFD_HUGETLB)
-    except (AttributeError, OSError) as exc:
-        pytest.skip(f"this kernel makes no MFD_HUGETLB memfds: {exc}")
+    fd = hugetlb_memfd()
     try:
         page = _remap.page_size(fd)
     finally:
@@ -184,10 +189,7 @@ def test_an_allocation_that_does_not_fit_the_pages_is_copied_and_nothing_is_left
 
 def huge_page_size() -> int:
     """The huge page size, once a huge page could be mapped; else skip, saying why."""
-    try:
-        fd = os.memfd_create("lmcache_platform_probe", os.MFD_CLOEXEC | os.MFD_HUGETLB)
-    except (AttributeError, OSError) as exc:
-        pytest.skip(f"this kernel makes no MFD_HUGETLB memfds: {exc}")
+    fd = hugetlb_memfd()
     try:
         page = os.fstat(fd).st_blksize
         os.ftruncate(fd, page)

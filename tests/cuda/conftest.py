@@ -17,6 +17,7 @@ import pytest
 from lmcache_platform_cuda import _devices, _raw_ipc, _vmm_ipc
 from support import cuda_workers as cuda_workers
 from support.cuda_fakes import UUIDS, FakeDevices, FakeRuntime, FakeVmmLib, HostCudaDriver
+from support.procs import stop_worker
 
 
 @pytest.fixture
@@ -60,10 +61,6 @@ def peer() -> Iterator[cuda_workers.PeerHandle]:
         yield handle
     finally:
         try:
-            handle.call("exit", timeout=30)
+            stop_worker(process, lambda: handle.call("exit", timeout=30), 30)
         finally:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
-                process.join()
             ours.close()

@@ -23,11 +23,9 @@ from lmcache_platform import DeviceIPCWrapper, KVFormat, wire
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 from support.cache import engine_kv
 from support.cuda_workers import PeerHandle, pattern
+from support.gpu import NEEDS_GPU
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = NEEDS_GPU
 KINDS = [CudaIPCWrapper, RawCudaIPCWrapper]
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 24, 16, 4, 64
 TOKENS = 4 * BLOCK  # one chunk spans four blocks

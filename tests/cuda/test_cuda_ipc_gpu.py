@@ -30,11 +30,9 @@ from support.cuda_workers import (
     recv,
     send,
 )
+from support.gpu import NEEDS_GPU
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = NEEDS_GPU
 KINDS = [CudaIPCWrapper, RawCudaIPCWrapper]
 
 

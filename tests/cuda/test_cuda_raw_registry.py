@@ -79,14 +79,11 @@ def test_unmap_waits_for_the_last_tensor(fake_runtime: FakeRuntime) -> None:
 
 def test_reimport_after_close_reopens(fake_runtime: FakeRuntime) -> None:
     handle, _ = fake_runtime.alloc(4096)
-    first = descriptor(handle)
-    first.to_tensor()
-    first.close()
-    gc.collect()
-    second = descriptor(handle)
-    second.to_tensor()
-    second.close()
-    gc.collect()
+    for _ in range(2):  # import, map, close, unmap: twice
+        w = descriptor(handle)
+        w.to_tensor()
+        w.close()
+        gc.collect()
     assert fake_runtime.opened == [handle, handle]
     assert len(fake_runtime.closed) == 2
 

@@ -40,11 +40,10 @@ from support.cuda_vmm import (
     send_json,
 )
 from support.cuda_workers import device_memory_freed
+from support.gpu import NEEDS_GPU
+from support.procs import stop_worker
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = NEEDS_GPU
 MIB = 1 << 20
 #: vLLM's block-outermost layout: [blocks, layers, 2 (K/V), block_size, heads, head_size] bf16.
 BLOCKS, LAYERS, BLOCK_SIZE, HEADS, HEAD = 64, 4, 16, 8, 128
@@ -70,11 +69,8 @@ class Server:
 
     def stop(self) -> None:
         try:
-            self.call("exit")
+            stop_worker(self.process, lambda: self.call("exit"), 60)
         finally:
-            self.process.join(60)
-            if self.process.is_alive():
-                self.process.kill()
             self.sock.close()
 
 

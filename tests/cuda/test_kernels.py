@@ -30,12 +30,12 @@ from lmcache_platform import (
 )
 from lmcache_platform_cuda import GPUCacheContext, _kernels
 from support.cache import HeldWrapper, engine_kv
+from support.layouts import ORDERS, fill, planes
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
 
 NB, BS, H, D, L = 12, 4, 2, 8, 3
 CHUNK = 2 * BS
-ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 OLDER = [
     KVFormat.FLASH_ATTN,
     KVFormat.FLASH_ATTN_HND,
@@ -88,25 +88,9 @@ def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LMCACHE_PLATFORM_CUDA_KERNELS", raising=False)
 
 
-def fill(layers: list[Any], seed: int) -> None:
-    """Random bit patterns over every byte of every backing storage (same seed, same bytes)."""
-    gen = torch.Generator().manual_seed(seed)
-    seen: set[int] = set()
-    for t in storages(layers):
-        if t.untyped_storage().data_ptr() in seen:
-            continue
-        seen.add(t.untyped_storage().data_ptr())
-        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-
-
-def storages(layers: list[Any]) -> list[torch.Tensor]:
-    return [t for entry in layers for t in (entry if isinstance(entry, tuple) else (entry,))]
-
-
 def raw_bytes(layers: list[Any]) -> list[torch.Tensor]:
     out, seen = [], set()
-    for t in storages(layers):
+    for t in (t for entry in planes(layers) for t in entry):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
@@ -186,6 +170,12 @@ class Pair:
         for ctx in self.contexts:
             ctx.close()
 
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def round_trip(
     pair: Pair, src: list[list[int]], dst: list[list[int]], num_tokens: int, slot: int = 0
@@ -220,8 +210,7 @@ LAYOUTS: dict[str, tuple[Builder, dict[str, Any]]] = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_matches_the_torch_path(layout: str, chunk_format: str, device: str) -> None:
     build, config = LAYOUTS[layout]
-    pair = Pair(build, device, chunk_format=chunk_format, **config)
-    try:
+    with Pair(build, device, chunk_format=chunk_format, **config) as pair:
         # A full chunk from shuffled blocks, into others; then a partial one (a block and a
         # part in "tokens", one whole block in "blocks") in another slot.
         round_trip(pair, [[7, 2]], [[4, 9]], CHUNK)
@@ -230,8 +219,6 @@ def test_every_layout_matches_the_torch_path(layout: str, chunk_format: str, dev
         round_trip(pair, [[5, 0][:n]], [[11, 1][:n]], partial, slot=1)
         status = pair.contexts[0].report_status()["transfers"]
         assert status == {"path": "triton", "reason": None}
-    finally:
-        pair.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -239,8 +226,7 @@ def test_every_layout_matches_the_torch_path(layout: str, chunk_format: str, dev
 @pytest.mark.parametrize("layout", ["vllm-LBNHC", "vllm-BHLNC", "flash_attn", "sglang"])
 def test_retrieve_skips_blocks(layout: str, chunk_format: str, device: str) -> None:
     build, config = LAYOUTS[layout]
-    pair = Pair(build, device, chunk_format=chunk_format, lmcache_tokens_per_chunk=4 * BS, **config)
-    try:
+    with Pair(build, device, chunk_format=chunk_format, lmcache_tokens_per_chunk=4 * BS, **config) as pair:
         pair.both(lambda c: c.store_chunk([[3, 8, 1, 6]]))
         pair.both(lambda c: c.retrieve_chunk([[-1, 5, -1, 10]]))  # two parts, around null blocks
         pair.both(
@@ -248,8 +234,6 @@ def test_retrieve_skips_blocks(layout: str, chunk_format: str, device: str) -> N
                 [[2, -1, -1, 0]], num_tokens=4 * BS - 1 if chunk_format == "tokens" else 4 * BS
             )
         )
-    finally:
-        pair.close()
 
 
 DTYPES = [
@@ -273,13 +257,10 @@ def test_dtypes_and_odd_head_sizes(layout: str, dtype: torch.dtype, device: str)
     fmt = {"vllm": KVFormat.VLLM, "flashinfer_hnd": KVFormat.FLASHINFER_HND, "mla": KVFormat.MLA}[layout]
     for d in (D, 3):
         order = "LBNHC" if fmt is KVFormat.VLLM else None
-        pair = Pair(
+        with Pair(
             engine(fmt, order, dtype=dtype, d=d), device, layout_hints=LayoutHints(kv_format=fmt, head_size=d)
-        )
-        try:
+        ) as pair:
             round_trip(pair, [[7, 2]], [[4, 9]], CHUNK - 1)
-        finally:
-            pair.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -296,23 +277,20 @@ def test_sliding_window_groups(chunk_format: str, full_sw_kv: bool, device: str)
         EngineGroupInfo(layer_indices=[0], block_size=BS, sliding_window=BS),
         EngineGroupInfo(layer_indices=[1, 2], block_size=BS),
     )
-    pair = Pair(
+    with Pair(
         build,
         device,
         chunk_format=chunk_format,
         engine_group_infos=infos,
         full_sw_kv=full_sw_kv,
         lmcache_tokens_per_chunk=3 * BS,
-    )
-    try:
+    ) as pair:
         pair.both(lambda c: c.store_chunk([[1, 2, 3], [4, 5, 6]]))
         pair.both(lambda c: c.retrieve_chunk([[7, 8, 9], [10, 11, 0]]))
         pair.both(lambda c: c.retrieve_chunk([[-1, 8, 2], [-1, 3, 1]], num_tokens=3 * BS))
         if chunk_format == "tokens":
             pair.both(lambda c: c.store_chunk([[1, 2, 3], [4, 5, 6]], num_tokens=2 * BS + 1, slot=1))
             pair.both(lambda c: c.retrieve_chunk([[9, 10, 11], [6, 7, 8]], num_tokens=2 * BS + 1, slot=1))
-    finally:
-        pair.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -320,13 +298,10 @@ def test_sliding_window_groups(chunk_format: str, full_sw_kv: bool, device: str)
 def test_kernel_blocks_smaller_than_the_engine_block(chunk_format: str, device: str) -> None:
     build = engine(KVFormat.VLLM, "LBNHC", nb=2 * NB)
     infos = (EngineGroupInfo(layer_indices=range(L), block_size=2 * BS),)
-    pair = Pair(
+    with Pair(
         build, device, chunk_format=chunk_format, engine_group_infos=infos, lmcache_tokens_per_chunk=4 * BS
-    )
-    try:
+    ) as pair:
         round_trip(pair, [[3, 6]], [[1, 9]], 4 * BS)
-    finally:
-        pair.close()
 
 
 def test_the_kernel_itself_writes_no_block_of_id_minus_one() -> None:
@@ -334,8 +309,7 @@ def test_the_kernel_itself_writes_no_block_of_id_minus_one() -> None:
     from lmcache_platform import ChunkTransfer, GroupTransfer
 
     build, config = LAYOUTS["vllm-LBNHC"]
-    pair = Pair(build, "cpu", **config)
-    try:
+    with Pair(build, "cpu", **config) as pair:
         pair.both(lambda c: c.store_chunk([[7, 2]]))
         kernels, reference = pair.kernels, pair.contexts[1]
         part = GroupTransfer(
@@ -345,15 +319,12 @@ def test_the_kernel_itself_writes_no_block_of_id_minus_one() -> None:
         reference.retrieve_chunk([[-1, 5]])
         for a, b in zip(*map(raw_bytes, pair.layers), strict=True):
             assert torch.equal(a, b)
-    finally:
-        pair.close()
 
 
 def test_host_tensors_move_in_place_through_the_kernels() -> None:
     # read_chunk/write_chunk on a host context: the parts' buffers are the caller's tensors.
     build, config = LAYOUTS["vllm-LBHNC"]
-    pair = Pair(build, "cpu", **config)
-    try:
+    with Pair(build, "cpu", **config) as pair:
         chunks = [ctx.allocate_chunk() for ctx in pair.contexts]
         ops = iter(chunks)
         pair.both(lambda c: c.read_chunk([[6, 1]], next(ops)))
@@ -366,8 +337,6 @@ def test_host_tensors_move_in_place_through_the_kernels() -> None:
             b.copy_(a)
         ops = iter(chunks)
         pair.both(lambda c: c.write_chunk([[0, 10]], next(ops), num_tokens=CHUNK - 2))
-    finally:
-        pair.close()
 
 
 def test_a_strided_last_dim_moves_element_by_element() -> None:
@@ -377,13 +346,10 @@ def test_a_strided_last_dim_moves_element_by_element() -> None:
         whole = torch.empty((L, 2, NB, BS, D, H), dtype=torch.bfloat16, device=device)
         return list(whole.transpose(-1, -2).unbind(0))  # [2, NB, BS, H, D], D stride H
 
-    pair = Pair(build, "cpu", layout_hints=LayoutHints(kv_format=KVFormat.FLASH_ATTN))
-    try:
+    with Pair(build, "cpu", layout_hints=LayoutHints(kv_format=KVFormat.FLASH_ATTN)) as pair:
         round_trip(pair, [[7, 2]], [[4, 9]], CHUNK - 3)
         launch = pair.kernels.transfer_kernels()._groups[0]
         assert not isinstance(launch, str) and launch.width == 2 and launch.strides[3] == H
-    finally:
-        pair.close()
 
 
 # -- where the kernels do not run --------------------------------------------------------------
@@ -482,8 +448,7 @@ def test_gpu_speed_of_both_paths_is_printed(
     layout: str, chunk_format: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     build, config = GPU_MODEL[layout]
-    pair = Pair(build, "cuda", chunk_format=chunk_format, lmcache_tokens_per_chunk=256, **config)
-    try:
+    with Pair(build, "cuda", chunk_format=chunk_format, lmcache_tokens_per_chunk=256, **config) as pair:
         ids = [list(range(3, 19))]
         pair.both(lambda c: c.store_chunk(ids))  # compiles, and checks the bytes once more
         figures = []
@@ -501,5 +466,3 @@ def test_gpu_speed_of_both_paths_is_printed(
                 f"\n{layout} ({chunk_format}): kernel store {figures[0]:.1f} GB/s, retrieve {figures[1]:.1f} GB/s; "
                 f"torch path store {figures[2]:.1f} GB/s, retrieve {figures[3]:.1f} GB/s (host-timed)"
             )
-    finally:
-        pair.close()

@@ -82,28 +82,18 @@ def build_site(site: Path) -> None:
     make_distribution(
         site, "broken-missing-module", "1.0", entry_points={"missing_module": "relb_no_such_module"}
     )
-    make_distribution(
-        site,
-        "broken-missing-attr",
-        "1.0",
-        entry_points={"missing_attr": "relb_host:absent_plugin"},
-        files={"relb_host.py": plugin_source("relb_host", "missing_attr")},
-    )
+    working_plugin(site, "broken-missing-attr", "missing_attr", "relb_host", attr="absent_plugin")
     for side in ("a", "b"):
-        make_distribution(
-            site,
-            f"dup-vendor-{side}",
-            "1.0",
-            entry_points={"dup_name": f"relb_dup_{side}"},
-            files={f"relb_dup_{side}.py": plugin_source(f"relb_dup_{side}", "dup_name")},
-        )
-    make_distribution(
-        site,
-        "good-vendor",
-        "1.0",
-        entry_points={"rel": "relb_good"},
-        files={"relb_good.py": plugin_source("relb_good", "rel")},
-    )
+        working_plugin(site, f"dup-vendor-{side}", "dup_name", f"relb_dup_{side}")
+    working_plugin(site, "good-vendor", "rel", "relb_good")
+
+
+def working_plugin(site: Path, dist: str, device: str, module: str, attr: str | None = None) -> None:
+    """Distribution ``dist`` 1.0: a working backend for ``device`` in ``module``, its entry point
+    named ``device`` (and naming ``module:attr`` where ``attr`` is given: broken only by the name)."""
+    target = f"{module}:{attr}" if attr else module
+    files = {f"{module}.py": plugin_source(module, device)}
+    make_distribution(site, dist, "1.0", entry_points={device: target}, files=files)
 
 
 def cli(site: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

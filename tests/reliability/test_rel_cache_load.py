@@ -50,8 +50,9 @@ def server_counters(server: ServerProcess) -> dict[str, Any]:
         return dict(c.status()["server"])
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def no_client_segments(child_pids: set[int]) -> Iterator[None]:
+    """After each test: every engine's shared-memory segments went with it."""
     yield
     assert segments_of(child_pids) == []  # every engine's segments went with it
 
@@ -64,10 +65,9 @@ UNIVERSE = 64
 
 
 def test_mixed_load_under_eviction_pressure_tears_nothing(
-    child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+    child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
-    chunk_bytes = SMALL_CHUNK_BYTES
-    cap = UNIVERSE // 4 * chunk_bytes
+    cap = UNIVERSE // 4 * SMALL_CHUNK_BYTES
     namespace = ns("8.1", SMALL)
     specs = [
         {"model": SMALL, "seed": 700 + i, "universe": UNIVERSE, "requests": REQUESTS, "namespace": namespace}
@@ -90,7 +90,7 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
     assert status["retrieved"] == total["retrieved"]
     assert status["evictions"] > 0 and total["retrieved"] > 0  # the load did hit both paths
     assert status["chunks"] == total["stored"] - status["evictions"]
-    assert status["host_bytes"] == status["chunks"] * chunk_bytes <= cap
+    assert status["host_bytes"] == status["chunks"] * SMALL_CHUNK_BYTES <= cap
     assert (status["contexts"], status["pinned"]) == (0, 0)
     emit(
         request,
@@ -98,7 +98,7 @@ def test_mixed_load_under_eviction_pressure_tears_nothing(
         f"{CLIENTS} engines x {REQUESTS:,} requests in {wall:.2f} s ({CLIENTS * REQUESTS / wall:,.0f} requests/s): "
         f"{total['puts']:,} puts ({total['stored']:,} chunks stored, {total['present']:,} already present, "
         f"{total['dropped']:,} dropped), {total['gets']:,} gets ({total['retrieved']:,} chunks loaded and checked), "
-        f"{total['lookups']:,} lookups; {status['evictions']:,} evictions under a cap of {cap // chunk_bytes} "
+        f"{total['lookups']:,} lookups; {status['evictions']:,} evictions under a cap of {cap // SMALL_CHUNK_BYTES} "
         f"chunks; 0 errors, 0 torn chunks",
         requests_per_s=CLIENTS * REQUESTS / wall,
         evictions=status["evictions"],
@@ -112,9 +112,8 @@ COMMON = 8
 
 
 def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
-    child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+    child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
-    chunk_bytes = SMALL_CHUNK_BYTES
     namespace = ns("8.2", SMALL)
     common = list(range(COMMON))
     own = [list(range(1000 * (i + 1), 1000 * (i + 1) + OWN_KEYS)) for i in range(CLIENTS)]
@@ -123,7 +122,7 @@ def test_concurrent_stores_lose_nothing_and_copy_a_shared_prefix_once(
         {"model": SMALL, "namespace": namespace, "keys": common + own[i], "all_keys": everyone}
         for i in range(CLIENTS)
     ]
-    with ServerProcess(max_host_bytes=2 * len(everyone) * chunk_bytes) as server:
+    with ServerProcess(max_host_bytes=2 * len(everyone) * SMALL_CHUNK_BYTES) as server:
         args = [(server.socket_path, spec) for spec in specs]
         with Workers(store_then_load_client, args, child_pids) as clients:
             assert all(r == {"ready": True} for r in clients.gather())
@@ -162,10 +161,9 @@ ROUNDS = 3
 
 
 def test_loads_of_different_engines_in_parallel_and_serialized(
-    child_pids: set[int], no_client_segments: None, request: pytest.FixtureRequest
+    child_pids: set[int], request: pytest.FixtureRequest
 ) -> None:
-    chunk_bytes = BIG_CHUNK_BYTES
-    cap = READERS * READ_CHUNKS * chunk_bytes
+    cap = READERS * READ_CHUNKS * BIG_CHUNK_BYTES
     namespace = ns("8.3", BIG)
     specs = [
         {
@@ -196,13 +194,13 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
                         e for r in reports for e in r["errors"]
                     ]
                     assert sum(r["mismatches"] for r in reports) == 0
-                    assert sum(r["bytes"] for r in reports) == READERS * READS * PER_REQUEST * chunk_bytes
+                    assert sum(r["bytes"] for r in reports) == READERS * READS * PER_REQUEST * BIG_CHUNK_BYTES
             clients.go("exit")
             clients.join()
         status = [server_counters(s) for s in (par, ser)]
     assert [s["parallel_transfers"] for s in status] == [True, False]
     assert [s["evictions"] for s in status] == [0, 0]
-    moved = READERS * READS * PER_REQUEST * chunk_bytes
+    moved = READERS * READS * PER_REQUEST * BIG_CHUNK_BYTES
     best = {m: min(w) for m, w in walls.items()}
     figures = "; ".join(
         f"{m}: best {moved / best[m] / 1e9:.2f} GB/s ({READERS * READS / best[m]:,.0f} requests/s), rounds "
@@ -212,7 +210,7 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
     emit(
         request,
         "8.3 parallel loads",
-        f"{READERS} engines x {READS} gets of {PER_REQUEST} x {chunk_bytes >> 20} MiB chunks, {ROUNDS} "
+        f"{READERS} engines x {READS} gets of {PER_REQUEST} x {BIG_CHUNK_BYTES >> 20} MiB chunks, {ROUNDS} "
         f"alternating rounds per server: {figures}; parallel/serialized {best[modes[1]] / best[modes[0]]:.2f}x; "
         f"0 mismatches",
         best_gb_per_s={m: moved / best[m] / 1e9 for m in modes},

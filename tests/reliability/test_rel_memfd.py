@@ -22,7 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -143,10 +143,20 @@ class Worker:
         return self.proc.wait(timeout=60)
 
 
+Spawn = Callable[..., Worker]
+
+
 @pytest.fixture
-def workers(child_pids: set[int]) -> Iterator[list[Worker]]:
+def spawn(child_pids: set[int]) -> Iterator[Spawn]:
+    """Starts a :class:`Worker` (``role``, ``kind``); each one started is killed and reaped
+    after the test, whatever happened to it."""
     started: list[Worker] = []
-    yield started
+
+    def start(role: str, kind: str = "memfd") -> Worker:
+        started.append(Worker(role, child_pids, kind))
+        return started[-1]
+
+    yield start
     for w in started:
         if w.proc.poll() is None:
             w.proc.kill()
@@ -163,11 +173,9 @@ def punch_hole(fd: int, nbytes: int) -> int:
 
 
 def test_a_producer_cannot_shrink_a_memfd_under_its_consumer(
-    workers: list[Worker], child_pids: set[int], request: pytest.FixtureRequest
+    spawn: Spawn, request: pytest.FixtureRequest
 ) -> None:
-    engine = Worker("engine", child_pids)
-    consumer = Worker("consumer", child_pids)
-    workers += [engine, consumer]
+    engine, consumer = spawn("engine"), spawn("consumer")
     assert set(engine.first["kinds"]) == {"cpu.memfd/1"}
     mapped = consumer.call("map", wire=engine.first["wire"])
     assert mapped["maps"] > 0 and set(mapped["kinds"]) == {"cpu.memfd/1"}
@@ -217,12 +225,11 @@ def test_a_producer_cannot_shrink_a_memfd_under_its_consumer(
 
 
 def test_a_named_segment_shrunk_under_its_consumer_is_refused_before_the_transfer(
-    workers: list[Worker], child_pids: set[int], request: pytest.FixtureRequest
+    spawn: Spawn, request: pytest.FixtureRequest
 ) -> None:
     """The measured reason for memfd: the shm kind, truncated; checked, then unchecked."""
-    engine = Worker("engine", child_pids, kind="shm")
-    consumer = Worker("consumer", child_pids)  # accepts both kinds, whatever it exports
-    workers += [engine, consumer]
+    engine = spawn("engine", kind="shm")
+    consumer = spawn("consumer")  # accepts both kinds, whatever it exports
     assert set(consumer.call("map", wire=engine.first["wire"])["kinds"]) == {"cpu.shm/1"}
     name = engine.first["handles"][0]["shm_name"]
     os.truncate(os.path.join(SHM_DIR, name), 0)  # the hostile same-user process: allowed
@@ -251,11 +258,9 @@ def memfd_maps(pid: int | str = "self", names: set[str] | None = None) -> int:
 
 
 def test_a_sigkilled_producer_leaves_nothing_and_its_memory_goes_with_the_consumers_mapping(
-    workers: list[Worker], child_pids: set[int], request: pytest.FixtureRequest
+    spawn: Spawn, request: pytest.FixtureRequest
 ) -> None:
-    engine = Worker("engine", child_pids)
-    consumer = Worker("consumer", child_pids)
-    workers += [engine, consumer]
+    engine, consumer = spawn("engine"), spawn("consumer")
     names = {h["memfd_name"] for h in engine.first["handles"]}
     consumer.call("map", wire=engine.first["wire"])
     assert memfd_maps(consumer.proc.pid, names) > 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,6 +20,7 @@ from lmcache_platform.remote import (
 )
 from lmcache_platform.remote._registry import ENTRY_POINT_GROUP, RemoteRegistry
 from lmcache_platform.testing import make_distribution
+from support.imports import fresh_run
 
 STORE = """
 from lmcache_platform.remote import hookimpl
@@ -191,12 +191,8 @@ def test_the_installed_valkey_store_is_found_through_metadata() -> None:
 
 
 def test_importing_the_plugin_point_imports_no_store_and_no_client() -> None:
-    code = (
-        "import sys, lmcache_platform.remote as r; r.list_remote_stores(); "
-        "print(sorted(m for m in sys.modules if m.startswith(('valkey', 'lmcache_platform_valkey', 'torch'))))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    modules = fresh_run("import lmcache_platform.remote as r; r.list_remote_stores()").modules
+    assert sorted(m for m in modules if m.startswith(("valkey", "lmcache_platform_valkey", "torch"))) == []
 
 
 # -- URLs and options ---------------------------------------------------------------------

@@ -112,6 +112,13 @@ class Node:
         self.engine.close()
 
 
+def shut(*nodes: Node) -> None:
+    """Close each node, then stop its server: one its test started for itself, not a shared one."""
+    for n in nodes:
+        n.close()
+        n.srv.stop()
+
+
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ValkeyNode, Serve, Serve]]:
     """One Valkey and two servers on it (``a``, ``b``, prefix ``t``), shared by this module's tests.
@@ -275,8 +282,7 @@ def test_another_namespace_or_deployment_gets_nothing(nodes: tuple[Node, Node], 
         assert other.engine.is_zero(0) and c.engine.is_zero(0)
     finally:
         other.close()
-        c.close()
-        c_srv.stop()
+        shut(c)
 
 
 def _url_of(srv: Serve) -> str:
@@ -307,8 +313,7 @@ def test_local_eviction_no_longer_loses_a_chunk_the_store_holds(
         finally:
             fresh.close()
     finally:
-        node.close()
-        srv.stop()
+        shut(node)
 
 
 def test_a_chunk_gone_between_lookup_and_get_is_not_written_and_is_counted(
@@ -395,9 +400,7 @@ def test_a_keyed_deployment_refuses_entries_of_writers_without_its_key(
             other.close()
         assert any(e.get("keyed") for e in events(ka.srv, "remote"))
     finally:
-        for n in (ka, kb):
-            n.close()
-            n.srv.stop()
+        shut(ka, kb)
 
 
 # -- failures: every request completes, the counters say what happened -------------------------
@@ -498,9 +501,7 @@ def test_a_remote_at_its_memory_limit_refuses_or_evicts(tmp_path: Path) -> None:
             for round, policy in enumerate(("noeviction", "allkeys-lru")):
                 fill(round, policy)
         finally:
-            for n in (a, b):
-                n.close()
-                n.srv.stop()
+            shut(a, b)
 
 
 # -- status and metrics -------------------------------------------------------------------------

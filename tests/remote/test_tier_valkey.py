@@ -65,6 +65,14 @@ def timed(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
     return out, time.perf_counter() - started
 
 
+@pytest.fixture
+def tier_log(tier: RemoteTier, caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """``caplog`` with the tier's INFO lines, from the ready ``tier`` on: each state change
+    (``remote_down``, ``remote_up``) the test causes counts once, its first ``remote_up`` not."""
+    caplog.set_level(logging.INFO, logger="lmcache_platform.remote._tier")
+    return caplog
+
+
 def events(caplog: pytest.LogCaptureFixture, name: str) -> int:
     return sum(getattr(r, "event", "") == name for r in caplog.records)
 
@@ -180,10 +188,9 @@ def test_a_keyed_deployment_refuses_unkeyed_and_forged_entries(
 
 
 def test_remote_killed_mid_run_then_back(
-    tier: RemoteTier, valkey_node: ValkeyNode, caplog: pytest.LogCaptureFixture
+    tier: RemoteTier, valkey_node: ValkeyNode, tier_log: pytest.LogCaptureFixture
 ) -> None:
     fill(tier, 5)
-    caplog.set_level(logging.INFO, logger="lmcache_platform.remote._tier")
     valkey_node.kill()
     times = []
     for i in range(20):
@@ -197,20 +204,19 @@ def test_remote_killed_mid_run_then_back(
     print(f"\nremote killed: 60 calls, slowest {max(times) * 1e3:.2f} ms; {s}")
     assert s["dropped_down"] >= 19 and s["errors"] >= 1 and s["skipped"] >= 38, s
     assert (s["hits"], s["misses"], s["fetch_misses"]) == (0, 0, 0), s  # a store not asked counts no miss
-    assert events(caplog, "remote_down") == 1, caplog.text
+    assert events(tier_log, "remote_down") == 1, tier_log.text
     valkey_node.restart()  # empty: nothing is persisted
     assert until(lambda: tier.state == "healthy"), tier.stats()
-    assert events(caplog, "remote_up") == 1 and events(caplog, "remote_down") == 1, caplog.text
+    assert events(tier_log, "remote_up") == 1 and events(tier_log, "remote_down") == 1, tier_log.text
     assert tier.lookup_more(NS, KEYS[:5], deadline_in(1000)) == 0  # the data went with the server
     fill(tier, 2)
     assert tier.lookup_more(NS, KEYS[:5], deadline_in(1000)) == 2
 
 
 def test_a_hung_remote_costs_each_call_its_deadline_then_nothing(
-    tier: RemoteTier, valkey_node: ValkeyNode, caplog: pytest.LogCaptureFixture
+    tier: RemoteTier, valkey_node: ValkeyNode, tier_log: pytest.LogCaptureFixture
 ) -> None:
     fill(tier, 3)
-    caplog.set_level(logging.INFO, logger="lmcache_platform.remote._tier")
     valkey_node.pause()
     try:
         hits, took = timed(tier.lookup_more, NS, KEYS[:3], deadline_in(150))
@@ -220,7 +226,7 @@ def test_a_hung_remote_costs_each_call_its_deadline_then_nothing(
         print(
             f"\nhung remote: first lookup {took * 1e3:.1f} ms (deadline 150 ms), then {max(later) * 1e3:.2f} ms at most"
         )
-        assert tier.stats()["timeouts"] >= 1 and events(caplog, "remote_down") == 1
+        assert tier.stats()["timeouts"] >= 1 and events(tier_log, "remote_down") == 1
     finally:
         valkey_node.resume()
     assert until(lambda: tier.state == "healthy", 10), tier.stats()

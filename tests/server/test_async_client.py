@@ -256,20 +256,22 @@ def test_a_slow_transfer_fails_its_future_but_the_server_stays_healthy(
 # -- a hung server (SIGSTOP) --------------------------------------------------------------
 
 
+def quick_to_retry(server: ServerProcess, hook: Registrar, retry_max_s: float, **options: Any) -> AsyncClient:
+    """A client of ``server`` whose reconnects start 0.2 s apart: its recovery after SIGCONT
+    shows well within the tests' bounds. ``options``: more of the client's."""
+    options.setdefault("name", "t")
+    return AsyncClient(
+        server.socket_path, on_connect=hook, retry_first_s=0.2, retry_max_s=retry_max_s, **options
+    )
+
+
 def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
     own_server: ServerProcess, engine: TinyEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
     ns = fresh()
     hook = Registrar(engine, ns)
-    client = AsyncClient(
-        own_server.socket_path,
-        name="hung",
-        on_connect=hook,
-        deadline_ms=1000,
-        retry_first_s=0.2,
-        retry_max_s=0.5,
-    )
+    client = quick_to_retry(own_server, hook, 0.5, name="hung", deadline_ms=1000)
     with client:
         healthy(client)
         first_context = client.session["context"]
@@ -326,14 +328,7 @@ def test_a_connect_to_a_hung_server_is_caught_by_the_first_ping(
     sigstop(own_server.pid)
     hook = Registrar(engine, fresh())
     t0 = time.monotonic()
-    client = AsyncClient(
-        own_server.socket_path,
-        name="t",
-        on_connect=hook,
-        ping_deadline_ms=500,
-        retry_first_s=0.2,
-        retry_max_s=0.2,
-    )
+    client = quick_to_retry(own_server, hook, 0.2, ping_deadline_ms=500)
     with client:
         assert time.monotonic() - t0 < 1.0  # the constructor does not connect
         waited = wait_until(lambda: client.state == "unavailable", "the first ping to fail", 10)
@@ -523,21 +518,27 @@ def test_no_thread_or_fd_leaks(own_server: ServerProcess, engine: TinyEngine) ->
 # -- a server that comes back ---------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def orphaned(tmp_path: Path, hook: Registrar, **client_kw: Any) -> Iterator[tuple[Path, AsyncClient]]:
+    """A client that was healthy, and its socket path, once its server is killed and it noticed.
+
+    The killed server's socket file stays, as a killed server's does: where a new server
+    will listen, and what the client must not keep retrying.
+    """
+    path = private_dir(tmp_path) / "kv.sock"
+    with Serve(path) as first, AsyncClient(str(path), name="t", on_connect=hook, **client_kw) as client:
+        healthy(client)
+        first.kill()
+        wait_until(lambda: client.state == "unavailable", "the client to notice")
+        yield path, client
+
+
 def test_a_restarted_server_is_found_at_once_however_long_the_backoff_grew(
     tmp_path: Path, engine: TinyEngine
 ) -> None:
-    path = private_dir(tmp_path) / "kv.sock"
-    ns = fresh()
-    with (
-        Serve(path) as first,
-        AsyncClient(
-            str(path), name="t", retry_first_s=30, retry_max_s=60, on_connect=Registrar(engine, ns)
-        ) as client,
-    ):
-        healthy(client)
+    hook = Registrar(engine, fresh())
+    with orphaned(tmp_path, hook, retry_first_s=30, retry_max_s=60) as (path, client):
         assert client.sessions == 1
-        first.kill()  # its socket file stays, as a killed server's does
-        wait_until(lambda: client.state == "unavailable", "the client to notice")
         attempts = client.stats()["connects"]
         time.sleep(0.5)
         assert client.stats()["connects"] == attempts  # the dead socket is not retried before the backoff
@@ -590,15 +591,8 @@ def test_requests_while_a_restarted_server_is_being_reached_wait_for_it(
     tmp_path: Path, engine: TinyEngine
 ) -> None:
     """The moment between a new server's listening and the connect costs no request."""
-    path = private_dir(tmp_path) / "kv.sock"
     hook = HeldRegistrar(engine, fresh())
-    with (
-        Serve(path) as first,
-        AsyncClient(str(path), name="t", deadline_ms=10_000, retry_first_s=30, on_connect=hook) as client,
-    ):
-        healthy(client)
-        first.kill()
-        wait_until(lambda: client.state == "unavailable", "the client to notice")
+    with orphaned(tmp_path, hook, deadline_ms=10_000, retry_first_s=30) as (path, client):
         accepting = lambda: client.accepting  # noqa: E731 (read afresh each time)
         assert not accepting()  # the dead server's socket: nothing to wait for
         assert client.put(CTX, [(key(0), [engine.blocks(0)])]).exception(WAIT_S) is not None
@@ -619,15 +613,8 @@ def test_requests_while_a_restarted_server_is_being_reached_wait_for_it(
 
 
 def test_a_new_server_whose_connect_failed_is_not_waited_for(tmp_path: Path, engine: TinyEngine) -> None:
-    path = private_dir(tmp_path) / "kv.sock"
     hook = Registrar(engine, fresh())
-    with (
-        Serve(path) as first,
-        AsyncClient(str(path), name="t", retry_first_s=30, retry_max_s=60, on_connect=hook) as client,
-    ):
-        healthy(client)
-        first.kill()
-        wait_until(lambda: client.state == "unavailable", "the client to notice")
+    with orphaned(tmp_path, hook, retry_first_s=30, retry_max_s=60) as (path, client):
         hook.failures = 10**6  # the new server refuses every registration
         with Serve(path).wait_ready():
             wait_until(lambda: hook.runs >= 2, "an attempt at the new server")

@@ -10,9 +10,7 @@ is refused with a typed error, and the host, which needs no events, refuses one.
 
 from __future__ import annotations
 
-import os
-import tempfile
-import threading
+import contextlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -21,9 +19,10 @@ import torch
 
 import lmcache_platform
 from lmcache_platform import DeviceEvent, TransferError
-from lmcache_platform.server import ReferenceServer, ServerClient, ServerError, ServerProcess, cache_namespace
+from lmcache_platform.server import ServerClient, ServerError, ServerProcess, cache_namespace
 from lmcache_platform_cpu._cache_context import CPUCacheContext
 from support.cache import engine_views
+from support.serve import InProcess
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 16, 4, 2, 8
 CHUNK = 2 * BLOCK
@@ -61,9 +60,8 @@ class Engine:
 
 @pytest.fixture
 def engine() -> Iterator[Engine]:
-    eng = Engine()
-    yield eng
-    eng.close()
+    with contextlib.closing(Engine()) as eng:
+        yield eng
 
 
 def key(i: int) -> bytes:
@@ -135,22 +133,12 @@ class FakeEvent(DeviceEvent):
         FakeEvent.log.append("wait")
 
 
-class InProcess:
-    """A reference server on a thread; its cpu contexts take the fake events."""
-
-    def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="lmcache-ev-")
-        self.server = ReferenceServer(os.path.join(self.directory, "kv.sock"), max_host_bytes=1 << 20)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def client(self) -> ServerClient:
-        return ServerClient(self.server.socket_path, timeout=WAIT_S)
+class Watched(InProcess):
+    """The in-process reference server, whose contexts' chunk reads and writes can be logged."""
 
     def watch(self, context: int) -> None:
         """Log each chunk the context reads or writes, next to the event waits."""
-        ctx = self.server._entries[context].ctx
+        ctx = self.ctx(context)
         for name in ("read_chunk", "write_chunk"):
             method = getattr(ctx, name)
 
@@ -160,23 +148,19 @@ class InProcess:
 
             setattr(ctx, name, logged)
 
-    def close(self) -> None:
-        self.server.stop()
-        self.thread.join(WAIT_S)
-        os.rmdir(self.directory)
-
 
 @pytest.fixture
-def evented(monkeypatch: pytest.MonkeyPatch) -> Iterator[InProcess]:
+def evented(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watched]:
+    """An in-process server whose cpu contexts take the fake events."""
     FakeEvent.log.clear()
     monkeypatch.setattr(CPUCacheContext, "device_event_class", lambda self: FakeEvent)
-    proc = InProcess()
+    proc = Watched(1 << 20)
     yield proc
     proc.close()
 
 
 def test_the_server_waits_for_the_event_before_it_touches_the_blocks(
-    evented: InProcess, engine: Engine
+    evented: Watched, engine: Engine
 ) -> None:
     with evented.client() as c:
         ctx = engine.register(c, namespace("events"))
@@ -191,7 +175,7 @@ def test_the_server_waits_for_the_event_before_it_touches_the_blocks(
         assert FakeEvent.log == ["read_chunk"]
 
 
-def test_a_bad_event_handle_is_refused_and_nothing_moves(evented: InProcess, engine: Engine) -> None:
+def test_a_bad_event_handle_is_refused_and_nothing_moves(evented: Watched, engine: Engine) -> None:
     ns = namespace("bad-events")
     with evented.client() as c:
         ctx = engine.register(c, ns)

@@ -8,10 +8,12 @@ CPU tensors in shared memory, and what was (not) written is checked byte for byt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -46,6 +48,21 @@ def stored(client: ServerClient, engine: TinyEngine, ns: bytes, n: int, tag: byt
     return ctx
 
 
+@contextlib.contextmanager
+def stored_then_zeroed(server: InProcess, engine: TinyEngine, n: int) -> Iterator[tuple[ServerClient, int]]:
+    """A client and its context holding keys 0..n-1 (:func:`stored`), the engine's KV zeroed
+    since: whatever a get then writes into it shows."""
+    with server.client() as c:
+        ctx = stored(c, engine, namespace(), n)
+        engine.zero()
+        yield c, ctx
+
+
+def chunk(i: int, slot: int) -> P.Chunk:
+    """Key ``i`` and the engine's blocks of chunk slot ``slot``, as a raw request carries them."""
+    return P.Chunk(key(i), (tuple(TinyEngine.blocks(slot)),))
+
+
 # -- ping, register's clock, and replies older clients expect ----------------------------
 
 
@@ -77,17 +94,14 @@ def test_new_reply_keys_only_for_requests_that_use_new_fields(server: InProcess,
 def test_a_request_late_when_read_is_dropped_counted_and_writes_nothing(
     server: InProcess, engine: TinyEngine
 ) -> None:
-    ns = namespace()
-    with server.client() as c:
-        ctx = stored(c, engine, ns, 1)
-        engine.zero()
+    with stored_then_zeroed(server, engine, 1) as (c, ctx):
         with pytest.raises(ServerError, match="deadline passed") as info:
-            c.call("get", context=ctx, chunks=[P.Chunk(key(0), (tuple(engine.blocks(3)),))], deadline=past())
+            c.call("get", context=ctx, chunks=[chunk(0, 3)], deadline=past())
         assert info.value.remote_type == P.DEADLINE_EXCEEDED
         assert engine.is_zero(3)
         with pytest.raises(ServerError, match="deadline passed"):
-            c.call("put", context=ctx, chunks=[P.Chunk(key(9), (tuple(engine.blocks(3)),))], deadline=past())
-        assert c.lookup(ns, [key(9)]) == 0
+            c.call("put", context=ctx, chunks=[chunk(9, 3)], deadline=past())
+        assert c.lookup(namespace(), [key(9)]) == 0
         counters = c.status()["server"]
         assert counters["deadline_drops"] == 2 and counters["errors"] == 2
         assert counters["requests"]["get"] == 1 and counters["requests"]["put"] == 2
@@ -96,17 +110,10 @@ def test_a_request_late_when_read_is_dropped_counted_and_writes_nothing(
 def test_a_request_queued_behind_another_is_dropped_when_its_deadline_passes(
     server: InProcess, engine: TinyEngine
 ) -> None:
-    ns = namespace()
-    with server.client() as c:
-        ctx = stored(c, engine, ns, 2)
-        engine.zero()
+    with stored_then_zeroed(server, engine, 2) as (c, ctx):
         held = server.hold(ctx, "write_chunk")
-        first = P.encode_request(
-            "get", 101, context=ctx, chunks=[P.Chunk(key(0), (tuple(engine.blocks(4)),))]
-        )
-        second = P.encode_request(
-            "get", 102, context=ctx, chunks=[P.Chunk(key(1), (tuple(engine.blocks(5)),))], deadline=soon(200)
-        )
+        first = P.encode_request("get", 101, context=ctx, chunks=[chunk(0, 4)])
+        second = P.encode_request("get", 102, context=ctx, chunks=[chunk(1, 5)], deadline=soon(200))
         c.send_raw(first)
         c.send_raw(second)  # pipelined: waits in the socket behind the first
         assert held.entered.wait(WAIT_S)
@@ -123,12 +130,9 @@ def test_a_request_queued_behind_another_is_dropped_when_its_deadline_passes(
 def test_a_transfer_stops_between_batches_once_its_deadline_passes(
     server: InProcess, engine: TinyEngine
 ) -> None:
-    ns = namespace()
-    with server.client() as c:
-        ctx = stored(c, engine, ns, 8)
+    with stored_then_zeroed(server, engine, 8) as (c, ctx):
         batch = server.ctx(ctx).max_batch_size
         assert batch < 8, "the request must span several batches"
-        engine.zero()
         held = server.hold(ctx, "write_chunk")
         rid = 7
         c.send_raw(
@@ -136,7 +140,7 @@ def test_a_transfer_stops_between_batches_once_its_deadline_passes(
                 "get",
                 rid,
                 context=ctx,
-                chunks=[P.Chunk(key(i), (tuple(engine.blocks(8 + i)),)) for i in range(8)],
+                chunks=[chunk(i, 8 + i) for i in range(8)],
                 deadline=soon(300),
             )
         )
@@ -167,9 +171,7 @@ def test_a_late_put_commits_nothing(server: InProcess, engine: TinyEngine) -> No
 
         server.ctx(ctx).read_chunk = slow_copy
         with pytest.raises(ServerError, match="after the store's reads; nothing was committed") as info:
-            c.call(
-                "put", context=ctx, chunks=[P.Chunk(key(0), (tuple(engine.blocks(0)),))], deadline=soon(100)
-            )
+            c.call("put", context=ctx, chunks=[chunk(0, 0)], deadline=soon(100))
         assert info.value.remote_type == "DeadlineExceeded"
         after = c.status()["server"]
         assert c.lookup(ns, [key(0)]) == 0

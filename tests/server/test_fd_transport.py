@@ -107,9 +107,19 @@ def fd_backend(lmcache_registry: RegistryFixture) -> Iterator[None]:
 
 # -- frames ------------------------------------------------------------------------------------
 
+SocketPair = tuple[socket.socket, socket.socket]
 
-def test_a_frame_carries_hundreds_of_fds_that_reach_the_same_memory() -> None:
+
+@pytest.fixture
+def sockets() -> Iterator[SocketPair]:
+    """Two connected UNIX sockets, closed after the test."""
     a, b = socket.socketpair()
+    with a, b:
+        yield a, b
+
+
+def test_a_frame_carries_hundreds_of_fds_that_reach_the_same_memory(sockets: SocketPair) -> None:
+    a, b = sockets
     memfds = [os.memfd_create(f"f{i}", os.MFD_CLOEXEC) for i in range(600)]  # > one message's 253
     try:
         for i, fd in enumerate(memfds):
@@ -125,12 +135,10 @@ def test_a_frame_carries_hundreds_of_fds_that_reach_the_same_memory() -> None:
         _frames.close_fds(got)
     finally:
         _frames.close_fds(memfds)
-        a.close()
-        b.close()
 
 
-def test_a_receiver_that_takes_no_fds_lets_the_kernel_close_them() -> None:
-    a, b = socket.socketpair()
+def test_a_receiver_that_takes_no_fds_lets_the_kernel_close_them(sockets: SocketPair) -> None:
+    a, b = sockets
     fd = os.memfd_create("one", os.MFD_CLOEXEC)
     try:
         before = open_fds()
@@ -139,13 +147,11 @@ def test_a_receiver_that_takes_no_fds_lets_the_kernel_close_them() -> None:
         assert open_fds() == before
     finally:
         os.close(fd)
-        a.close()
-        b.close()
 
 
-def test_too_many_fds_for_a_frame_are_refused_before_sending() -> None:
-    a, b = socket.socketpair()
-    with a, b, pytest.raises(WireFormatError, match="exceed the limit"):
+def test_too_many_fds_for_a_frame_are_refused_before_sending(sockets: SocketPair) -> None:
+    a, _ = sockets
+    with pytest.raises(WireFormatError, match="exceed the limit"):
         _frames.send_frame(a, b"x", list(range(_frames.MAX_FRAME_FDS + 1)))
 
 

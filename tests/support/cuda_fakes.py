@@ -58,12 +58,7 @@ class _HostBuffer:
 
     def __init__(self, owner: object, ptr: int, nbytes: int) -> None:
         self.owner = owner
-        self.__array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-        }
+        self.__array_interface__ = _driver.byte_interface(ptr, nbytes, version=3)
 
 
 class FakeRuntime:

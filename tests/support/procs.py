@@ -1,10 +1,11 @@
-"""Stopping a process the way a hung server looks, without racing the signal.
+"""Stopping processes: the way a hung server looks, without racing the signal; or for good.
 
 ``kill(pid, SIGSTOP)`` returns before the target's threads have stopped: the kernel
 stops a thread group only once one of its threads takes the signal, and on a loaded
 machine a thread already running may answer one more request first. A test that sends
 a request "to a hung server" right after the signal could then be answered, and wait for
 a hang that never shows. :func:`sigstop` returns only when every thread is stopped.
+:func:`stop_worker` ends a spawned worker at the end of a test, whether it answers or not.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 STOP_WAIT_S = 10.0
@@ -44,3 +47,18 @@ def sigstop(pid: int, bound: float = STOP_WAIT_S) -> None:
 
 def sigcont(pid: int) -> None:
     os.kill(pid, signal.SIGCONT)
+
+
+def stop_worker(process: BaseProcess, ask_exit: Callable[[], object], timeout: float) -> None:
+    """Ask a spawned worker to exit (``ask_exit``), then wait ``timeout`` s for it; kill it if it lives on.
+
+    A worker that hangs or fails to answer must still not outlive its test (nor keep the
+    memory it maps): the kill happens whatever ``ask_exit`` raised, and that error stays.
+    """
+    try:
+        ask_exit()
+    finally:
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()

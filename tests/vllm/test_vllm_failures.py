@@ -17,20 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from support.vllm_driver import (
-    alive_run,
-    brief,
-    expect,
-    near,
-    prompt,
-    same,
-    store,
-    tokens,
-)
+from support import vllm_driver as drv
+from support.vllm_driver import L3, brief, expect, prompt, same, store, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-failures")]
-
-L3 = 3 * 256 + 10  # three whole chunks and a few tokens: a hit of 768 at block size 128 or 16
 
 
 def test_a_server_refusing_every_get_leaves_the_output_unchanged(failing, ref_gqa):
@@ -45,7 +35,7 @@ def test_a_server_refusing_every_get_leaves_the_output_unchanged(failing, ref_gq
         results = engine.generate([p1, p2])
     finally:
         server.set_mode(get="normal")
-    alive = alive_run(engine)
+    alive = drv.alive_run(engine)
     gets = [e for e in server.events() if e.get("op") == "get" and e.get("mode") == "refuse"]
     observed = {
         "stored_runs": [brief(r) for r in stored],
@@ -58,23 +48,20 @@ def test_a_server_refusing_every_get_leaves_the_output_unchanged(failing, ref_gq
         observed,
         no_error=all(r["finish_reason"] != "error" for r in results),
         gets_refused=len(gets) >= 1,
-        equal_to_no_connector=all(near(r, ref) for r, ref in zip(results, refs, strict=True)),
+        equal_to_no_connector=all(drv.near(r, ref) for r, ref in zip(results, refs, strict=True)),
         engine_alive=alive == "length",
     )
 
 
 def test_a_chunk_evicted_between_lookup_and_get_is_recomputed(failing, ref_gqa):
     server, engine = failing
-    p = prompt(tokens(L3, 23))
-    store(engine, server, p, chunks=3)
-    ref = ref_gqa.cold(p)
-    engine.reset_prefix_cache()
+    p, ref = drv.held_by_server(engine, server, ref_gqa, 23)
     server.set_mode(get="drop")  # the chunks go after the lookup answered, before the get runs
     try:
         result = engine.run(p)
     finally:
         server.set_mode(get="normal")
-    alive = alive_run(engine)
+    alive = drv.alive_run(engine)
     dropped = [e for e in server.events() if e.get("phase") == "dropped"]
     observed = {"result": brief(result), "dropped": dropped, "alive": alive, "stats": engine.stats()}
     expect(

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from support import vllm_driver as drv
 from support.vllm_driver import Lab, brief, connected, connector_tokens, expect, prompt, same, store, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-file")]
-
-L3 = 3 * 256 + 10
 
 
 def entries(disk: Path) -> list[Path]:
@@ -40,7 +39,7 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
     server = lab.server("file-tier", args=["--remote", f"file://{disk}"])
     try:
         a = lab.engine("file-a", connected("gqa", server))
-        p = prompt(tokens(L3, 91))
+        p = prompt(tokens(drv.L3, 91))
         store(a, server, p, chunks=3)
         a_hit = a.run(p)  # A's own prefix-cache hit: the reference for a hit of 768 tokens
         on_disk = wait_entries(disk, 3)
@@ -50,7 +49,7 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
         loaded = b.cold(p)
         after_restart = server.status()
 
-        q = prompt(tokens(L3, 92))
+        q = prompt(tokens(drv.L3, 92))
         ref_q = ref_gqa.cold(q)
         store(b, server, q, chunks=3)
         wait_entries(disk, 6)

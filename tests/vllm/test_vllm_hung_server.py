@@ -20,24 +20,11 @@ import time
 
 import pytest
 
-from support.vllm_driver import (
-    DriverError,
-    EngineDriver,
-    alive_run,
-    brief,
-    connected,
-    connector_tokens,
-    expect,
-    load_targets,
-    prompt,
-    same,
-    store,
-    tokens,
-)
+from support import vllm_driver as drv
+from support.vllm_driver import HIT, L3, EngineDriver, brief, expect, prompt, same, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-failures")]
 
-L3 = 3 * 256 + 10
 #: How long the double sleeps before a late ``get``: well past the connector's deadline
 #: (transfer_deadline_ms, 5 s by default), well short of the old client's 60 s timeout.
 LATE_S = 10.0
@@ -57,11 +44,11 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
     # The server's chunks come from a cold run of p: the like-for-like reference is a local
     # hit on the KV of a cold run (p computed again over its cached 768 tokens).
     ref_hit = ref.run(p)
-    assert ref_hit["cached"] == 3 * 256
+    assert ref_hit["cached"] == HIT
 
     server = lab.server("hung")  # the real `lmcache-platform serve`
     server.sigstop()
-    engine = EngineDriver(connected("gqa", server, patient=False), name="hung-gqa")
+    engine = EngineDriver(drv.connected("gqa", server, patient=False), name="hung-gqa")
     observed: dict[str, object] = {"no_connector_s": round(baseline, 2)}
     first = resumed = None
     try:
@@ -71,7 +58,7 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
             left = budget - (time.monotonic() - engine.t_start)
             first = engine.run(p, timeout=max(left, 1.0))
             observed["ready_s"] = engine.ready_s
-        except DriverError as exc:
+        except drv.DriverError as exc:
             observed["stalled"] = str(exc).splitlines()[0]
         observed["with_stopped_server_s"] = round(time.monotonic() - engine.t_start, 2)
         print(
@@ -85,9 +72,9 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
             while time.monotonic() < deadline:
                 r = engine.cold(p)  # stores p once the server is back, then loads it
                 attempts.append(
-                    [round(time.monotonic() - deadline + 75, 1), r["cached"], connector_tokens(r)]
+                    [round(time.monotonic() - deadline + 75, 1), r["cached"], drv.connector_tokens(r)]
                 )
-                if connector_tokens(r) == 3 * 256 and r["cached"] == 3 * 256:
+                if drv.connector_tokens(r) == HIT and r["cached"] == HIT:
                     resumed = r
                     break
                 time.sleep(2)
@@ -107,17 +94,14 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
 
 def test_a_server_answering_after_the_deadline_writes_nothing(failing, ref_gqa):
     server, engine = failing
-    p = prompt(tokens(L3, 32))
-    store(engine, server, p, chunks=3)
-    ref = ref_gqa.cold(p)
-    engine.reset_prefix_cache()
+    p, ref = drv.held_by_server(engine, server, ref_gqa, 32)
     n0 = len(server.events())
     server.set_mode(get="sleep", sleep_s=LATE_S, scramble=True)
     try:
         t0 = time.monotonic()
         result = engine.run(p, timeout=LATE_S + 120)
         request_s = round(time.monotonic() - t0, 2)
-        targets = load_targets(engine, result)
+        targets = drv.load_targets(engine, result)
         at_give_up = engine.kv_blocks(targets) if targets else {}
         answered = server.wait_event(
             lambda e: e.get("op") == "get" and e.get("phase") == "end", timeout=LATE_S + 30, after=n0
@@ -147,10 +131,7 @@ def test_a_server_answering_after_the_deadline_writes_nothing(failing, ref_gqa):
 
 def test_a_server_killed_mid_load_leaves_the_output_unchanged(lab, failing, ref_gqa):
     server, engine = failing
-    p = prompt(tokens(L3, 33))
-    store(engine, server, p, chunks=3)
-    ref = ref_gqa.cold(p)
-    engine.reset_prefix_cache()
+    p, ref = drv.held_by_server(engine, server, ref_gqa, 33)
     n0 = len(server.events())
     server.set_mode(get="sleep", sleep_s=120)
     try:
@@ -160,7 +141,7 @@ def test_a_server_killed_mid_load_leaves_the_output_unchanged(lab, failing, ref_
         )
         server.kill()  # SIGKILL while the get sleeps: the load is in flight
         result = engine.receive(timeout=180)["results"][0]
-        alive = alive_run(engine)
+        alive = drv.alive_run(engine)
         stats = engine.stats()
     finally:
         lab.retire_server("failures")  # and the engine connected to it

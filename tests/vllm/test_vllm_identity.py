@@ -23,31 +23,17 @@ from typing import Any
 
 import pytest
 
-from support.vllm_driver import (
-    EngineDriver,
-    Lab,
-    brief,
-    connected,
-    connector_tokens,
-    expect,
-    make_lora,
-    prompt,
-    same,
-    store,
-    tokens,
-)
+from support import vllm_driver as drv
+from support.vllm_driver import HIT, L3, EngineDriver, Lab, brief, expect, prompt, same, store, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-identity")]
-
-L3 = 3 * 256 + 10
-HIT = 3 * 256
 
 
 @pytest.fixture
 def engines(lab: Lab) -> tuple[EngineDriver, EngineDriver, EngineDriver, object]:
     """A and B (connector), the no-connector reference, all LoRA-enabled; and the real server."""
     server = lab.server("identity")
-    spec = connected("gqa", server, enable_lora=True, max_lora_rank=8)
+    spec = drv.connected("gqa", server, enable_lora=True, max_lora_rank=8)
     a = lab.engine("identity-a", spec)
     b = lab.engine("identity-b", spec)
     ref = lab.engine("identity-ref", {"model": "gqa", "enable_lora": True, "max_lora_rank": 8})
@@ -61,7 +47,7 @@ def loras(lab: Lab) -> tuple[dict[str, Any], dict[str, Any]]:
     for i in (1, 2):
         path = Path(lab.tmp) / f"lora-{i}"
         if not (path / "adapter_model.safetensors").exists():
-            make_lora(path, seed=i)
+            drv.make_lora(path, seed=i)
         out.append({"name": f"adapter-{i}", "id": i, "path": str(path)})
     return out[0], out[1]
 
@@ -85,12 +71,9 @@ def test_cache_salt_isolates_tenants(engines):
     expect(
         observed,
         a_hit_is_local=a_hit["cached"] == HIT,
-        other_salt_no_hit=other_salt["cached"] == 0,
-        other_salt_equal_to_no_connector=same(other_salt, cold),
-        no_salt_no_hit=no_salt["cached"] == 0,
-        no_salt_equal_to_no_connector=same(no_salt, cold),
-        same_salt_hits=same_salt["cached"] == HIT and connector_tokens(same_salt) == HIT,
-        same_salt_equal_to_a_hit=same(same_salt, a_hit),
+        **drv.missed("other_salt", other_salt, cold),
+        **drv.missed("no_salt", no_salt, cold),
+        **drv.loaded("same_salt", same_salt, a_hit),
     )
 
 
@@ -116,12 +99,9 @@ def test_lora_adapters_never_share_kv_with_the_base_model_or_each_other(engines,
     expect(
         observed,
         adapters_change_the_output=bool(observed["adapters_change_the_output"]),
-        base_no_hit=base["cached"] == 0,
-        base_equal_to_no_connector=same(base, base_cold),
-        other_adapter_no_hit=other["cached"] == 0,
-        other_adapter_equal_to_no_connector=same(other, l2_cold),
-        same_adapter_hits=same_adapter["cached"] == HIT and connector_tokens(same_adapter) == HIT,
-        same_adapter_equal_to_a_hit=same(same_adapter, a_hit),
+        **drv.missed("base", base, base_cold),
+        **drv.missed("other_adapter", other, l2_cold),
+        **drv.loaded("same_adapter", same_adapter, a_hit),
     )
 
 
@@ -140,6 +120,6 @@ def test_resetting_the_connector_cache_starts_a_new_epoch(lab, engines):
     expect(
         observed,
         reset_succeeded=reset,
-        no_hit_after_reset=again["cached"] == 0 and connector_tokens(again) == 0,
+        no_hit_after_reset=again["cached"] == 0 and drv.connector_tokens(again) == 0,
         equal_to_no_connector=same(again, cold),
     )

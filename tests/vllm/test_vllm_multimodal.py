@@ -27,18 +27,8 @@ from typing import Any
 
 import pytest
 
-from support.vllm_driver import (
-    EngineDriver,
-    Lab,
-    brief,
-    connected,
-    connector_tokens,
-    expect,
-    prompt,
-    same,
-    store,
-    tokens,
-)
+from support import vllm_driver as drv
+from support.vllm_driver import EngineDriver, Lab, brief, expect, prompt, same, store, tokens
 from support.vllm_models import multimodal_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-multimodal")]
@@ -58,7 +48,7 @@ def engines(lab: Lab) -> tuple[EngineDriver, EngineDriver, EngineDriver, Any]:
     server = lab.server("multimodal")
     # One model path for all: vLLM hashes each image together with the model's path.
     model_dir = str(lab.tmp / "llava")
-    spec = connected("llava", server, model_dir=model_dir)
+    spec = drv.connected("llava", server, model_dir=model_dir)
     a = lab.engine("multimodal-a", spec)
     b = lab.engine("multimodal-b", spec)
     ref = lab.engine("multimodal-ref", {"model": "llava", "model_dir": model_dir})
@@ -101,9 +91,9 @@ def test_images_behind_the_same_placeholder_tokens_never_share_kv(engines):
         observed,
         images_change_the_output=not same(ref_x, ref_y),
         a_hit_is_local=a_hit["cached"] == HIT,
-        other_image_no_hit_past_the_image=b_y["cached"] <= PRE and connector_tokens(b_y) <= PRE,
-        other_image_chunk_before_the_image_shared=b_y["cached"] == PRE and connector_tokens(b_y) == PRE,
+        other_image_no_hit_past_the_image=b_y["cached"] <= PRE and drv.connector_tokens(b_y) <= PRE,
+        other_image_chunk_before_the_image_shared=b_y["cached"] == PRE and drv.connector_tokens(b_y) == PRE,
         other_image_equal_to_no_connector=same(b_y, ref_y),
-        same_image_hits=b_x["cached"] == HIT and connector_tokens(b_x) == HIT - b_y["cached"],
+        same_image_hits=b_x["cached"] == HIT and drv.connector_tokens(b_x) == HIT - b_y["cached"],
         same_image_equal_to_a_hit=same(b_x, a_hit),
     )

@@ -33,27 +33,13 @@ from typing import Any
 
 import pytest
 
+from support import vllm_driver as drv
 from support.valkey import ValkeyCluster, ValkeyNode
-from support.vllm_driver import (
-    TOLERANCE,
-    EngineDriver,
-    Lab,
-    brief,
-    connected,
-    connector_tokens,
-    expect,
-    gap,
-    hit_run,
-    prompt,
-    same,
-    store,
-    tokens,
-)
+from support.vllm_driver import CHUNK, EngineDriver, Lab, brief, expect, prompt, same, store, tokens
 from support.waits import until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-remote")]
 
-CHUNK = 256
 PREFIX = "vllm-remote"
 OTHER_MODEL_ID = "tests/vllm gqa, another model identity"
 
@@ -124,8 +110,8 @@ class Nodes:
         self.lab = lab
         self.node_a = point(lab, "remote-a", url)
         self.node_b = point(lab, "remote-b", url)
-        self.a = lab.engine("remote-a", connected("gqa", self.node_a))
-        self.b = lab.engine("remote-b", connected("gqa", self.node_b))
+        self.a = lab.engine("remote-a", drv.connected("gqa", self.node_a))
+        self.b = lab.engine("remote-b", drv.connected("gqa", self.node_b))
         connected_again(lab, self.node_a)
         connected_again(lab, self.node_b)
 
@@ -197,13 +183,13 @@ def test_node_b_loads_the_prefix_node_a_computed(lab: Lab, valkey: ValkeyNode, r
     expect(
         observed,
         a_hit_is_local=a_hit["cached"] == n,
-        b_loads_every_chunk=b_run["cached"] == n and connector_tokens(b_run) == n,
+        b_loads_every_chunk=b_run["cached"] == n and drv.connector_tokens(b_run) == n,
         b_equal_to_a_hit=same(b_run, a_hit),
         b_blocks_hold_a_bytes=len(loaded) == n // int(nodes.b.wait_ready()["block_size"])
         and loaded == computed,
         node_b_fetched_from_valkey=moved["remote_loaded"] == 4 and moved["fetched"] == 4,
         nothing_missing=moved["get_missing"] == 0,
-        other_namespace_gets_nothing=other_run["cached"] == 0 and connector_tokens(other_run) == 0,
+        other_namespace_gets_nothing=other_run["cached"] == 0 and drv.connector_tokens(other_run) == 0,
         other_equal_to_no_connector=same(other_run, cold),
         no_error=all(r["finish_reason"] != "error" for r in (b_run, other_run)),
     )
@@ -281,7 +267,7 @@ def test_two_nodes_on_a_valkey_cluster_and_a_dead_primary(
             results.append(nodes.b.run(p))
         after = nodes.node_b.status()
         refs = [
-            ref_gqa.cold(p) if gone else hit_run(ref_gqa, p, CHUNK)
+            ref_gqa.cold(p) if gone else drv.hit_run(ref_gqa, p, CHUNK)
             for p, gone in zip(singles, lost, strict=True)
         ]
     observed = {
@@ -294,7 +280,7 @@ def test_two_nodes_on_a_valkey_cluster_and_a_dead_primary(
     expect(
         observed,
         keys_spread_over_every_primary=all(n > 0 for n in per_node) and sum(per_node) == 13,
-        b_loads_the_long_prefix=b_long["cached"] == 4 * CHUNK and connector_tokens(b_long) == 4 * CHUNK,
+        b_loads_the_long_prefix=b_long["cached"] == 4 * CHUNK and drv.connector_tokens(b_long) == 4 * CHUNK,
         b_equal_to_a_hit=same(b_long, a_hit),
         some_lost_some_kept=0 < sum(lost) < len(lost),
         only_the_dead_primarys_chunks_lost=all(
@@ -344,16 +330,16 @@ def test_four_engines_on_two_nodes_under_a_remote_memory_cap(
     for p, r in runs:
         at = (tuple(p["ids"]), r["cached"])
         if at not in refs:
-            refs[at] = ref_gqa.cold(p) if r["cached"] == 0 else hit_run(ref_gqa, p, r["cached"])
-        gaps.append(gap(r, refs[at]))
-        if gaps[-1] > TOLERANCE:
+            refs[at] = ref_gqa.cold(p) if r["cached"] == 0 else drv.hit_run(ref_gqa, p, r["cached"])
+        gaps.append(drv.gap(r, refs[at]))
+        if gaps[-1] > drv.TOLERANCE:
             ref = refs[at]
             mismatched.append({**brief(r), "gap": gaps[-1], "top": r["logprobs"], "ref_top": ref["logprobs"]})
     # The control: the first run's prompt with its first chunk taken from another prompt, what
     # a torn or misplaced chunk would feed the engine.
     first, last = runs[0][0], runs[-1][0]
     torn = ref_gqa.cold({**first, "ids": list(last["ids"][:CHUNK]) + list(first["ids"][CHUNK:])})
-    control_gap = gap(torn, ref_gqa.cold(first))
+    control_gap = drv.gap(torn, ref_gqa.cold(first))
     counts = {
         name: {
             **delta(after[name], before[name], "remote_hits", "remote_loaded", "get_missing", "errors"),
@@ -387,5 +373,5 @@ def test_four_engines_on_two_nodes_under_a_remote_memory_cap(
         the_cap_was_reached=evicted > 0,
         both_nodes_loaded_from_the_store=all(c["remote_loaded"] > 0 for c in counts.values()),
         every_output_within_the_tolerance=not mismatched,
-        a_torn_chunk_lands_outside_it=control_gap > 10 * TOLERANCE,
+        a_torn_chunk_lands_outside_it=control_gap > 10 * drv.TOLERANCE,
     )

@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 
+from support import vllm_driver as drv
 from support.vllm_driver import EngineDriver, Lab, brief, connected, connector_tokens, expect, prompt, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-restarts")]
-
-L3 = 3 * 256 + 10  # three whole chunks and a few tokens
 
 
 def at_once(engines: list[EngineDriver], p: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,7 +68,7 @@ def test_two_engines_with_the_default_seed_looking_up_at_once_both_load(lab: Lab
     b = lab.engine("pair-b", connected("gqa", server))
     rounds = []
     for seed in (81, 82, 83):
-        p = prompt(tokens(L3, seed))
+        p = prompt(tokens(drv.L3, seed))
         before = int(server.status()["chunks"])
         a.cold(p)
         wait_chunks(server, before + 3)
@@ -86,13 +85,13 @@ def test_two_engines_with_the_default_seed_looking_up_at_once_both_load(lab: Lab
 def test_an_idle_engine_stores_its_next_request_after_a_restart_and_another_engine_loads_it(lab: Lab) -> None:
     server = lab.server("idle-restart")
     a = lab.engine("idle-a", connected("gqa", server, patient=False))
-    a.cold(prompt(tokens(L3, 84)))  # registered and serving
+    a.cold(prompt(tokens(drv.L3, 84)))  # registered and serving
     wait_chunks(server, 3)
     server.kill()  # SIGKILL: the engine's links see the socket close
     time.sleep(3)  # the links back off (1 s, then 2 s) while nothing listens
     server.restart()
     relinked_s = links_up(a, server, 1)
-    p = prompt(tokens(L3, 85))
+    p = prompt(tokens(drv.L3, 85))
     first = a.cold(p)  # the first step since the restart: no report has said the links are back
     stored = wait_chunks(server, 3)
     b = lab.engine("idle-b", connected("gqa", server, patient=False))
@@ -117,13 +116,13 @@ def test_an_idle_engine_stores_its_next_request_after_a_restart_and_another_engi
 def test_the_first_request_the_moment_a_new_server_listens_is_stored(lab: Lab) -> None:
     server = lab.server("listen-restart")
     a = lab.engine("listen-a", connected("gqa", server, patient=False))
-    a.cold(prompt(tokens(L3, 86)))
+    a.cold(prompt(tokens(drv.L3, 86)))
     wait_chunks(server, 3)
     server.kill()
     time.sleep(3)
     server.restart()  # returns once the socket exists
     t0 = time.monotonic()
-    first = a.cold(prompt(tokens(L3, 87)))
+    first = a.cold(prompt(tokens(drv.L3, 87)))
     request_s = time.monotonic() - t0
     stored = wait_chunks(server, 3)
     status = server.status()

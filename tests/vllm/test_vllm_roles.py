@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
+from support import vllm_driver as drv
 from support.kv_events import Subscriber
 from support.vllm_driver import Lab, brief, connected, connector_tokens, expect, prompt, same, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-roles")]
 
-L3 = 3 * 256 + 10  # three whole chunks and a few tokens
 #: The gqa model's chunk in the server: 256 tokens x 4 layers x K and V x 2 heads x 64 x bf16.
 CHUNK_BYTES = 256 * 4 * 2 * 2 * 64 * 2
 
@@ -37,7 +37,7 @@ def test_the_decode_engine_loads_what_the_prefill_engine_stored(lab: Lab) -> Non
     server = lab.server("roles")
     producer = lab.engine("roles-prefill", with_role(connected("gqa", server), "kv_producer"))
     consumer = lab.engine("roles-decode", with_role(connected("gqa", server), "kv_consumer"))
-    p = prompt(tokens(L3, 61))
+    p = prompt(tokens(drv.L3, 61))
     before = int(server.status()["chunks"])
     prefill = producer.cold(p)
     stored = _wait(lambda: int(server.status()["chunks"]) - before, 3)
@@ -45,7 +45,7 @@ def test_the_decode_engine_loads_what_the_prefill_engine_stored(lab: Lab) -> Non
     producer.reset_prefix_cache()
     again = producer.run(p)  # the server holds it, yet a producer never loads
     decode = consumer.cold(p)
-    fresh = consumer.cold(prompt(tokens(L3, 62)))
+    fresh = consumer.cold(prompt(tokens(drv.L3, 62)))
     after_fresh = int(server.status()["chunks"])
     p_stats, d_stats = producer.stats()["counters"], consumer.stats()["counters"]
     observed = {
@@ -87,7 +87,7 @@ def published(lab: Lab, tmp_path: Path) -> Iterator[tuple[Any, Any, Subscriber]]
 
 def test_stored_and_evicted_chunks_reach_a_router_with_our_medium(published: Any) -> None:
     server, engine, subscriber = published
-    p = prompt(tokens(L3, 63))
+    p = prompt(tokens(drv.L3, 63))
     engine.cold(p)
     seen = subscriber.wait(lambda ev: _ours(ev, "BlockStored"))
     stored = _ours(seen, "BlockStored")
@@ -95,7 +95,7 @@ def test_stored_and_evicted_chunks_reach_a_router_with_our_medium(published: Any
     gpu = [h for e in seen if e["type"] == "BlockStored" and e["medium"] != "CPU" for h in e["block_hashes"]]
     # Other prompts fill the server (room for four chunks): the first prompt's chunks go.
     for seed in (64, 65):
-        engine.cold(prompt(tokens(L3, seed)))
+        engine.cold(prompt(tokens(drv.L3, seed)))
     # vLLM collects the connector's events on its steps only: short requests (nothing stored)
     # give it steps until the last eviction was read.
     removed: list[Any] = []

@@ -14,22 +14,11 @@ from __future__ import annotations
 
 import pytest
 
-from support.vllm_driver import (
-    EngineDriver,
-    Lab,
-    alive_run,
-    brief,
-    connector_tokens,
-    expect,
-    prompt,
-    same,
-    store,
-    tokens,
-)
+from support import vllm_driver as drv
+from support.vllm_driver import HIT, L3, EngineDriver, Lab, brief, expect, prompt, same, store, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-tp")]
 
-L3 = 3 * 256 + 10
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 #: The two TP workers busy-wait on the two cores of the machines this suite runs on while
 #: their engine steps, so the server and the connector's I/O threads get little CPU (a get of
@@ -65,8 +54,8 @@ def test_tp2_engine_b_loads_every_rank_of_what_a_stored(tp):
     }
     expect(
         observed,
-        a_hit_is_local=a_hit["cached"] == 3 * 256,
-        b_loaded=connector_tokens(result) == 3 * 256 and result["cached"] == 3 * 256,
+        a_hit_is_local=a_hit["cached"] == HIT,
+        b_loaded=drv.connector_tokens(result) == HIT and result["cached"] == HIT,
         b_equal_to_a_hit=same(result, a_hit),
     )
 
@@ -86,7 +75,7 @@ def test_tp2_a_rank_missing_its_chunks_never_fails_the_request(tp, rank):
     dropped = server.control("clear", namespace=namespaces[rank]) if len(namespaces) == 2 else None
     b.reset_prefix_cache()
     result = b.run(p)
-    alive = alive_run(b)
+    alive = drv.alive_run(b)
     observed = {
         "namespaces": [n[:16] for n in namespaces],
         "dropped": dropped,

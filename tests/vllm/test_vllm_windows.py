@@ -26,26 +26,12 @@ from typing import Any
 
 import pytest
 
-from support.vllm_driver import (
-    PATIENT,
-    DriverError,
-    EngineDriver,
-    Lab,
-    alive_run,
-    brief,
-    connector_tokens,
-    expect,
-    hit_run,
-    prompt,
-    same,
-    store,
-    tokens,
-)
+from support import vllm_driver as drv
+from support.vllm_driver import L3, EngineDriver, Lab, brief, expect, prompt, same, store, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-windows")]
 
 L6 = 6 * 256 + 10  # six whole chunks, far past the 128-token window
-L3 = 3 * 256 + 10
 CONFIGS: dict[str, dict[str, Any]] = {
     "sliding-128": {"model": "sliding"},
     "sliding-16": {"model": "sliding", "block_size": 16},
@@ -59,7 +45,7 @@ def pair(lab: Lab, config: str) -> tuple[Any, EngineDriver, EngineDriver]:
     """The windows server (reset to behave) and engines A and B of ``config``."""
     server = lab.server("windows", double=True)
     server.set_mode(get="normal")
-    spec = {**CONFIGS[config], "connector": {"socket": server.socket, "extra": PATIENT}}
+    spec = {**CONFIGS[config], "connector": {"socket": server.socket, "extra": drv.PATIENT}}
     return server, lab.engine(f"windows-{config}-a", spec), lab.engine(f"windows-{config}-b", spec)
 
 
@@ -67,8 +53,16 @@ def retire(lab: Lab, config: str) -> None:
     lab.retire(f"windows-{config}-a", f"windows-{config}-b")
 
 
-def b_loads_what_a_stored(lab: Lab, config: str, seed: int) -> None:
-    server, a, b = pair(lab, config)
+def b_loads_what_a_stored(lab: Lab, config: str, seed: int, *, keep: bool = False) -> None:
+    """B loads what A stored and equals A's own hit; ``keep``: leave the engines to the next test."""
+    try:
+        b_loads_what_a_stored_with(*pair(lab, config), seed)
+    finally:
+        if not keep:
+            retire(lab, config)
+
+
+def b_loads_what_a_stored_with(server: Any, a: EngineDriver, b: EngineDriver, seed: int) -> None:
     p = prompt(tokens(L6, seed))
     store(a, server, p, chunks=6)
     a_hit = a.run(p)  # A's own prefix-cache hit: the reference for a hit of 1,536 tokens
@@ -77,10 +71,10 @@ def b_loads_what_a_stored(lab: Lab, config: str, seed: int) -> None:
     died = ""
     try:
         result = b.run(p)
-    except DriverError as exc:
+    except drv.DriverError as exc:
         result, died = None, str(exc).splitlines()[0]
     null_after = b.kv_blocks([0]) if result is not None else None
-    alive = alive_run(b) if result is not None else "dead: " + died
+    alive = drv.alive_run(b) if result is not None else "dead: " + died
     observed = {
         "a_hit": brief(a_hit),
         "b": brief(result) if result is not None else died,
@@ -93,21 +87,20 @@ def b_loads_what_a_stored(lab: Lab, config: str, seed: int) -> None:
         a_hit_is_local=a_hit["cached"] == 6 * 256,
         null_block_untouched=null_after == null_before,
         b_finished=result is not None and result["finish_reason"] != "error",
-        b_loaded=result is not None and connector_tokens(result) == 6 * 256 and result["cached"] == 6 * 256,
+        b_loaded=result is not None
+        and drv.connector_tokens(result) == 6 * 256
+        and result["cached"] == 6 * 256,
         b_equal_to_a_hit=result is not None and same(result, a_hit),
         b_alive=alive == "length",
     )
 
 
 def test_sliding_window_block_size_128(lab):
-    try:
-        b_loads_what_a_stored(lab, "sliding-128", 51)
-    finally:
-        retire(lab, "sliding-128")
+    b_loads_what_a_stored(lab, "sliding-128", 51)
 
 
 def test_sliding_window_block_size_16(lab):
-    b_loads_what_a_stored(lab, "sliding-16", 52)
+    b_loads_what_a_stored(lab, "sliding-16", 52, keep=True)
 
 
 def test_a_store_after_a_local_hit_never_reads_the_null_block(lab):
@@ -125,7 +118,7 @@ def test_a_store_after_a_local_hit_never_reads_the_null_block(lab):
         b.reset_prefix_cache()
         try:
             result = b.run(y)
-        except DriverError as exc:
+        except drv.DriverError as exc:
             result = {
                 "finish_reason": "dead: " + str(exc).splitlines()[0],
                 "cached": 0,
@@ -135,10 +128,10 @@ def test_a_store_after_a_local_hit_never_reads_the_null_block(lab):
         # The reference: A's own run of y with as many tokens cached as B had, computed locally.
         server.set_mode(lookup="miss")
         try:
-            ref = hit_run(a, y, int(result["cached"]))
+            ref = drv.hit_run(a, y, int(result["cached"]))
         finally:
             server.set_mode(get="normal")
-        alive = alive_run(b)
+        alive = drv.alive_run(b)
     finally:
         retire(lab, "sliding-16")
     observed = {
@@ -159,7 +152,7 @@ def test_a_store_after_a_local_hit_never_reads_the_null_block(lab):
 
 
 def test_hybrid_block_size_128(lab):
-    b_loads_what_a_stored(lab, "hybrid-128", 55)
+    b_loads_what_a_stored(lab, "hybrid-128", 55, keep=True)
 
 
 def test_hybrid_refused_gets_are_recomputed_and_the_engine_lives(lab):
@@ -185,10 +178,10 @@ def test_hybrid_refused_gets_are_recomputed_and_the_engine_lives(lab):
                 b.reset_prefix_cache()
                 results += b.generate([p])
             died = None
-        except DriverError as exc:
+        except drv.DriverError as exc:
             results, died = [], str(exc).splitlines()[0]
         server.set_mode(get="normal")
-        alive = alive_run(b) if died is None else "dead"
+        alive = drv.alive_run(b) if died is None else "dead"
         refused = [e for e in server.events() if e.get("mode") == "refuse" and e.get("phase") == "begin"]
     finally:
         retire(lab, "hybrid-128")
@@ -210,16 +203,10 @@ def test_hybrid_refused_gets_are_recomputed_and_the_engine_lives(lab):
 
 
 def test_hybrid_block_size_16(lab):
-    try:
-        b_loads_what_a_stored(lab, "hybrid-16", 58)
-    finally:
-        retire(lab, "hybrid-16")
+    b_loads_what_a_stored(lab, "hybrid-16", 58)
 
 
 def test_hybrid_with_the_hybrid_manager_disabled_keeps_full_attention_kv(lab):
     # One FullAttentionSpec group that still carries the window: the full-attention layers
     # need every token of every chunk.
-    try:
-        b_loads_what_a_stored(lab, "hybrid-nohma", 59)
-    finally:
-        retire(lab, "hybrid-nohma")
+    b_loads_what_a_stored(lab, "hybrid-nohma", 59)

@@ -11,15 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_platform.remote import (
-    RemoteConfigError,
-    RemoteOptions,
-    RemotePartialError,
-    RemoteTimeout,
-    RemoteUnavailable,
-    RemoteURL,
-    open_remote,
-)
+from lmcache_platform import remote
+from lmcache_platform.remote import RemoteOptions, RemoteURL, open_remote
 from lmcache_platform_valkey import ValkeyConfig, ValkeyStore
 from support.valkey import Blackhole, TlsProxy, ValkeyNode, make_certificates
 
@@ -59,7 +52,7 @@ def test_urls_become_client_settings() -> None:
     ],
 )
 def test_bad_urls_and_options_are_refused_by_name(url: str, options: dict[str, object], words: str) -> None:
-    with pytest.raises(RemoteConfigError, match=words):
+    with pytest.raises(remote.RemoteConfigError, match=words):
         config(url, **options)
 
 
@@ -84,7 +77,7 @@ def test_password_from_a_variable_or_a_file(tmp_path: Path, monkeypatch: pytest.
         for options in (RemoteOptions(password_env="LMCP_VALKEY_PW"), RemoteOptions()):
             store = open_remote(node.url, options)
             try:
-                with pytest.raises(RemoteUnavailable, match=r"uthentication|NOAUTH|WRONGPASS"):
+                with pytest.raises(remote.RemoteUnavailable, match=r"uthentication|NOAUTH|WRONGPASS"):
                     store.ping(timeout=2)
             finally:
                 store.close()
@@ -115,7 +108,7 @@ def test_tls_with_a_private_ca_and_mutual_tls(tmp_path: Path) -> None:
                 (f"valkey://127.0.0.1:{proxy.port}/0", RemoteOptions()),  # plain text to a TLS port
             ):
                 store = open_remote(bad_url, options)
-                with pytest.raises((RemoteUnavailable, RemoteTimeout)):
+                with pytest.raises((remote.RemoteUnavailable, remote.RemoteTimeout)):
                     store.ping(timeout=3)
                 store.close()
         finally:
@@ -130,10 +123,10 @@ def test_calls_beyond_the_limit_fail_at_once_rather_than_queue() -> None:
     )
     try:
         for _ in range(2):
-            with pytest.raises(RemoteTimeout, match="no answer within"):
+            with pytest.raises(remote.RemoteTimeout, match="no answer within"):
                 store.exists_many([b"k"], timeout=0.1)
         started = time.monotonic()
-        with pytest.raises(RemoteTimeout, match="2 calls already in flight"):
+        with pytest.raises(remote.RemoteTimeout, match="2 calls already in flight"):
             store.exists_many([b"k"], timeout=5.0)
         print(f"\nthird call with both slots hung: refused after {(time.monotonic() - started) * 1e3:.2f} ms")
     finally:
@@ -165,7 +158,7 @@ def test_the_acl_of_docs_multi_node_is_enough(tmp_path: Path, monkeypatch: pytes
             assert store.get_many(keys, timeout=5) == keys
             assert store.exists_many(keys, timeout=5) == [True] * 20
             store.ping(timeout=5)
-            with pytest.raises(RemotePartialError, match="No permissions"):
+            with pytest.raises(remote.RemotePartialError, match="No permissions"):
                 store.put_many([(b"other:1", b"x")], ttl=60, timeout=5)
         finally:
             store.close()

@@ -50,6 +50,7 @@ from ._kv.geometry import CopyGeometry, CopyUnit, copy_geometry
 from ._kv.groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
 from ._kv.layout import allocate_kv_caches, kv_cache_shape
 from ._kv.transfer import ChunkTransfer, GroupTransfer
+from ._lazy import lazy_exports
 from ._plugins.engine import Status
 from ._plugins.registry import BackendInfo, TableState, list_backends, selected_backend
 from ._types import (
@@ -121,6 +122,7 @@ __all__ = [
     "get_kv_wrapper_factory",
     "hookimpl",
     "kv_cache_shape",
+    "lazy_exports",
     "list_backends",
     "parse_bytes",
     "record_event",

@@ -6,8 +6,9 @@ does) imports neither torch nor the memory machinery.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lmcache_platform import lazy_exports
 
 if TYPE_CHECKING:
     from ._cache_context import CPUCacheContext
@@ -27,18 +28,14 @@ __all__ = [
     "reclaim_stale_segments",
 ]
 
-_HOME = {
-    "CPUCacheContext": "._cache_context",
-    "CpuMemfdIPCWrapper": "._wrapper",
-    "CpuShmIPCWrapper": "._wrapper",
-    "IPC_ENV": "._config",
-    "MemfdCapacityError": "._memfd",
-    "ShmCapacityError": "._shm",
-    "reclaim_stale_segments": "._gc",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOME[name], __name__), name)
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "._cache_context": ["CPUCacheContext"],
+        "._config": ["IPC_ENV"],
+        "._gc": ["reclaim_stale_segments"],
+        "._memfd": ["MemfdCapacityError"],
+        "._shm": ["ShmCapacityError"],
+        "._wrapper": ["CpuMemfdIPCWrapper", "CpuShmIPCWrapper"],
+    },
+)

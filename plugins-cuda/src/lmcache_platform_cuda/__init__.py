@@ -5,7 +5,9 @@ Importing the package is cheap (no torch); the public names load on first access
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lmcache_platform import lazy_exports
 
 if TYPE_CHECKING:
     from ._auto import CudaAutoIPCWrapper
@@ -33,27 +35,16 @@ __all__ = [
     "selected_ipc_kind",
 ]
 
-_LAZY = {
-    "CudaIPCWrapper": "._torch_ipc",
-    "RawCudaIPCWrapper": "._raw_ipc",
-    "CudaVmmIPCWrapper": "._vmm_ipc",
-    "CudaAutoIPCWrapper": "._auto",
-    "is_vmm_memory": "._vmm_ipc",
-    "selected_ipc_kind": "._config",
-    "VmmMemoryError": "._errors",
-    "NotVmmMemoryError": "._errors",
-    "VmmNotExportableError": "._errors",
-    "VmmUnsupportedError": "._errors",
-    "GPUCacheContext": "._cache_context",
-    "CudaEvent": "._event",
-    "IPC_ENV": "._config",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module, __name__), name)
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "._auto": ["CudaAutoIPCWrapper"],
+        "._cache_context": ["GPUCacheContext"],
+        "._config": ["IPC_ENV", "selected_ipc_kind"],
+        "._errors": ["NotVmmMemoryError", "VmmMemoryError", "VmmNotExportableError", "VmmUnsupportedError"],
+        "._event": ["CudaEvent"],
+        "._raw_ipc": ["RawCudaIPCWrapper"],
+        "._torch_ipc": ["CudaIPCWrapper"],
+        "._vmm_ipc": ["CudaVmmIPCWrapper", "is_vmm_memory"],
+    },
+)

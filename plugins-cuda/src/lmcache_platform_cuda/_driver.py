@@ -141,6 +141,15 @@ _VMM_SIGNATURES: dict[str, list[Any]] = {
 }
 
 
+def byte_interface(ptr: int, nbytes: int, *, version: int) -> dict[str, Any]:
+    """An array interface over ``nbytes`` writable bytes at ``ptr``, one ``uint8`` each.
+
+    ``version`` is the protocol's: 2 for ``__cuda_array_interface__``, 3 for numpy's
+    ``__array_interface__`` (the host twin the tests' fake driver builds).
+    """
+    return {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": version}
+
+
 class _CudaBuffer:
     """A bare ``__cuda_array_interface__`` over device bytes, so torch can alias them.
 
@@ -150,12 +159,7 @@ class _CudaBuffer:
 
     def __init__(self, owner: object, ptr: int, nbytes: int) -> None:
         self.owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 2,
-        }
+        self.__cuda_array_interface__ = byte_interface(ptr, nbytes, version=2)
 
 
 class CudaDriver:

@@ -558,6 +558,14 @@ def confirm(side: SchedulerSide, ticket: int, *held: int) -> None:
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
 
 
+def planned_store(side: SchedulerSide, pools: Pools, req: Request) -> Any:
+    """The one store planned for ``req``, a new request the server lacks: all its whole chunks."""
+    side.on_new_request(req)
+    answer(side, req)
+    (save,) = planned_stores(side, pools, req, len(req.prompt_token_ids) // CHUNK)
+    return save
+
+
 @pytest.fixture(scope="module")
 def small_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     """A server with room for eight of TinyEngine's chunks."""
@@ -568,10 +576,7 @@ def small_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
 
 def test_without_the_event_publisher_nothing_is_collected(serve: Serve) -> None:
     side, pools = scheduler(serve, kv_config(attention()))
-    req = request(prompt(2, seed=43), "quiet")
-    side.on_new_request(req)
-    answer(side, req)
-    (save,) = planned_stores(side, pools, req, 2)
+    save = planned_store(side, pools, request(prompt(2, seed=43), "quiet"))
     confirm(side, save.ticket, 2)
     assert side.take_events() == []
     side.shutdown()
@@ -582,9 +587,7 @@ def test_stored_chunks_are_reported_once_every_rank_holds_them(serve: Serve) -> 
 
     side, pools = scheduler(serve, kv_config(attention()), with_events(tp=2))
     req = request(prompt(3, seed=44), "events")
-    side.on_new_request(req)
-    answer(side, req)
-    (save,) = planned_stores(side, pools, req, 3)
+    save = planned_store(side, pools, req)
     confirm(side, save.ticket, 3, 2)  # rank 1's server held only two of the three chunks
     (event,) = events_of(side)
     assert isinstance(event, BlockStored) and event.medium == "CPU"
@@ -597,10 +600,7 @@ def test_stored_chunks_are_reported_once_every_rank_holds_them(serve: Serve) -> 
 
 def test_a_store_not_every_rank_answered_is_never_reported(serve: Serve) -> None:
     side, pools = scheduler(serve, kv_config(attention()), with_events(tp=2))
-    req = request(prompt(2, seed=45), "half")
-    side.on_new_request(req)
-    answer(side, req)
-    (save,) = planned_stores(side, pools, req, 2)
+    save = planned_store(side, pools, request(prompt(2, seed=45), "half"))
     confirm(side, save.ticket, 2)  # one rank's answer
     assert events_of(side, timeout=0.3) == []
     confirm(side, save.ticket, 0)  # the other rank's store failed
@@ -618,9 +618,7 @@ def test_chunks_the_server_evicts_are_reported_removed(small_serve: Serve) -> No
     side.on_new_request(req)
     assert answer(side, req) == (2 * CHUNK, True)  # held: a kv_both engine would load it
     req2 = request(prompt(2, seed=47), "evicted-2")
-    side.on_new_request(req2)
-    answer(side, req2)
-    (save,) = planned_stores(side, pools, req2, 2)
+    save = planned_store(side, pools, req2)
     store(small_serve, side.namespaces[0], keys_of(req2))
     confirm(side, save.ticket, 2)
     (stored,) = events_of(side)
@@ -764,12 +762,21 @@ def own_serve(tmp_path: Any) -> Iterator[Serve]:
         yield proc
 
 
-def test_an_idle_engine_waits_for_a_lookup_a_busy_one_asks_again(own_serve: Serve) -> None:
-    side, _ = scheduler(own_serve, kv_config(attention()))
-    busy, idle = request(prompt(2, seed=60), "busy"), request(prompt(2, seed=61), "idle")
-    store(own_serve, side.namespaces[0], keys_of(busy))
-    store(own_serve, side.namespaces[0], keys_of(idle))
+def busy_scheduler(
+    serve: Serve, seed: int, *rids: str, **settings: Any
+) -> tuple[SchedulerSide, list[Request]]:
+    """A scheduler whose engine is computing, and new requests ``rids`` (two chunks each, seeds
+    from ``seed`` on) that the server holds."""
+    side, _ = scheduler(serve, kv_config(attention()), **settings)
+    reqs = [request(prompt(2, seed=seed + i), rid) for i, rid in enumerate(rids)]
+    for req in reqs:
+        store(serve, side.namespaces[0], keys_of(req))
     side.build_connector_meta(step({"other": (0, 16)}))
+    return side, reqs
+
+
+def test_an_idle_engine_waits_for_a_lookup_a_busy_one_asks_again(own_serve: Serve) -> None:
+    side, (busy, idle) = busy_scheduler(own_serve, 60, "busy", "idle")
     with stopped_for(own_serve, 0.3):
         side.on_new_request(busy)
         assert side.get_num_new_matched_tokens(busy, 0) == (None, False)  # 10 ms: the server is stopped
@@ -783,11 +790,7 @@ def test_an_idle_engine_waits_for_a_lookup_a_busy_one_asks_again(own_serve: Serv
 
 
 def test_a_busy_engine_waits_for_a_new_lookup_on_its_first_pass_only(own_serve: Serve) -> None:
-    side, _ = scheduler(own_serve, kv_config(attention()), lookup_wait_ms=500)
-    soon, late = request(prompt(2, seed=62), "soon"), request(prompt(2, seed=63), "late")
-    store(own_serve, side.namespaces[0], keys_of(soon))
-    store(own_serve, side.namespaces[0], keys_of(late))
-    side.build_connector_meta(step({"other": (0, 16)}))  # the engine computes
+    side, (soon, late) = busy_scheduler(own_serve, 62, "soon", "late", lookup_wait_ms=500)
     with stopped_for(own_serve, 0.1):
         side.on_new_request(soon)
         # Its first pass waits (500 ms at most) for the answer that comes once the server continues.
@@ -802,11 +805,7 @@ def test_a_busy_engine_waits_for_a_new_lookup_on_its_first_pass_only(own_serve: 
 
 
 def test_new_requests_in_one_pass_share_one_wait(own_serve: Serve) -> None:
-    side, _ = scheduler(own_serve, kv_config(attention()), lookup_wait_ms=500)
-    first, second = request(prompt(2, seed=64), "first"), request(prompt(2, seed=65), "second")
-    store(own_serve, side.namespaces[0], keys_of(first))
-    store(own_serve, side.namespaces[0], keys_of(second))
-    side.build_connector_meta(step({"other": (0, 16)}))  # the engine computes
+    side, (first, second) = busy_scheduler(own_serve, 64, "first", "second", lookup_wait_ms=500)
     with stopped_for(own_serve, 0.9):
         side.on_new_request(first)
         side.on_new_request(second)

@@ -10,8 +10,9 @@ does) imports neither torch nor the wrapper.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lmcache_platform import lazy_exports
 
 if TYPE_CHECKING:
     from ._cache_context import CpuFileCacheContext
@@ -29,18 +30,12 @@ __all__ = [
     "reclaim_stale_files",
 ]
 
-_HOME = {
-    "CpuFileCacheContext": "._cache_context",
-    "CpuFileIPCWrapper": "._wrapper",
-    "DirectoryError": "._store",
-    "ENV_DIR": "._store",
-    "FileCapacityError": "._store",
-    "FileStore": "._store",
-    "reclaim_stale_files": "._gc",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOME[name], __name__), name)
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "._cache_context": ["CpuFileCacheContext"],
+        "._gc": ["reclaim_stale_files"],
+        "._store": ["ENV_DIR", "DirectoryError", "FileCapacityError", "FileStore"],
+        "._wrapper": ["CpuFileIPCWrapper"],
+    },
+)

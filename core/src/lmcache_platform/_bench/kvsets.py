@@ -8,6 +8,7 @@ benchmark this module imports only ``stats``, never a section, so every section 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -38,28 +39,45 @@ def size_params(size: int, device: str, layout: str = "vllm") -> dict[str, Any]:
     return {"size_bytes": size, "size": size_label(size), "device": device, "layout": layout}
 
 
-def engine_layers(
-    fmt: KVFormat, engine_layout: str | None, num_blocks: int, heads: int, head_size: int, device: str
-) -> list[Any]:
-    """:data:`LAYERS` layers as the engine of ``fmt`` allocates them, every page written once.
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """One engine's KV caches: what :func:`engine_layers` allocates, here or in a producer process.
 
     ``engine_layout`` names vLLM's physical order (one allocation, a view per layer);
     None means one allocation per layer (per tensor, for a K/V pair).
     """
+
+    fmt: KVFormat
+    engine_layout: str | None
+    device: str
+    num_blocks: int
+    heads: int
+    head_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "fmt": self.fmt.value}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KVSpec:
+        return cls(**{**data, "fmt": KVFormat(data["fmt"])})
+
+
+def engine_layers(spec: KVSpec) -> list[Any]:
+    """:data:`LAYERS` layers as the engine of ``spec.fmt`` allocates them, every page written once."""
     import torch
 
     layers = allocate_kv_caches(
-        fmt,
-        num_layers=1 if engine_layout is None else LAYERS,
-        num_blocks=num_blocks,
+        spec.fmt,
+        num_layers=1 if spec.engine_layout is None else LAYERS,
+        num_blocks=spec.num_blocks,
         block_size=BLOCK_SIZE,
-        num_kv_heads=heads,
-        head_size=head_size,
+        num_kv_heads=spec.heads,
+        head_size=spec.head_size,
         dtype=torch.float16,
-        device=device,
-        engine_layout=engine_layout,
+        device=spec.device,
+        engine_layout=spec.engine_layout,
     )
-    if engine_layout is None:
+    if spec.engine_layout is None:
         first = layers[0]
         layers = [
             (first[0].clone(), first[1].clone()) if isinstance(first, tuple) else first.clone()
@@ -89,7 +107,7 @@ def kv_set(
         fmt, order = KVFormat.FLASH_ATTN, None
     else:
         fmt, order = KVFormat.VLLM, engine_layout or ("LBNHC" if device == "cuda" else "LBHNC")
-    tensors: list[torch.Tensor] = engine_layers(fmt, order, blocks, HEADS, HEAD_SIZE, device)
+    tensors: list[torch.Tensor] = engine_layers(KVSpec(fmt, order, device, blocks, HEADS, HEAD_SIZE))
     for i, t in enumerate(tensors):
         # By index, not through a flat view: a layer's view need not be contiguous (LBNHC
         # is a permutation of its memory), and reshape would write into a copy.

@@ -15,9 +15,10 @@ import contextlib
 import json
 import multiprocessing as mp
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._types import KVFormat
+if TYPE_CHECKING:
+    from .kvsets import KVSpec
 
 _TIMEOUT_S = 300.0
 
@@ -25,19 +26,12 @@ _TIMEOUT_S = 300.0
 def serve(conn: Connection, spec: dict[str, Any]) -> None:
     """The engine: allocate, wrap ``shares`` times, send, hold until told to stop."""
     from .. import wire, wrap_kv_caches
-    from .kvsets import engine_layers
+    from .kvsets import KVSpec, engine_layers
 
     try:
-        device = spec["device"]
-        tensors = engine_layers(
-            KVFormat(spec["format"]),
-            spec["engine_layout"],
-            spec["num_blocks"],
-            spec["heads"],
-            spec["head_size"],
-            device,
-        )
-        if device == "cuda":
+        kv = KVSpec.from_json(spec["kv"])
+        tensors = engine_layers(kv)
+        if kv.device == "cuda":
             import torch
 
             torch.cuda.synchronize()
@@ -61,30 +55,12 @@ def serve(conn: Connection, spec: dict[str, Any]) -> None:
 class Producer:
     """The engine process of one KV set and the descriptor sets it sent (``shares``)."""
 
-    def __init__(
-        self,
-        fmt: KVFormat,
-        engine_layout: str | None,
-        device: str,
-        num_blocks: int,
-        heads: int,
-        head_size: int,
-        *,
-        shares: int,
-    ) -> None:
+    def __init__(self, kv: KVSpec, *, shares: int) -> None:
         from .. import wire
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        spec = {
-            "format": fmt.value,
-            "engine_layout": engine_layout,
-            "device": device,
-            "num_blocks": num_blocks,
-            "heads": heads,
-            "head_size": head_size,
-            "shares": shares,
-        }
+        spec = {"kv": kv.to_json(), "shares": shares}
         self.proc = ctx.Process(target=serve, args=(child, spec), daemon=True)
         self.proc.start()
         child.close()

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import LMCachePlatformError
 from .._kv.layout import FORMATS
 from .._types import KVFormat, LayoutHints
-from .kvsets import BLOCK_SIZE, HEAD_SIZE, HEADS, LAYERS, engine_layers
+from .kvsets import BLOCK_SIZE, HEAD_SIZE, HEADS, LAYERS, KVSpec, engine_layers
 from .producer import Producer
 from .stats import Report, Result, Settings, Skip, SpeedTarget
 
@@ -111,9 +111,8 @@ def bench_transfer(report: Report, settings: Settings) -> None:
             }
             on_server = server if (fmt, engine_layout) in SERVER_CASES else None
             try:
-                measured = _one_format(
-                    fmt, engine_layout, device, num_blocks, HEADS, d, runs, sync, gen, on_server
-                )
+                kv = KVSpec(fmt, engine_layout, device, num_blocks, HEADS, d)
+                measured = _one_format(kv, runs, sync, gen, on_server)
             except LMCachePlatformError as exc:
                 report.skipped.append(Skip("transfer", name, str(exc).splitlines()[0], params))
                 continue
@@ -207,12 +206,7 @@ class _Server:
 
 
 def _one_format(
-    fmt: KVFormat,
-    engine_layout: str | None,
-    device: str,
-    num_blocks: int,
-    heads: int,
-    head_size: int,
+    kv: KVSpec,
     runs: int,
     sync: Callable[[], None],
     gen: torch.Generator,
@@ -222,27 +216,19 @@ def _one_format(
     """One case's rows. The KV set is this process's own, or (``separate_engine``; always
     on CUDA, whose IPC cannot reopen a handle in the process that exported it) a spawned
     engine process's, with one share for this process and one for the server."""
-    if separate_engine if separate_engine is not None else device == "cuda":
-        with Producer(fmt, engine_layout, device, num_blocks, heads, head_size, shares=2) as engine:
-            return _measure(
-                engine.shares, fmt, engine_layout, device, num_blocks, heads, runs, sync, gen, server
-            )
+    if separate_engine if separate_engine is not None else kv.device == "cuda":
+        with Producer(kv, shares=2) as engine:
+            return _measure(engine.shares, kv, runs, sync, gen, server)
     from .. import wrap_kv_caches
 
-    tensors = engine_layers(fmt, engine_layout, num_blocks, heads, head_size, device)
+    tensors = engine_layers(kv)  # held here: an export lives as long as its tensor
     wrapped = wrap_kv_caches(tensors)
-    return _measure(
-        [wrapped, wrapped], fmt, engine_layout, device, num_blocks, heads, runs, sync, gen, server
-    )
+    return _measure([wrapped, wrapped], kv, runs, sync, gen, server)
 
 
 def _measure(
     shares: list[list[Any]],
-    fmt: KVFormat,
-    engine_layout: str | None,
-    device: str,
-    num_blocks: int,
-    heads: int,
+    kv: KVSpec,
     runs: int,
     sync: Callable[[], None],
     gen: torch.Generator,
@@ -255,14 +241,14 @@ def _measure(
 
     wrapped, for_server = shares
     hints = LayoutHints(
-        kv_format=fmt,
+        kv_format=kv.fmt,
         block_size=BLOCK_SIZE,
-        engine_layout=engine_layout,
-        num_kv_heads=None if FORMATS[fmt].planes == 1 else heads,
+        engine_layout=kv.engine_layout,
+        num_kv_heads=None if FORMATS[kv.fmt].planes == 1 else kv.heads,
     )
     per_chunk = TOKENS_PER_CHUNK // BLOCK_SIZE
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    chunk_ids = [[order[i : i + per_chunk]] for i in range(0, num_blocks, per_chunk)]
+    order = torch.randperm(kv.num_blocks, generator=gen).tolist()
+    chunk_ids = [[order[i : i + per_chunk]] for i in range(0, kv.num_blocks, per_chunk)]
     rows: dict[str, list[float]] = {}
     try:  # as a server gets them: through the wire (views of one export share one mapping)
         flat = [w for entry in wrapped for w in (entry if isinstance(entry, tuple) else (entry,))]
@@ -286,8 +272,8 @@ def _measure(
         chunk_bytes = ctx.cache_size_per_token() * TOKENS_PER_CHUNK
         moved = chunk_bytes * len(chunk_ids)
 
-        pool = torch.empty(moved, dtype=torch.uint8, device=device)
-        slot_bufs = torch.empty((slots, chunk_bytes), dtype=torch.uint8, device=device)
+        pool = torch.empty(moved, dtype=torch.uint8, device=kv.device)
+        slot_bufs = torch.empty((slots, chunk_bytes), dtype=torch.uint8, device=kv.device)
         pool_chunks = pool.view(len(chunk_ids), chunk_bytes)
         pool.fill_(1)
         slot_bufs.fill_(1)

@@ -7,6 +7,8 @@ denormals included) compared as bytes, so "bit-exact" means exactly that.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from .._kv.layout import FORMATS, allocate_kv_caches, kv_cache_shape
@@ -19,6 +21,19 @@ HEADS = 2
 HEAD_SIZE = 8
 #: Tokens per chunk: two blocks, so a chunk spans a block boundary.
 CHUNK = 2 * BLOCK_SIZE
+
+
+class Geometry(TypedDict):
+    """One layer's sizes, as :func:`kv_cache_shape` and :func:`allocate_kv_caches` take them."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+
+
+#: The suite's layer geometry: ``**GEOMETRY`` wherever a layer is shaped or allocated.
+GEOMETRY = Geometry(num_blocks=BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE)
 
 #: One dtype per format, so that every common KV dtype is exercised somewhere.
 FORMAT_DTYPES: dict[KVFormat, torch.dtype] = {
@@ -54,15 +69,7 @@ def make_layers(fmt: KVFormat, engine_layout: str | None, device: torch.device) 
     if engine_layout is None:
         return [random_bits(layer_shape(fmt), dtype, seed=10 + i).to(device) for i in range(LAYERS)]
     views = allocate_kv_caches(
-        fmt,
-        num_layers=LAYERS,
-        num_blocks=BLOCKS,
-        block_size=BLOCK_SIZE,
-        num_kv_heads=HEADS,
-        head_size=HEAD_SIZE,
-        dtype=dtype,
-        device=device,
-        engine_layout=engine_layout,
+        fmt, num_layers=LAYERS, dtype=dtype, device=device, engine_layout=engine_layout, **GEOMETRY
     )
     layers = [v for v in views if not isinstance(v, tuple)]
     backing = torch.empty(0, dtype=torch.uint8, device=device).set_(layers[0].untyped_storage())
@@ -71,9 +78,7 @@ def make_layers(fmt: KVFormat, engine_layout: str | None, device: torch.device) 
 
 
 def layer_shape(fmt: KVFormat) -> tuple[int, ...]:
-    return kv_cache_shape(
-        fmt, num_blocks=BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE
-    )
+    return kv_cache_shape(fmt, **GEOMETRY)
 
 
 def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int | torch.Generator) -> torch.Tensor:

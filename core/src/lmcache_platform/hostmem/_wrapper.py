@@ -121,19 +121,10 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
             raise TypeError(f"{cls.__name__} has no store: subclass HostMemoryIPCWrapper and set `store`")
         return cls._tracker
 
-    def __init__(
-        self,
-        *,
-        dtype: torch.dtype,
-        shape: tuple[int, ...] | list[int],
-        stride: tuple[int, ...] | list[int],
-        storage_offset: int,
-        device_uuid: str,
-        **handle: Any,
-    ) -> None:
-        super().__init__(
-            dtype=dtype, shape=shape, stride=stride, storage_offset=storage_offset, device_uuid=device_uuid
-        )
+    def __init__(self, *, device_uuid: str, **fields: Any) -> None:
+        """The base fields, as :class:`DeviceIPCWrapper` takes them, then the handle's fields."""
+        handle = {name: fields.pop(name) for name in [*fields] if name not in BASE_FIELDS}
+        super().__init__(device_uuid=device_uuid, **fields)
         cls = type(self)
         if device_uuid != HOST_UUID:
             raise DescriptorError(f"{cls.__name__}: device_uuid must be {HOST_UUID!r}, got {device_uuid!r}")

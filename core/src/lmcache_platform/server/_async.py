@@ -70,28 +70,10 @@ from typing import Any, Final, TypeVar
 
 from .._env import SOCKET_ENV
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _frames, _protocol
+from . import _frames, _ops, _protocol
 from ._client import ServerClient, lookup_request
 from ._link import Link, SessionClient, socket_identity, why
-from ._ops import (
-    REQUEST_TYPES,
-    ChunkLike,
-    GetRequest,
-    GetResult,
-    Json,
-    LookupResult,
-    PingRequest,
-    PingResult,
-    PutRequest,
-    PutResult,
-    RawRequest,
-    ReleaseRequest,
-    RemovalsRequest,
-    RemovalsResult,
-    Request,
-    StatusRequest,
-    as_chunks,
-)
+from ._ops import REQUEST_TYPES, ChunkLike, Json, as_chunks
 from ._pending import Pending, RequestLike, SessionField, from_session, settle
 
 logger = logging.getLogger(__name__)
@@ -195,9 +177,9 @@ class AsyncClient:
         and deadline (``deadline_ms``, default the client's ``deadline_ms``) are the client's.
         """
         ms = self.deadline_ms if deadline_ms is None else deadline_ms
-        kind = request if isinstance(request, Request) else None
+        kind = request if isinstance(request, _ops.Request) else None
         on_control = kind is not None and type(kind).control
-        if isinstance(kind, RawRequest):
+        if isinstance(kind, _ops.RawRequest):
             on_control = kind.raw_op in CONTROL_OPS
         return self._queue_request(request, ms, on_control, kind.wire()[0] if kind is not None else "")
 
@@ -216,11 +198,11 @@ class AsyncClient:
         ms = self.deadline_ms if deadline_ms is None else deadline_ms
         on_control = op in CONTROL_OPS if control is None else control
 
-        def build(session: Mapping[str, Any]) -> Request[Json]:
+        def build(session: Mapping[str, Any]) -> _ops.Request[Json]:
             values = {k: from_session(session, op, k, v) for k, v in fields.items()}
             if values.get("chunks") is not None:
                 values["chunks"] = as_chunks(values["chunks"])
-            return RawRequest(raw_op=op, raw_fields=values)
+            return _ops.RawRequest(raw_op=op, raw_fields=values)
 
         return self._queue_request(build, ms, on_control, op)
 
@@ -250,7 +232,7 @@ class AsyncClient:
         lease_ms: int | None = None,
         *,
         deadline_ms: float | None = None,
-    ) -> Pending[LookupResult]:
+    ) -> Pending[_ops.LookupResult]:
         """Leading ``keys`` held in every namespace (``hits``); see ``ServerClient.lookup``."""
         return self.execute(lookup_request(namespaces, keys, lease, lease_ms), deadline_ms=deadline_ms)
 
@@ -261,7 +243,7 @@ class AsyncClient:
         *,
         deadline_ms: float | None = None,
         event: bytes | None = None,
-    ) -> Pending[PutResult]:
+    ) -> Pending[_ops.PutResult]:
         """Keyed store (``stored``, ``present``, ``dropped``, ``evicted``, ``bytes``).
 
         ``context`` may be :data:`SESSION_CONTEXT`: the context ``on_connect``
@@ -271,9 +253,9 @@ class AsyncClient:
         """
         moved = as_chunks(chunks)
 
-        def build(session: Mapping[str, Any]) -> PutRequest:
+        def build(session: Mapping[str, Any]) -> _ops.PutRequest:
             ctx = from_session(session, "put", "context", context)
-            return PutRequest(context=ctx, chunks=moved, event=event or b"")
+            return _ops.PutRequest(context=ctx, chunks=moved, event=event or b"")
 
         return self.execute(build, deadline_ms=deadline_ms)
 
@@ -285,35 +267,35 @@ class AsyncClient:
         *,
         deadline_ms: float | None = None,
         event: bytes | None = None,
-    ) -> Pending[GetResult]:
+    ) -> Pending[_ops.GetResult]:
         """Keyed retrieve (``retrieved``, ``bytes``); block id ``-1`` skips positions.
 
         ``event``: a device event's handle the server's writes wait for on the device.
         """
         moved = as_chunks(chunks)
 
-        def build(session: Mapping[str, Any]) -> GetRequest:
+        def build(session: Mapping[str, Any]) -> _ops.GetRequest:
             ctx = from_session(session, "get", "context", context)
-            return GetRequest(context=ctx, chunks=moved, lease=lease or 0, event=event or b"")
+            return _ops.GetRequest(context=ctx, chunks=moved, lease=lease or 0, event=event or b"")
 
         return self.execute(build, deadline_ms=deadline_ms)
 
     def removals(
         self, namespaces: Sequence[bytes], since: int, *, deadline_ms: float | None = None
-    ) -> Pending[RemovalsResult]:
+    ) -> Pending[_ops.RemovalsResult]:
         """Shared chunks of ``namespaces`` the server evicted after cursor ``since``."""
         return self.execute(
-            RemovalsRequest(namespaces=tuple(namespaces), since=since), deadline_ms=deadline_ms
+            _ops.RemovalsRequest(namespaces=tuple(namespaces), since=since), deadline_ms=deadline_ms
         )
 
     def release(self, lease: int, *, deadline_ms: float | None = None) -> Pending[None]:
-        return self.execute(ReleaseRequest(lease=lease), deadline_ms=deadline_ms)
+        return self.execute(_ops.ReleaseRequest(lease=lease), deadline_ms=deadline_ms)
 
-    def ping(self, *, deadline_ms: float | None = None) -> Pending[PingResult]:
-        return self.execute(PingRequest(), deadline_ms=deadline_ms)
+    def ping(self, *, deadline_ms: float | None = None) -> Pending[_ops.PingResult]:
+        return self.execute(_ops.PingRequest(), deadline_ms=deadline_ms)
 
     def status(self, *, deadline_ms: float | None = None) -> Pending[Json]:
-        return self.execute(StatusRequest(), deadline_ms=deadline_ms)
+        return self.execute(_ops.StatusRequest(), deadline_ms=deadline_ms)
 
     @property
     def accepting(self) -> bool:
@@ -590,7 +572,7 @@ class AsyncClient:
 
     def _encode(self, pending: Pending[R], request: RequestLike[R]) -> bytes:
         """The request's frame payload, with the pending's id and deadline; sets how to read its reply."""
-        made = request if isinstance(request, Request) else request(self.session)
+        made = request if isinstance(request, _ops.Request) else request(self.session)
         made = replace(made, request_id=pending.request_id, deadline=pending.deadline_ns)
         pending._decode = made.decode_result
         if not pending.op:
@@ -747,9 +729,9 @@ class AsyncClient:
 
     def _send_ping(self, *, slow_miss: bool) -> None:
         deadline = time.monotonic_ns() + int(self.ping_deadline_ms * 1e6)
-        ping: Pending[PingResult] = Pending("ping", next(self._ids), deadline, control=True)
+        ping: Pending[_ops.PingResult] = Pending("ping", next(self._ids), deadline, control=True)
         self._health = ping
         self._slow_miss = slow_miss
         link = self._links["control"]
-        self._queue(link, ping, _frames.frame(self._encode(ping, PingRequest())))
+        self._queue(link, ping, _frames.frame(self._encode(ping, _ops.PingRequest())))
         self._flush(link)

@@ -23,29 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import wire
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _frames, _protocol
-from ._ops import (
-    GetRequest,
-    GetResult,
-    Json,
-    LookupRequest,
-    PingRequest,
-    PutRequest,
-    PutResult,
-    RawRequest,
-    RegisterRequest,
-    Registration,
-    ReleaseRequest,
-    RemovalsRequest,
-    RemovalsResult,
-    Request,
-    RetrieveRequest,
-    ShutdownRequest,
-    StatusRequest,
-    StoreRequest,
-    UnregisterRequest,
-    as_chunks,
-)
+from . import _frames, _ops, _protocol
+from ._ops import Json, as_chunks
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -94,7 +73,7 @@ class ServerClient:
         *,
         namespace: bytes | None = None,
         **config: Any,
-    ) -> Registration:
+    ) -> _ops.Registration:
         """Hand the per-layer wrappers to the server, which builds a cache context.
 
         ``wrappers`` is what :func:`lmcache_platform.wrap_kv_caches` returned; from a
@@ -110,7 +89,7 @@ class ServerClient:
             config = {"layer_names": list(wrappers), **config}
             wrappers = list(wrappers.values())
         payload, fds = wire.encode_with_fds(wrappers)
-        request = RegisterRequest(wrappers=payload, config=config, namespace=namespace or b"")
+        request = _ops.RegisterRequest(wrappers=payload, config=config, namespace=namespace or b"")
         return self.execute(request, fds=fds)
 
     def store(self, context: int, chunks: Sequence[ChunkSpec], *, event: bytes | None = None) -> int:
@@ -119,15 +98,17 @@ class ServerClient:
         ``event``: a device event's handle (:func:`lmcache_platform.record_event`) the
         server's reads wait for on the device; likewise for the other transfers.
         """
-        request = StoreRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
+        request = _ops.StoreRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
         return self.execute(request).bytes
 
     def retrieve(self, context: int, chunks: Sequence[ChunkSpec], *, event: bytes | None = None) -> int:
         """Copy stored chunks back into the given blocks; return the bytes written."""
-        request = RetrieveRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
+        request = _ops.RetrieveRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
         return self.execute(request).bytes
 
-    def put(self, context: int, chunks: Sequence[KeyedChunkSpec], *, event: bytes | None = None) -> PutResult:
+    def put(
+        self, context: int, chunks: Sequence[KeyedChunkSpec], *, event: bytes | None = None
+    ) -> _ops.PutResult:
         """Keyed store: copy the chunks the server does not have yet into it.
 
         Keys already present cost no copy. When the host memory cap is reached the
@@ -135,7 +116,7 @@ class ServerClient:
         chunk is being read), the rest of the request is dropped, not refused. With
         ``event``, the server's reads wait on the device for that engine event.
         """
-        return self.execute(PutRequest(context=context, chunks=as_chunks(chunks), event=event or b""))
+        return self.execute(_ops.PutRequest(context=context, chunks=as_chunks(chunks), event=event or b""))
 
     def get(
         self,
@@ -144,7 +125,7 @@ class ServerClient:
         *,
         lease: int | None = None,
         event: bytes | None = None,
-    ) -> GetResult:
+    ) -> _ops.GetResult:
         """Keyed retrieve: write the leading chunks the server has into the given blocks.
 
         Stops at the first key the server does not have; ``retrieved`` says how many
@@ -153,7 +134,9 @@ class ServerClient:
         pins in this context's namespace are released once the get is done. With
         ``event``, the server's writes wait on the device for that engine event.
         """
-        request = GetRequest(context=context, chunks=as_chunks(chunks), lease=lease or 0, event=event or b"")
+        request = _ops.GetRequest(
+            context=context, chunks=as_chunks(chunks), lease=lease or 0, event=event or b""
+        )
         return self.execute(request)
 
     def lookup(
@@ -174,32 +157,32 @@ class ServerClient:
         """
         return self.execute(lookup_request(namespace, keys, lease, lease_ms)).hits
 
-    def removals(self, namespaces: Sequence[bytes], since: int = 0) -> RemovalsResult:
+    def removals(self, namespaces: Sequence[bytes], since: int = 0) -> _ops.RemovalsResult:
         """Shared chunks of ``namespaces`` the server evicted after cursor ``since`` (oldest first)."""
-        return self.execute(RemovalsRequest(namespaces=tuple(namespaces), since=since))
+        return self.execute(_ops.RemovalsRequest(namespaces=tuple(namespaces), since=since))
 
     def release(self, lease: int) -> None:
         """End a lease now (a no-op if it already ended)."""
-        self.execute(ReleaseRequest(lease=lease))
+        self.execute(_ops.ReleaseRequest(lease=lease))
 
     def ping(self) -> dict[str, Any]:
         """``{"now": server monotonic ns, "pid": ...}``, answered without waiting on any transfer."""
-        result = self.execute(PingRequest())
+        result = self.execute(_ops.PingRequest())
         return {"now": result.now, "pid": result.pid}
 
     def unregister(self, context: int) -> None:
         """Close the context; its keyed chunks stay in the server, its chunk ids go."""
-        self.execute(UnregisterRequest(context=context))
+        self.execute(_ops.UnregisterRequest(context=context))
 
     def status(self, context: int | None = None) -> dict[str, Any]:
         """The server's counters under ``"server"`` (see the wire-format page); with a
         ``context`` of this connection, its ``report_status()`` under ``"context"``."""
-        return self.execute(StatusRequest(context=context or 0))
+        return self.execute(_ops.StatusRequest(context=context or 0))
 
     def shutdown(self) -> None:
-        self.execute(ShutdownRequest())
+        self.execute(_ops.ShutdownRequest())
 
-    def execute(self, request: Request[R], *, fds: Sequence[int] = ()) -> R:
+    def execute(self, request: _ops.Request[R], *, fds: Sequence[int] = ()) -> R:
         """Send one request (with ``fds`` beside it) and return its typed result.
 
         The client sets the request's id and, with ``deadline_ms``, its deadline (one
@@ -242,7 +225,7 @@ class ServerClient:
         Fields given as ``None`` are left out; a ``deadline`` field is kept as given.
         """
         deadline = fields.pop("deadline", None)
-        return self.execute(RawRequest(raw_op=op, raw_fields=fields, deadline=deadline))
+        return self.execute(_ops.RawRequest(raw_op=op, raw_fields=fields, deadline=deadline))
 
     def _check_usable(self) -> None:
         """Raise if this client may not send now (a hook for borrowed connections)."""
@@ -272,10 +255,10 @@ def lookup_request(
     keys: Sequence[bytes],
     lease: int | None = None,
     lease_ms: int | None = None,
-) -> LookupRequest:
+) -> _ops.LookupRequest:
     """A lookup in one namespace (``bytes``) or in every one of several."""
     if isinstance(namespace, bytes):
         where: dict[str, Any] = {"namespace": namespace}
     else:
         where = {"namespaces": tuple(namespace)}
-    return LookupRequest(keys=tuple(keys), lease=lease or 0, lease_ms=lease_ms or 0, **where)
+    return _ops.LookupRequest(keys=tuple(keys), lease=lease or 0, lease_ms=lease_ms or 0, **where)

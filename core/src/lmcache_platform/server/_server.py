@@ -54,40 +54,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._errors import LMCachePlatformError, TransferError, WireFormatError
-from . import _frames, _protocol
+from . import _frames, _ops, _protocol
 from ._index import ChunkIndex
 from ._leases import LeaseTable
 from ._listen import Listener
 from ._log import log_event
 from ._namespaces import Bindings, layout_of, plain, show_namespace
-from ._ops import (
-    Chunk,
-    GetRequest,
-    GetResult,
-    Json,
-    LookupRequest,
-    LookupResult,
-    PingRequest,
-    PingResult,
-    PutRequest,
-    PutResult,
-    RegisterRequest,
-    Registration,
-    ReleaseRequest,
-    RemovalsRequest,
-    RemovalsResult,
-    Request,
-    RetrieveRequest,
-    RetrieveResult,
-    ShutdownRequest,
-    StatusRequest,
-    StoreRequest,
-    StoreResult,
-    UnregisterRequest,
-)
+from ._ops import Json
 from ._registration import open_context, prefault
 from ._transfers import (
     DeadlineExceeded,
@@ -127,6 +103,15 @@ _ACCEPT_POLL_S = 1.0  # a fallback: stop() wakes accept() at once
 
 
 _DROP_LOG_PERIOD_NS = 10_000_000_000  # at most one line about late requests per 10 s
+#: The requests that name a context, which must be one of their connection's.
+_ContextRequest: TypeAlias = (
+    _ops.StoreRequest
+    | _ops.RetrieveRequest
+    | _ops.PutRequest
+    | _ops.GetRequest
+    | _ops.UnregisterRequest
+    | _ops.StatusRequest
+)
 
 
 @dataclass(eq=False)  # identity semantics: kept in a set
@@ -380,7 +365,7 @@ class ReferenceServer:
         """
         try:
             req = _protocol.decode_request(payload)
-            if fds and not isinstance(req, RegisterRequest):
+            if fds and not isinstance(req, _ops.RegisterRequest):
                 raise WireFormatError(
                     f"{req.op} request: {len(fds)} file descriptors came with it; only "
                     "register takes file descriptors"
@@ -399,7 +384,7 @@ class ReferenceServer:
             if req.op != "ping":  # ping takes no lock but its connection's
                 self._leases.sweep()
             check_deadline(req.deadline, "before the server read the request")
-            if isinstance(req, RegisterRequest):
+            if isinstance(req, _ops.RegisterRequest):
                 result = self._register(req, conn, _take(fds))
             else:
                 result = self._handlers[req.op](req, conn)
@@ -435,9 +420,9 @@ class ReferenceServer:
                 if getattr(self._stats, name) is None:
                     setattr(self._stats, name, time.monotonic_ns() - self._listening_ns)
 
-    def _dropped(self, req: Request[Any], conn: _Connection, exc: DeadlineExceeded) -> None:
+    def _dropped(self, req: _ops.Request[Any], conn: _Connection, exc: DeadlineExceeded) -> None:
         """Count a late request; log a summary at most once per period, never per request."""
-        if isinstance(req, GetRequest) and req.lease:
+        if isinstance(req, _ops.GetRequest) and req.lease:
             self._leases.release_share(req.lease, self._entries_namespace(req, conn))
         now = time.monotonic_ns()
         with self._stats_lock:
@@ -460,7 +445,7 @@ class ReferenceServer:
             deadline_drops=total,
         )
 
-    def _entries_namespace(self, req: GetRequest, conn: _Connection) -> bytes:
+    def _entries_namespace(self, req: _ops.GetRequest, conn: _Connection) -> bytes:
         """The namespace of the request's context, or ``b""`` when it has none here."""
         if req.context not in conn.contexts:
             return b""
@@ -483,17 +468,13 @@ class ReferenceServer:
 
     # -- operations --------------------------------------------------------------------
 
-    def _entry(
-        self,
-        req: StoreRequest | RetrieveRequest | PutRequest | GetRequest | UnregisterRequest | StatusRequest,
-        conn: _Connection,
-    ) -> Entry:
+    def _entry(self, req: _ContextRequest, conn: _Connection) -> Entry:
         if req.context not in conn.contexts:
             raise TransferError(f"unknown context {req.context}: not registered on this connection")
         with self._lock:
             return self._entries[req.context]
 
-    def _register(self, req: RegisterRequest, conn: _Connection, fds: list[int]) -> Registration:
+    def _register(self, req: _ops.RegisterRequest, conn: _Connection, fds: list[int]) -> _ops.Registration:
         from .._plugins.registry import selected_backend
 
         ctx = open_context(req, conn.peer, conn.uid, fds)
@@ -541,7 +522,7 @@ class ReferenceServer:
         threading.Thread(
             target=prefault, args=(ctx_id, ctx), name=f"lmcache-prefault-{ctx_id}", daemon=True
         ).start()
-        return Registration(
+        return _ops.Registration(
             context=ctx_id,
             device_type=device_type,
             backend={"name": backend.name, "distribution": backend.distribution, "version": backend.version},
@@ -553,7 +534,7 @@ class ReferenceServer:
             now=time.monotonic_ns(),
         )
 
-    def _store(self, req: StoreRequest, conn: _Connection) -> StoreResult:
+    def _store(self, req: _ops.StoreRequest, conn: _Connection) -> _ops.StoreResult:
         entry = self._entry(req, conn)
         check_unique(req.chunks)
         with entry.lock:
@@ -561,9 +542,9 @@ class ReferenceServer:
             precheck(entry.ctx, req.chunks, retrieve=False)
             res = self._index.reserve(entry.context, chunk_names(req.chunks), entry.chunk_bytes, shared=False)
             gather(self._index, entry, req.chunks, res, req.deadline, req.event)
-        return StoreResult(stored=len(res.keys), bytes=len(res.keys) * entry.chunk_bytes)
+        return _ops.StoreResult(stored=len(res.keys), bytes=len(res.keys) * entry.chunk_bytes)
 
-    def _put(self, req: PutRequest, conn: _Connection) -> PutResult:
+    def _put(self, req: _ops.PutRequest, conn: _Connection) -> _ops.PutResult:
         entry = self._entry(req, conn)
         namespace = namespace_of(entry, "put")
         check_unique(req.chunks)
@@ -575,7 +556,7 @@ class ReferenceServer:
         if self.tier is not None:  # only chunks computed here: a put skips chunks a get brought
             for key, (tensors, _) in zip(res.keys, payloads, strict=True):
                 self.tier.write_behind(entry.remote_ns, content_key(key), tensors)
-        return PutResult(
+        return _ops.PutResult(
             stored=len(res.keys),
             present=res.present,
             dropped=res.dropped,
@@ -583,7 +564,7 @@ class ReferenceServer:
             bytes=len(res.keys) * entry.chunk_bytes,
         )
 
-    def _retrieve(self, req: RetrieveRequest, conn: _Connection) -> RetrieveResult:
+    def _retrieve(self, req: _ops.RetrieveRequest, conn: _Connection) -> _ops.RetrieveResult:
         entry = self._entry(req, conn)
         names = chunk_names(req.chunks)
         with entry.lock:
@@ -596,9 +577,9 @@ class ReferenceServer:
             precheck(entry.ctx, req.chunks, retrieve=True)
             held = self._index.acquire(entry.context, names)
             total = scatter(self._index, entry, req.chunks, held, req.deadline, req.event)
-        return RetrieveResult(retrieved=len(req.chunks), bytes=total)
+        return _ops.RetrieveResult(retrieved=len(req.chunks), bytes=total)
 
-    def _get(self, req: GetRequest, conn: _Connection) -> GetResult:
+    def _get(self, req: _ops.GetRequest, conn: _Connection) -> _ops.GetResult:
         entry = self._entry(req, conn)
         namespace = namespace_of(entry, "get")
         try:
@@ -616,10 +597,10 @@ class ReferenceServer:
         if done < len(req.chunks):
             with self._stats_lock:
                 self._stats.get_missing += len(req.chunks) - done
-        return GetResult(retrieved=done, bytes=total)
+        return _ops.GetResult(retrieved=done, bytes=total)
 
     def _get_remote(
-        self, entry: Entry, chunks: Sequence[Chunk], start: int, deadline: int | None
+        self, entry: Entry, chunks: Sequence[_ops.Chunk], start: int, deadline: int | None
     ) -> tuple[int, int]:
         """Fetch ``chunks[start:]`` from the remote tier (:func:`fetch_remote`), keep them here,
         write the leading run into the engine's blocks. Returns ``(chunks written, bytes)``."""
@@ -633,7 +614,7 @@ class ReferenceServer:
             total = scatter(self._index, entry, chunks[start : start + len(held)], held, deadline)
         return len(held), total
 
-    def _lookup(self, req: LookupRequest, conn: _Connection) -> LookupResult:
+    def _lookup(self, req: _ops.LookupRequest, conn: _Connection) -> _ops.LookupResult:
         hits = self._leases.lookup(
             conn, req.lookup_namespaces, req.keys, lease=req.lease, lease_ms=req.lease_ms
         )
@@ -648,7 +629,7 @@ class ReferenceServer:
         with self._lock:
             bound = [self._bindings.get(ns) for ns in dict.fromkeys(req.lookup_namespaces)]
         unregistered = sum(1 for b in bound if b is None or not b.contexts)
-        return LookupResult(hits=hits + remote, remote=remote, unregistered=unregistered)
+        return _ops.LookupResult(hits=hits + remote, remote=remote, unregistered=unregistered)
 
     def _lookup_remote(
         self, namespaces: Sequence[bytes], keys: Sequence[bytes], hits: int, deadline: int | None
@@ -672,19 +653,19 @@ class ReferenceServer:
         )
         return max(min(n + m for n, m in zip(local, more, strict=True)) - hits, 0)
 
-    def _removals(self, req: RemovalsRequest, conn: _Connection) -> RemovalsResult:
+    def _removals(self, req: _ops.RemovalsRequest, conn: _Connection) -> _ops.RemovalsResult:
         removed, cursor, missed = self._index.removed_since(req.namespaces, req.since, _protocol.MAX_CHUNKS)
-        return RemovalsResult(
+        return _ops.RemovalsResult(
             removed=tuple((i, content_key(k)) for i, k in removed), cursor=cursor, missed=missed
         )
 
-    def _release(self, req: ReleaseRequest, conn: _Connection) -> None:
+    def _release(self, req: _ops.ReleaseRequest, conn: _Connection) -> None:
         self._leases.release(conn, req.lease)
 
-    def _ping(self, req: PingRequest, conn: _Connection) -> PingResult:
-        return PingResult(now=time.monotonic_ns(), pid=os.getpid())
+    def _ping(self, req: _ops.PingRequest, conn: _Connection) -> _ops.PingResult:
+        return _ops.PingResult(now=time.monotonic_ns(), pid=os.getpid())
 
-    def _unregister(self, req: UnregisterRequest, conn: _Connection) -> None:
+    def _unregister(self, req: _ops.UnregisterRequest, conn: _Connection) -> None:
         self._entry(req, conn)
         self._close_entry(req.context, "unregister")
         conn.contexts.discard(req.context)
@@ -730,7 +711,7 @@ class ReferenceServer:
                 "requests": requests,
             }
 
-    def _status(self, req: StatusRequest, conn: _Connection) -> Json:
+    def _status(self, req: _ops.StatusRequest, conn: _Connection) -> Json:
         out: dict[str, Any] = {"server": self.counters()}
         if req.context:
             entry = self._entry(req, conn)
@@ -739,7 +720,7 @@ class ReferenceServer:
             out["context"]["namespace"] = entry.namespace
         return out
 
-    def _shutdown(self, req: ShutdownRequest, conn: _Connection) -> None:
+    def _shutdown(self, req: _ops.ShutdownRequest, conn: _Connection) -> None:
         conn.stop_after_reply = True  # stopping now could close this socket before the reply
 
     def _close_entry(self, ctx_id: int, reason: str) -> None:

@@ -116,7 +116,7 @@ def remote_variant_url(remote_url: str, pytestconfig: pytest.Config) -> Iterator
     """``remote_variant_url("stalled")`` or ``("refused")``: the store's URL at a broken loopback server."""
     from .. import RemoteURL
 
-    stalled: list[_Blackhole] = []
+    stalled: list[Blackhole] = []
 
     def make(kind: str) -> str:
         given = pytestconfig.getoption(f"lmcache_remote_{kind}")
@@ -126,7 +126,7 @@ def remote_variant_url(remote_url: str, pytestconfig: pytest.Config) -> Iterator
         if not url.hosts:
             pytest.skip(f"{remote_url} has no host to replace: pass --lmcache-remote-{kind} URL")
         if kind == "stalled":
-            stalled.append(_Blackhole())
+            stalled.append(Blackhole())
             port = stalled[-1].port
         else:
             with socket.socket() as s:  # bound, never listening: connections are refused
@@ -143,12 +143,16 @@ def remote_variant_url(remote_url: str, pytestconfig: pytest.Config) -> Iterator
             b.close()
 
 
-class _Blackhole:
-    """A loopback listener that accepts connections and never answers."""
+class Blackhole:
+    """A loopback listener that accepts connections and never answers: a hung server.
+
+    Behind ``remote_variant_url("stalled")``; a store's own tests may point a client at
+    ``port`` to check its timeouts. ``close()`` closes the listener and what it accepted.
+    """
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
-        self.port = self.listener.getsockname()[1]
+        self.port = int(self.listener.getsockname()[1])
         self.held: list[socket.socket] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.serve, name="lmcache-remote-blackhole", daemon=True)
