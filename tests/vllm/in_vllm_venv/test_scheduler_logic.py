@@ -43,6 +43,7 @@ from lmcache_platform.vllm._messages import READY, SKIP, StepPlan, Transfer, Wor
 from lmcache_platform.vllm._scheduler import SchedulerSide
 from lmcache_platform.vllm._settings import Settings
 from lmcache_platform.vllm._worker import WorkerSide
+from support.procs import sigstop
 from support.serve import CHUNK_BYTES, Serve, TinyEngine, private_dir
 
 BLOCK = 16
@@ -745,14 +746,19 @@ def test_may_load_async_only_for_an_answered_hit(serve: Serve) -> None:
 
 @contextlib.contextmanager
 def stopped_for(serve: Serve, seconds: float) -> Iterator[None]:
-    """The server process stopped (SIGSTOP) now and continued ``seconds`` later, or on exit."""
-    os.kill(serve.proc.pid, signal.SIGSTOP)
+    """The server process stopped (SIGSTOP) now and continued ``seconds`` later, or on exit.
+
+    Stopped means every thread of it is (``support.procs.sigstop`` waits for that), and on
+    exit the timer's SIGCONT is no longer in flight: it cannot land in a later stop.
+    """
+    sigstop(serve.proc.pid)
     timer = threading.Timer(seconds, os.kill, (serve.proc.pid, signal.SIGCONT))
     timer.start()
     try:
         yield
     finally:
         timer.cancel()
+        timer.join()
         os.kill(serve.proc.pid, signal.SIGCONT)
 
 
