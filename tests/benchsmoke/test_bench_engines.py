@@ -70,6 +70,7 @@ def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert [s["scenario"] for s in report["scenarios"]] == ["fresh", "prepared", "evicting"]
+    assert report["model"]["chunk_format"] == "blocks"  # as the vLLM connector registers
     for s in report["scenarios"]:
         assert s["bytes_identical"] and s["check"] == {
             "mismatched_elements": 0,

@@ -2,6 +2,9 @@
 
 ``python -m lmcache_platform._bench.serverpath --device cuda|cpu [--chunks N] [--json FILE]``
 
+The contexts move chunks as the vLLM connector registers them: the engine's own blocks
+(``--chunk-format blocks``, the default; ``tokens`` for token-major chunks).
+
 Per scenario, a real ``lmcache-platform serve`` in its own process and two spawned
 engine processes with vLLM-style KV caches (one flat allocation, a ``[B, H, N, C]`` view
 per layer in current vLLM's order: ``LBNHC`` on CUDA, ``LBHNC`` on the host; bfloat16,
@@ -158,7 +161,11 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     hints = LayoutHints(block_size=BLOCK, engine_layout=_order(device), head_size=HEAD_SIZE)
     with ServerClient(spec["socket"], timeout=_TIMEOUT_S) as client:
         reg = client.register(
-            wrapped, namespace=_namespace(), lmcache_tokens_per_chunk=TOKENS, layout_hints=hints
+            wrapped,
+            namespace=_namespace(),
+            lmcache_tokens_per_chunk=TOKENS,
+            layout_hints=hints,
+            chunk_format=spec["chunk_format"],
         )
         out["chunk_bytes"] = reg.chunk_bytes
         request_bytes = reg.chunk_bytes * per_request
@@ -295,7 +302,9 @@ def _rates(nbytes: int, seconds: list[float]) -> dict[str, float]:
     return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "requests": len(rates)}
 
 
-def scenario(name: str, device: str, chunks: int, per_request: int, workdir: Path) -> dict[str, Any]:
+def scenario(
+    name: str, device: str, chunks: int, per_request: int, workdir: Path, chunk_format: str = "blocks"
+) -> dict[str, Any]:
     """One server, engine A's puts then engine B's gets; figures in GB/s."""
     rounds = 3 if name == "evicting" else 1
     # The working set's chunk bytes, known without a context: bf16 K and V of every layer.
@@ -306,7 +315,14 @@ def scenario(name: str, device: str, chunks: int, per_request: int, workdir: Pat
     # prepared: `serve --host-memory eager`, and the stores wait until the working set is ready
     mode = "eager" if name == "prepared" else "ahead"
     serve = _Serve(sock, cap, workdir / f"serve-{name}.log", mode)
-    base = {"device": device, "chunks": chunks, "per_request": per_request, "socket": sock, "rounds": rounds}
+    base = {
+        "device": device,
+        "chunks": chunks,
+        "per_request": per_request,
+        "socket": sock,
+        "rounds": rounds,
+        "chunk_format": chunk_format,
+    }
     if name == "prepared":
         base["prepared"] = cap  # eager: the whole bound, prepared before the first store
     try:
@@ -349,14 +365,14 @@ def _like_for_like(put: float, get: float, copy: dict[str, float] | None) -> dic
     }
 
 
-def run(device: str, chunks: int, per_request: int) -> dict[str, Any]:
+def run(device: str, chunks: int, per_request: int, chunk_format: str = "blocks") -> dict[str, Any]:
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible")
     with tempfile.TemporaryDirectory(prefix="lmcache-serverpath-") as tmp:
         names = ("fresh", "prepared", "evicting")
-        results = [scenario(n, device, chunks, per_request, Path(tmp)) for n in names]
+        results = [scenario(n, device, chunks, per_request, Path(tmp), chunk_format) for n in names]
     return {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -370,6 +386,7 @@ def run(device: str, chunks: int, per_request: int) -> dict[str, Any]:
             "layout": _order(device),
             "chunks": chunks,
             "chunks_per_request": per_request,
+            "chunk_format": chunk_format,
         },
         "scenarios": results,
     }
@@ -381,7 +398,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"Server path on {r['device']} (torch {r['torch']}): a `serve` process and two engine processes",
         f"  vLLM {m['layout']} KV, {m['layers']} layers x {m['kv_heads']} heads x {m['head_size']}, "
-        f"{m['dtype']}, block {m['block_size']}, {m['chunk_tokens']}-token chunks; {m['chunks']} chunks, "
+        f"{m['dtype']}, block {m['block_size']}, {m['chunk_tokens']}-token chunks in the "
+        f"{m['chunk_format']!r} format; {m['chunks']} chunks, "
         f"{m['chunks_per_request']} per request; GB/s from request to answer (median, min-max)",
     ]
     for s in r["scenarios"]:
@@ -411,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--per-request", type=int, help="chunks per put or get (default: 8 on cuda, 4 on cpu)"
     )
+    parser.add_argument(
+        "--chunk-format",
+        choices=("blocks", "tokens"),
+        default="blocks",
+        help="the contexts' chunk format: the engine's own blocks, as the vLLM connector registers "
+        "(default), or token-major",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
     args = parser.parse_args(argv)
     chunks = args.chunks or (64 if args.device == "cuda" else 8)
@@ -419,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chunks must be a positive multiple of --per-request")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        report = run(args.device, chunks, per_request)
+        report = run(args.device, chunks, per_request, args.chunk_format)
     except RuntimeError as exc:
         print(f"server path: FAILED: {exc}", file=sys.stderr)
         return 1
