@@ -108,21 +108,10 @@ def _keys(round_: int, chunks: int) -> list[bytes]:
     return [f"r{round_}-c{i}".encode().ljust(32, b".") for i in range(chunks)]
 
 
-def _copy_baseline(flat: Any, nbytes: int, device: str, threads: int | None = None) -> dict[str, float]:
-    """GB/s of a ``copy_`` of one request's bytes each way: pinned on CUDA, host to host on CPU.
-
-    ``threads``: torch's threads for the copies (None: this process's own), so that a host
-    copy can be timed with as many threads as the server copies with.
-    """
+def _copy_baseline(flat: Any, nbytes: int, device: str) -> dict[str, float]:
+    """GB/s of a ``copy_`` of one request's bytes each way: pinned on CUDA, host to host on CPU."""
     import torch
 
-    if threads is not None:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return _copy_baseline(flat, nbytes, device)
-        finally:
-            torch.set_num_threads(before)
     src = flat[:nbytes]
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     host.fill_(0)  # touched: the server's memory is touched too by the time it is reused
@@ -179,10 +168,11 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
                     time.sleep(0.02)
                 out["prepare_s"] = time.perf_counter() - t0
             out["copy"] = _copy_baseline(flat, request_bytes, device)
-            if device == "cpu":  # the server copies with one torch thread (serve --torch-threads)
-                out["copy_server_threads"] = _copy_baseline(
-                    flat, request_bytes, device, DEFAULT_TORCH_THREADS
-                )
+            if device == "cpu":  # again with the server's torch threads (serve --torch-threads)
+                import torch
+
+                torch.set_num_threads(DEFAULT_TORCH_THREADS)  # the puts' copies are the server's
+                out["copy_server_threads"] = _copy_baseline(flat, request_bytes, device)
             out["puts"] = []
             for round_ in range(spec["rounds"]):
                 keys = _keys(round_, chunks)

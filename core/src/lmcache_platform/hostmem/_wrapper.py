@@ -123,8 +123,9 @@ class HostMemoryIPCWrapper(DeviceIPCWrapper):
 
     def __init__(self, *, device_uuid: str, **fields: Any) -> None:
         """The base fields, as :class:`DeviceIPCWrapper` takes them, then the handle's fields."""
-        handle = {name: fields.pop(name) for name in [*fields] if name not in BASE_FIELDS}
-        super().__init__(device_uuid=device_uuid, **fields)
+        base = {name: value for name, value in fields.items() if name in BASE_FIELDS}
+        handle = {name: value for name, value in fields.items() if name not in BASE_FIELDS}
+        super().__init__(device_uuid=device_uuid, **base)
         cls = type(self)
         if device_uuid != HOST_UUID:
             raise DescriptorError(f"{cls.__name__}: device_uuid must be {HOST_UUID!r}, got {device_uuid!r}")
