@@ -79,6 +79,10 @@ def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) 
         }
         assert s["put_gb_s"]["requests"] == (4 if s["scenario"] == "evicting" else 2)
         assert s["get_gb_s"]["requests"] == 2 and s["copy_to_host_gb_s"] > 0
+        assert len(s["put_gb_s"]["each"]) == s["put_gb_s"]["requests"]
+        assert min(s["get_gb_s"]["each"]) == s["get_gb_s"]["min"]
+        # timed once the server had mapped each engine's memory, and the wait reported
+        assert set(s["engine_mapped_s"]) == {"A", "B"} and min(s["engine_mapped_s"].values()) >= 0
         # on the host, also against copy_ with the server's one torch thread
         assert s["copy_from_host_server_threads_gb_s"] > 0
         assert (
@@ -86,4 +90,4 @@ def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) 
         )
     evicting = report["scenarios"][2]
     assert evicting["working_set_bytes"] < evicting["max_host_bytes"] < 2 * evicting["working_set_bytes"]
-    assert "bytes identical" in proc.stdout
+    assert "bytes identical" in proc.stdout and "engine memory mapped" in proc.stdout

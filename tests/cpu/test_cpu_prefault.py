@@ -21,6 +21,8 @@ import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, create_cache_context, wire
 from lmcache_platform.hostmem import HostMemoryCacheContext, PopulateUnsupported, _populate
 from lmcache_platform.server import ServerClient
+from lmcache_platform.server._registration import prefault
+from lmcache_platform.server._transfers import Entry
 from support.cache import engine_views
 from support.serve import Serve, TinyEngine, private_dir
 
@@ -149,14 +151,16 @@ def test_serve_maps_a_registered_engine_before_any_transfer(tmp_path: Path) -> N
     eng = TinyEngine()
     try:
         with Serve(socket_path) as serve, ServerClient(str(socket_path), timeout=30) as client:
-            eng.register(client)
+            context = eng.register(client)
             deadline = time.monotonic() + 30
-            while "of the engine's memory mapped" not in serve.log():
+            while (memory := client.status(context)["context"]["engine_memory"])["state"] == "mapping":
                 assert time.monotonic() < deadline, serve.log()
                 time.sleep(0.05)
+            size = sum(t.untyped_storage().nbytes() for t in eng.tensors)
+            assert memory["state"] == "mapped" and memory["bytes"] >= size and memory["seconds"] >= 0, memory
+            assert "of the engine's memory mapped" in serve.log()
             with open(f"/proc/{serve.proc.pid}/smaps") as f:
                 text = f.read()
-            size = sum(t.untyped_storage().nbytes() for t in eng.tensors)
             assert mapped_in(text, "lmcache_platform_") >= size, text
     finally:
         eng.close()
@@ -172,3 +176,39 @@ def mapped_in(smaps: str, name: str) -> int:
         elif inside and head == "Rss:":
             total += int(line.split()[1]) * 1024
     return total
+
+
+class _Ctx:
+    """A context whose prefault ends as the test says (the server's side only is under test)."""
+
+    def __init__(self, outcome: BaseException | int, closed: bool = False) -> None:
+        self.outcome, self.closed = outcome, closed
+
+    def prefault_memory(self) -> int:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+@pytest.mark.parametrize(
+    ("outcome", "closed", "state"),
+    [
+        (4096, False, "mapped"),
+        (4096, True, "stopped"),
+        (PopulateUnsupported(errno.EINVAL, "madvise: before Linux 5.14"), False, "unsupported"),
+        (OSError(errno.ENOMEM, "gone"), False, "failed"),
+    ],
+)
+def test_status_tells_how_the_engines_memory_mapping_ended(
+    outcome: BaseException | int, closed: bool, state: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    entry = Entry(7, _Ctx(outcome, closed), "cpu", b"", 1, threading.Lock())  # type: ignore[arg-type]
+    assert entry.engine_memory == {"state": "mapping"}
+    prefault(entry)
+    assert entry.engine_memory["state"] == state, entry.engine_memory
+    if state in ("mapped", "stopped"):
+        assert entry.engine_memory["bytes"] == 4096
+    elif state == "failed":
+        assert "OSError" in entry.engine_memory["error"] and "gone" in caplog.text
+    else:
+        assert "5.14" in entry.engine_memory["error"]

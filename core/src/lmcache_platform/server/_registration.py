@@ -20,6 +20,7 @@ from ._log import log_event
 if TYPE_CHECKING:
     from .._kv.context import BaseCacheContext
     from ._ops import RegisterRequest
+    from ._transfers import Entry
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +46,26 @@ def open_context(req: RegisterRequest, peer: str, uid: int, fds: list[int]) -> B
         raise
 
 
-def prefault(ctx_id: int, ctx: BaseCacheContext) -> None:
+def prefault(entry: Entry) -> None:
     """Let the context prepare the engine's memory beside the first transfers; log the outcome.
 
     A host context maps every page now, so no transfer pays a page fault for the
-    first touch of a block (``HostMemoryCacheContext.prefault_memory``).
+    first touch of a block (``HostMemoryCacheContext.prefault_memory``). The outcome
+    goes to ``entry.engine_memory`` (``status`` reports it): until its state is
+    ``mapped``, transfers that touch a page first pay that page's fault themselves.
     """
     from ..hostmem import PopulateUnsupported
 
+    ctx_id, ctx = entry.context, entry.ctx
     start = time.monotonic()
     try:
         nbytes = ctx.prefault_memory()
     except PopulateUnsupported as exc:
         logger.debug("context %d: not prefaulted (%s); pages fault in during transfers", ctx_id, exc)
+        entry.engine_memory = {"state": "unsupported", "error": str(exc)}
         return
     except Exception as exc:  # an optimization failed: transfers still work, page by page
+        entry.engine_memory = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
         log_event(
             logging.WARNING,
             "prefault",
@@ -69,8 +75,13 @@ def prefault(ctx_id: int, ctx: BaseCacheContext) -> None:
             error=str(exc),
         )
         return
+    seconds = time.monotonic() - start
+    entry.engine_memory = {
+        "state": "stopped" if ctx.closed else "mapped",
+        "bytes": nbytes,
+        "seconds": round(seconds, 3),
+    }
     if nbytes:
-        seconds = time.monotonic() - start
         log_event(
             logging.INFO,
             "prefault",

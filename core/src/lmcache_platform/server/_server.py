@@ -492,9 +492,8 @@ class ReferenceServer:
                 )
                 ctx_id = next(self._ids)
                 lock = threading.Lock() if self.parallel_transfers else self._serial_lock
-                self._entries[ctx_id] = Entry(
-                    ctx_id, ctx, device_type, req.namespace, chunk_bytes, lock, remote_ns
-                )
+                entry = Entry(ctx_id, ctx, device_type, req.namespace, chunk_bytes, lock, remote_ns)
+                self._entries[ctx_id] = entry
                 conn.contexts.add(ctx_id)
         except BaseException:
             ctx.close()
@@ -520,7 +519,7 @@ class ReferenceServer:
             namespace=req.namespace.hex(),
         )
         threading.Thread(
-            target=prefault, args=(ctx_id, ctx), name=f"lmcache-prefault-{ctx_id}", daemon=True
+            target=prefault, args=(entry,), name=f"lmcache-prefault-{ctx_id}", daemon=True
         ).start()
         return _ops.Registration(
             context=ctx_id,
@@ -718,6 +717,7 @@ class ReferenceServer:
             out["context"] = plain(entry.ctx.report_status())
             out["context"]["stored_chunks"] = self._index.count(entry.context)
             out["context"]["namespace"] = entry.namespace
+            out["context"]["engine_memory"] = dict(entry.engine_memory)
         return out
 
     def _shutdown(self, req: _ops.ShutdownRequest, conn: _Connection) -> None:

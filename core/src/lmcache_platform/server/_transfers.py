@@ -20,7 +20,7 @@ import itertools
 import threading
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._errors import LMCachePlatformError, TransferError
@@ -69,6 +69,8 @@ class Entry:
     lock: threading.Lock
     #: Its namespace's name in the remote tier (``remote_namespace``); empty without one.
     remote_ns: bytes = b""
+    #: How far the server got mapping the engine's memory (``prefault``): ``status`` shows it.
+    engine_memory: dict[str, Any] = field(default_factory=lambda: {"state": "mapping"})
 
 
 def gather(
