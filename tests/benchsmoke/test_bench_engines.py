@@ -83,6 +83,9 @@ def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) 
         assert min(s["get_gb_s"]["each"]) == s["get_gb_s"]["min"]
         # timed once the server had mapped each engine's memory, and the wait reported
         assert set(s["engine_mapped_s"]) == {"A", "B"} and min(s["engine_mapped_s"].values()) >= 0
+        # on the host nothing is registered with a device; the working set's memory came from the pool
+        assert s["host"]["host_registered_bytes"] == 0 and s["host"]["host_register_failures"] == 0
+        assert s["host"]["host_prepared_bytes"] + s["host"]["host_slow_takes"] > 0
         # on the host, also against copy_ with the server's one torch thread
         assert s["copy_from_host_server_threads_gb_s"] > 0
         assert (

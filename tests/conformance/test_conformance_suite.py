@@ -124,6 +124,10 @@ BROKEN = textwrap.dedent('''
             if "lossy_store" in FAULTS:
                 plan.groups[0].buffer.view(-1)[:1].view(torch_uint8()).bitwise_xor_(1)
 
+        def read_chunks(self, chunks):
+            out = super().read_chunks(chunks)
+            return out[::-1] if "reorders_batch" in FAULTS else out
+
         def retrieve_chunk(self, block_ids_per_group, *, slot=0, num_tokens=None):
             if "clamps_block_ids" in FAULTS:
                 n = self.num_blocks
@@ -195,7 +199,11 @@ def test_each_fault_fails_exactly_the_checks_written_for_it(broken_site: Path, t
         # lossy_store (and copying_reopen: the engine never sees a retrieve)
         *(f"test_store_and_retrieve_are_bit_exact_and_touch_nothing_else[{fmt}]" for fmt in formats),
         *(
-            f"test_chunks_move_through_host_tensors_bit_exact_in_either_format[{fmt}-{chunk_format}]"
+            f"{test}[{fmt}-{chunk_format}]"
+            for test in (
+                "test_chunks_move_through_host_tensors_bit_exact_in_either_format",
+                "test_a_batch_of_chunks_moves_as_the_single_chunk_calls_do",
+            )
             for fmt in formats
             for chunk_format in ("tokens", "blocks")
         ),
@@ -204,6 +212,16 @@ def test_each_fault_fails_exactly_the_checks_written_for_it(broken_site: Path, t
         "test_a_large_allocation_is_shared_in_place_or_copied_whole",  # copying_reopen
         "test_separate_exports_reopen_side_by_side_or_one_by_one",  # copying_reopen
     }
+
+
+def test_a_batch_that_differs_from_the_single_chunk_calls_fails_only_the_batch_check(
+    broken_site: Path, tmp_path: Path
+) -> None:
+    failed = failing_checks(broken_site, tmp_path, "reorders_batch")
+    assert failed and all(
+        f.startswith("test_a_batch_of_chunks_moves_as_the_single_chunk_calls_do[") for f in failed
+    )
+    assert len(failed) == 16, failed  # 8 layouts x 2 chunk formats
 
 
 def test_a_variant_reusing_a_primary_tag_for_other_fields_fails_the_coexistence_check(

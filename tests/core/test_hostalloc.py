@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from lmcache_platform import KVFormat, LayoutHints
@@ -112,6 +113,43 @@ def test_device_registration_happens_once_per_mapping_and_is_undone_before_unmap
     del first
     other = pool.take(8 * MiB)  # a fresh mapping of another size unmaps the idle one: undo first
     assert calls[-1] == ("unregister", address, 4 * MiB) and other.numel() == 8 * MiB
+
+
+def test_a_refused_registration_is_counted_once_and_a_failed_unregistration_keeps_the_mapping(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pool = HostBufferPool()
+    tries: list[int] = []
+
+    def refuse(address: int, nbytes: int) -> Callable[[], None]:
+        tries.append(nbytes)
+        raise OSError("CUDA_ERROR_OUT_OF_MEMORY: the locked-memory limit")
+
+    refused = pool.take(4 * MiB)
+    pool.register_once(refused, refuse)
+    pool.register_once(refused, refuse)  # not asked again: the mapping stays pageable
+    stats = pool.stats()
+    assert tries == [4 * MiB] and stats["register_failures"] == 1 and stats["registered_bytes"] == 0
+    assert "stays unregistered" in caplog.text and "locked-memory" in caplog.text
+    refused.fill_(3)  # still usable memory
+    assert int(refused[-1]) == 3
+
+    def stuck(address: int, nbytes: int) -> Callable[[], None]:
+        def undo() -> None:
+            raise OSError("CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED")
+
+        return undo
+
+    held = pool.take(4 * MiB)
+    pool.register_once(held, stuck)
+    held.fill_(9)
+    del held, refused
+    pool.take(8 * MiB)  # unmaps the idle 4 MiB mappings: the stuck one is kept instead
+    stats = pool.stats()
+    assert stats["kept_mapped"] == 1 and "it stays mapped" in caplog.text
+    (kept,) = pool._kept  # still mapped (a closed mmap raises on reading), never handed out again
+    assert kept[0] == 9 and kept[len(kept) - 1] == 9
+    assert stats["mappings"] == 1 and stats["bytes"] == 8 * MiB
 
 
 def test_a_device_context_registers_its_chunk_memory_through_its_hook() -> None:

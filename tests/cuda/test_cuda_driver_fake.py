@@ -32,8 +32,9 @@ class FakeLibCuda:
         self.legacy_ipc_capable = 1
         self.open_result = 0
         self._fns: dict[str, Callable[..., int]] = {}
-        for name in _driver._SIGNATURES:
+        for name in (*_driver._SIGNATURES, *_driver._HOST_SIGNATURES):
             self._fns[name] = self._entry(name, getattr(self, "_" + name))
+        self.registered: dict[int, tuple[int, int]] = {}  # page-locked host memory: address -> (size, flags)
 
     def _entry(self, name: str, impl: Callable[..., int]) -> Callable[..., int]:
         def call(*args: Any) -> int:
@@ -113,6 +114,15 @@ class FakeLibCuda:
     def _cuCtxSynchronize(self) -> int:
         return 0
 
+    def _cuMemHostRegister_v2(self, address: int, nbytes: int, flags: int) -> int:
+        if address in self.registered:
+            return 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        self.registered[address] = (nbytes, flags)
+        return 0
+
+    def _cuMemHostUnregister(self, address: int) -> int:
+        return 0 if self.registered.pop(address, None) else 713  # ..._NOT_REGISTERED
+
 
 @pytest.fixture
 def lib() -> FakeLibCuda:
@@ -172,3 +182,33 @@ def test_missing_driver_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ctypes, "CDLL", no_lib)
     with pytest.raises(DescriptorError, match=r"need the NVIDIA driver library libcuda\.so\.1"):
         CudaDriver.load()
+
+
+def test_host_memory_is_registered_portable_on_the_contexts_device_and_unregistered(lib: FakeLibCuda) -> None:
+    driver = CudaDriver(lib)  # type: ignore[arg-type]
+    driver.host_register(0x7000_0000, 1 << 21, ordinal=1)
+    assert lib.registered == {0x7000_0000: (1 << 21, _driver.MEMHOSTREGISTER_PORTABLE)}
+    assert lib.calls[-1] == ("cuMemHostRegister_v2", 0x1000 + 101) and lib.stack == []
+    with pytest.raises(DescriptorError, match=r"cuMemHostRegister_v2 failed: CUDA_ERROR_UNKNOWN.*pageable"):
+        driver.host_register(0x7000_0000, 1 << 21, ordinal=1)  # twice: the driver refuses, we say so
+    driver.host_unregister(0x7000_0000, ordinal=1)
+    assert lib.registered == {}
+    with pytest.raises(DescriptorError, match="cuMemHostUnregister failed"):
+        driver.host_unregister(0x7000_0000, ordinal=1)
+
+
+def test_the_cuda_context_registers_chunk_memory_through_the_driver(
+    lib: FakeLibCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from lmcache_platform_cuda import GPUCacheContext
+
+    monkeypatch.setattr(_driver, "_driver", CudaDriver(lib))  # type: ignore[arg-type]
+    ctx = SimpleNamespace(ordinal=0)  # the method needs only the device's ordinal (no GPU here)
+    undo = GPUCacheContext.register_host_memory(ctx, 0x7100_0000, 4 << 20)  # type: ignore[arg-type]
+    assert lib.registered == {0x7100_0000: (4 << 20, 1)} and undo is not None
+    with pytest.raises(DescriptorError):  # a refusal raises: the pool logs and counts it
+        GPUCacheContext.register_host_memory(ctx, 0x7100_0000, 4 << 20)  # type: ignore[arg-type]
+    undo()
+    assert lib.registered == {}

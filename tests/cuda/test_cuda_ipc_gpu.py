@@ -194,7 +194,9 @@ def test_reordered_visible_devices(kind: type[DeviceIPCWrapper]) -> None:
     )
     n = torch.cuda.device_count()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in reversed(range(n)))}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    # The child imports support.cuda_workers: tests/ (where support/ lives) goes on its path.
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH", "")) if p)
     out = subprocess.run(
         [sys.executable, "-c", code],
         input=payload(kind.wrap(t)),

@@ -12,6 +12,10 @@ the compiled kernels on a GPU and print both paths' speed (never asserted).
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -82,9 +86,21 @@ def torch_path(cls: type[BaseCacheContext]) -> type[BaseCacheContext]:
     return TorchPath
 
 
+def on_cuda(item: pytest.Item) -> bool:
+    """Whether a case runs on a GPU: its ``device`` parameter, else its ``cuda`` marker."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "device" in callspec.params:
+        return bool(callspec.params["device"] == "cuda")
+    return item.get_closest_marker("cuda") is not None
+
+
 @pytest.fixture(autouse=True)
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpret(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Triton's interpreter for the CPU cases only: a GPU case runs the compiled kernel."""
+    if on_cuda(request.node):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("LMCACHE_PLATFORM_CUDA_KERNELS", raising=False)
 
 
@@ -143,6 +159,8 @@ class Pair:
             for og in range(ctx.kv_layer_groups_manager.num_object_groups):
                 for slot in range(ctx.max_batch_size):
                     ctx.get_temp_object_group_buffer(slot, og).fill_(0xA5)
+        if device == "cuda":  # the fills ran on the default stream, the transfers run on the contexts'
+            torch.cuda.synchronize()
 
     @staticmethod
     def entry(wrapper: type[HeldWrapper], e: Any) -> Any:
@@ -417,6 +435,68 @@ def test_a_failing_first_launch_falls_back_without_moving_anything(monkeypatch: 
         ctx.store_chunk([[3, 4]])  # the torch path stored it
         assert kernels.reason == "the triton kernel failed to launch: RuntimeError: ptxas not found"
         assert ctx.report_status()["transfers"]["path"] == "torch"
+
+
+def test_a_failing_later_launch_falls_back_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A launch after the first may compile again (a buffer of another alignment): covered too.
+    build, config = LAYOUTS["vllm-LBNHC"]
+    with Pair(build, "cpu", **config) as pair:
+        pair.both(lambda c: c.store_chunk([[7, 2]]))
+        kernels = pair.kernels.transfer_kernels()
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("recompile failed")
+
+        monkeypatch.setattr(kernels, "_one", broken)
+        for ctx in pair.contexts:  # the same kernel group and direction as the launch before
+            ctx.store_chunk([[4, 9]])
+        assert kernels.reason == "the triton kernel failed to launch: RuntimeError: recompile failed"
+        for og in range(pair.kernels.kv_layer_groups_manager.num_object_groups):
+            a, b = (c.get_temp_object_group_buffer(0, og) for c in pair.contexts)
+            assert torch.equal(a, b)
+
+
+class _BrokenTriton(importlib.abc.MetaPathFinder):
+    """An install whose ``import triton`` fails with something other than ImportError."""
+
+    def find_spec(self, fullname: str, *args: object) -> None:
+        if fullname == "triton" or fullname.startswith("triton."):
+            raise RuntimeError("libcuda.so: cannot open shared object file")
+
+
+def test_a_triton_that_fails_to_import_leaves_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenTriton(), *sys.meta_path])
+    spec = importlib.util.spec_from_file_location(_kernels.__name__, _kernels.__file__)
+    assert spec is not None and spec.loader is not None
+    broken = importlib.util.module_from_spec(spec)
+    with caplog.at_level(logging.WARNING, logger=_kernels.__name__):
+        spec.loader.exec_module(broken)
+    why = "triton failed to import: RuntimeError: libcuda.so: cannot open shared object file"
+    assert broken.triton is None
+    assert why == broken._UNAVAILABLE
+    assert why in caplog.text
+    monkeypatch.setitem(sys.modules, _kernels.__name__, broken)  # what the context imports
+    ctx, _ = kernel_context()
+    with ctx:
+        ctx.store_chunk([[3, 4]])
+        assert ctx.report_status()["transfers"] == {"path": "torch", "reason": why}
+
+
+def test_the_cuda_kernel_is_compiled_even_under_the_interpreter() -> None:
+    # TRITON_INTERPRET=1 is set here (the CPU cases); a CUDA launcher must not be interpreted:
+    # the interpreter copies each tensor's own storage, and the kernel reaches other layers
+    # through offsets from the anchor. Block ids come at any alignment: no specialization.
+    from triton.runtime.jit import JITFunction
+
+    launcher = _kernels._launcher("cuda")
+    assert isinstance(launcher, JITFunction)
+    params = {p.name: p for p in launcher.params}
+    assert params["ids"].do_not_specialize_on_alignment
+    assert all(params[name].do_not_specialize for name in _kernels._PART_ARGS)
 
 
 # -- on a GPU: speed of both paths, printed ------------------------------------------------------

@@ -5,8 +5,11 @@ the staging buffer on :attr:`device` and moves chunks with generic torch ops. Wh
 CUDA adds is ordering: every transfer (block-id upload, gather, scatter) is
 enqueued on a stream of its own, so a server overlaps them with its other work and
 orders them against an engine's events by entering :meth:`stream_context` and
-waiting there. Callers that read a staging slot or hand blocks back to the engine
-synchronize first (:meth:`synchronize`, or an event recorded inside the context).
+waiting there. The host copies of ``read_chunk`` / ``write_chunk`` run on a second
+stream, ordered per staging slot by an event, so in a batch one chunk crosses the
+link while the next one is gathered (or the previous one scattered). Callers that
+read a staging slot or hand blocks back to the engine synchronize first
+(:meth:`synchronize`, or an event recorded inside the context).
 ``store``/``retrieve`` launch the fused Triton kernels of ``_kernels`` (one launch per
 kernel group of a chunk) and fall back to the base's torch ops where those cannot run.
 The base's ``close`` synchronizes, then drops every buffer and view, which hands the
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache_platform import BaseCacheContext
@@ -38,6 +41,9 @@ class GPUCacheContext(BaseCacheContext):
 
     device_type: ClassVar[str] = "cuda"
     _kernels: TritonTransfers | None = None
+    #: The host copies' stream and one event per staging slot, made on first use.
+    _copies: torch.cuda.Stream | None = None
+    _slot_events: list[torch.cuda.Event] | None = None
 
     def create_stream(self) -> torch.cuda.Stream:
         """A dedicated stream, ordered after everything construction enqueued.
@@ -61,39 +67,117 @@ class GPUCacheContext(BaseCacheContext):
             yield
 
     def register_host_memory(self, address: int, nbytes: int) -> Callable[[], None] | None:
-        """Page-lock one of the server's chunk mappings for this device (``cudaHostRegister``), once.
+        """Page-lock one of the server's chunk mappings for the devices (``cuMemHostRegister``), once.
 
         Copies between the device and registered memory run at the link's speed and
         asynchronously; registering a whole mapping once (tens of GB/s) replaces a pinned
-        allocation per chunk (about 2 GB/s). A refusal (no more lockable memory) leaves the
-        mapping pageable: copies still work, slower, and the log says why.
+        allocation per chunk (about 2 GB/s). The registration is portable, so contexts
+        on other devices use it too. A refusal (no more lockable memory) raises
+        ``DescriptorError``: the mapping stays pageable, copies still work, slower, and
+        the server logs and counts it.
         """
-        import torch
+        from ._driver import driver
 
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        err = cudart.cudaHostRegister(address, nbytes, 0)
-        if int(err) != 0:
-            _log.warning(
-                "cudaHostRegister of %d bytes of chunk memory failed (error %d): copies use pageable memory",
-                nbytes,
-                int(err),
-            )
-            return None
+        ordinal = self.ordinal
+        driver().host_register(address, nbytes, ordinal)
 
         def unregister() -> None:
-            cudart.cudaHostUnregister(address)
+            driver().host_unregister(address, ordinal)
 
         return unregister
 
+    @property
+    def ordinal(self) -> int:
+        """The CUDA device index of :attr:`device`."""
+        import torch
+
+        index = self.device.index
+        return int(torch.cuda.current_device() if index is None else index)
+
     def store(self, plan: ChunkTransfer) -> None:
-        """Gather ``plan`` with the fused kernels, or the base's torch ops where they cannot run."""
+        """Gather ``plan`` with the fused kernels, or the base's torch ops where they cannot run.
+
+        A gather into a staging slot first waits (on the device) until the slot's last
+        copy to the host is done.
+        """
+        if plan.staged and self._ordered_slots:
+            self.stream.wait_event(self._slot_free(plan.slot))
         if not self.transfer_kernels().run(plan, store=True):
             super().store(plan)
 
     def retrieve(self, plan: ChunkTransfer) -> None:
-        """Scatter ``plan`` with the fused kernels, or the base's torch ops where they cannot run."""
+        """Scatter ``plan`` with the fused kernels, or the base's torch ops where they cannot run.
+
+        Marks the staging slot free for its next copy from the host once the scatter ran.
+        """
         if not self.transfer_kernels().run(plan, store=False):
             super().retrieve(plan)
+        if plan.staged and self._ordered_slots:
+            self._slot_free(plan.slot).record(self.stream)
+
+    # -- host copies on a stream of their own -----------------------------------------
+
+    def copy_into_slot(self, slot: int, host: Sequence[torch.Tensor]) -> None:
+        """Copy a chunk from the host into ``slot`` on the copy stream; the scatter waits for it.
+
+        The copy waits for the slot's previous scatter (or copy out) only, so in a batch
+        the copy of chunk i + 1 runs while chunk i scatters.
+        """
+        import torch
+
+        if not self._ordered_slots:
+            return super().copy_into_slot(slot, host)
+        copies = self._copy_stream()
+        copies.wait_event(self._slot_free(slot))
+        with torch.cuda.stream(copies):
+            super().copy_into_slot(slot, host)
+        self.stream.wait_stream(copies)
+
+    def copy_out_of_slot(self, slot: int, host: Sequence[torch.Tensor]) -> None:
+        """Copy ``slot`` to the host on the copy stream, after its gather; the slot is free after.
+
+        The next gather (into another slot) does not wait for it: in a batch chunk i
+        crosses the link while chunk i + 1 is gathered.
+        """
+        import torch
+
+        if not self._ordered_slots:
+            return super().copy_out_of_slot(slot, host)
+        copies = self._copy_stream()
+        copies.wait_stream(self.stream)  # the gather into the slot (and everything before it)
+        with torch.cuda.stream(copies):
+            super().copy_out_of_slot(slot, host)
+        self._slot_free(slot).record(copies)
+
+    def synchronize(self) -> None:
+        """Wait for the transfer stream and the host copies' stream."""
+        super().synchronize()
+        if self._copies is not None:
+            self._copies.synchronize()
+
+    @property
+    def _ordered_slots(self) -> bool:
+        """Whether the copies run on a stream of their own (on a CUDA device; a subclass
+        that runs this context's kernels on host tensors, as the tests do, copies in order)."""
+        return self.device.type == "cuda"
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        """The stream the host copies run on, made on the first one (after the transfer stream)."""
+        if self._copies is None:
+            import torch
+
+            stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(self.stream)
+            self._copies = stream
+        return self._copies
+
+    def _slot_free(self, slot: int) -> torch.cuda.Event:
+        """Recorded after the last device work that used ``slot``; waiting on a fresh one is a no-op."""
+        if self._slot_events is None:
+            import torch
+
+            self._slot_events = [torch.cuda.Event() for _ in range(self.max_batch_size)]  # type: ignore[no-untyped-call]
+        return self._slot_events[slot]
 
     def transfer_kernels(self) -> TritonTransfers:
         """The context's fused kernels, made on the first transfer (``reason`` says why not)."""

@@ -109,6 +109,13 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuIpcCloseMemHandle": [_CUdeviceptr],
     "cuCtxSynchronize": [],
 }
+#: Page-locking host memory (every driver since CUDA 6.5), bound on first use.
+_HOST_SIGNATURES: dict[str, list[Any]] = {
+    "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+    "cuMemHostUnregister": [ctypes.c_void_p],
+}
+#: ``CU_MEMHOSTREGISTER_PORTABLE``: pinned for every context, so one registration serves all devices.
+MEMHOSTREGISTER_PORTABLE = 0x01
 #: The VMM entry points (CUDA 10.2+), bound on first use; same conventions.
 _VMM_SIGNATURES: dict[str, list[Any]] = {
     "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
@@ -306,6 +313,39 @@ class CudaDriver:
         with self._on(ordinal):
             self._call("cuCtxSynchronize")
             self._call("cuIpcCloseMemHandle", ptr)
+
+    # -- host memory -----------------------------------------------------------------
+
+    def host_register(self, address: int, nbytes: int, ordinal: int) -> None:
+        """Page-lock ``[address, address + nbytes)`` for every device (``cuMemHostRegister``).
+
+        Through the driver rather than the runtime: a refusal here leaves no sticky
+        "last error" on the thread for torch's next kernel launch to trip over.
+        Raises :class:`DescriptorError` with the driver's error name.
+        """
+        self._bind_host()
+        with self._on(ordinal):
+            self._call(
+                "cuMemHostRegister_v2",
+                address,
+                nbytes,
+                MEMHOSTREGISTER_PORTABLE,
+                hint="the memory stays pageable (RLIMIT_MEMLOCK or the driver's pinned-memory limit?)",
+            )
+
+    def host_unregister(self, address: int, ordinal: int) -> None:
+        """End :meth:`host_register` of the mapping at ``address`` (before it is unmapped)."""
+        self._bind_host()
+        with self._on(ordinal):
+            self._call("cuMemHostUnregister", address)
+
+    def _bind_host(self) -> None:
+        with self._lock:
+            if "cuMemHostUnregister" not in self._fns:
+                try:
+                    self._bind(_HOST_SIGNATURES)
+                except AttributeError as exc:
+                    raise DescriptorError(f"this NVIDIA driver cannot page-lock host memory ({exc})") from exc
 
     # -- VmmRuntime ------------------------------------------------------------------
 

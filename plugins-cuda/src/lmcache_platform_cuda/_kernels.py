@@ -19,10 +19,12 @@ dense buffer. The part's first row, row count and staged row are plain arguments
 partial chunk reuses the compiled kernel.
 
 :class:`TritonTransfers` falls back (``run`` returns False, the caller takes the torch
-path) when triton is not installed, the operator chose ``LMCACHE_PLATFORM_CUDA_KERNELS=torch``,
-a group has no single copy geometry, a buffer is not aligned to the word type or lives
-on another device, or the tensors are on the CPU and triton's interpreter is not
-enabled (``TRITON_INTERPRET=1``: how this kernel is tested on machines without a GPU).
+path) when triton is not installed or fails to import, the operator chose
+``LMCACHE_PLATFORM_CUDA_KERNELS=torch``, a group has no single copy geometry, a buffer is
+not aligned to the word type or lives on another device, a launch fails (compiling, say),
+or the tensors are on the CPU and triton's interpreter is not enabled
+(``TRITON_INTERPRET=1``: how this kernel is tested on machines without a GPU; CUDA
+tensors always take the compiled kernel).
 """
 
 from __future__ import annotations
@@ -37,18 +39,25 @@ from lmcache_platform import copy_geometry
 
 from ._config import kernels_choice
 
-try:  # optional: without it every plan takes the torch path, and TritonTransfers says why
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
 if TYPE_CHECKING:
     import torch
 
     from lmcache_platform import BaseCacheContext, ChunkTransfer, CopyGeometry, KernelGroup
 
 log = logging.getLogger(__name__)
+
+#: Why the kernels cannot run in this process at all (triton missing or broken); read
+#: only while ``triton`` is None.
+_UNAVAILABLE = "triton is not installed"
+try:  # optional: without it every plan takes the torch path, and TritonTransfers says why
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+except Exception as exc:  # a broken install (a missing CUDA library, ...) must not break transfers
+    triton = None
+    _UNAVAILABLE = f"triton failed to import: {type(exc).__name__}: {exc}"
+    log.warning("torch path for every transfer: %s", _UNAVAILABLE)
 
 #: Word widths in bytes, widest first, and the torch dtype of each.
 _WORDS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))
@@ -103,21 +112,41 @@ def _copy_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: tl types, 
 
 
 _LAUNCHERS: dict[str, Any] = {}
+#: Block ids come as views into the plan's ids buffer at a part's offset: their 16-byte
+#: alignment varies, and specializing on it would recompile the kernel on the request path.
+_NO_ALIGNMENT_ARGS = ("ids",)
+
+
+def _interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` is on, read as triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _launcher(device_type: str) -> Any | None:
-    """The kernel compiled for CUDA, or interpreted on CPU tensors under ``TRITON_INTERPRET=1``."""
-    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "").strip() not in ("1", "true", "True"):
+    """The kernel compiled for CUDA, or interpreted on CPU tensors under ``TRITON_INTERPRET=1``.
+
+    Each kind is built directly, never through ``triton.jit``: that returns an interpreted
+    function whenever ``TRITON_INTERPRET`` is set, and the interpreter copies each tensor's
+    own storage to the host, so a CUDA launch reaching other layers' allocations through
+    offsets from the anchor would read or write the wrong memory.
+    """
+    if device_type == "cpu" and not _interpreting():
         return None
     if device_type not in ("cuda", "cpu"):
         return None
     if device_type not in _LAUNCHERS:
+        options: dict[str, Any] = {
+            "do_not_specialize": _PART_ARGS,
+            "do_not_specialize_on_alignment": _NO_ALIGNMENT_ARGS,
+        }
         if device_type == "cuda":
-            _LAUNCHERS[device_type] = triton.jit(_copy_kernel, do_not_specialize=_PART_ARGS)
+            from triton.runtime.jit import JITFunction
+
+            _LAUNCHERS[device_type] = JITFunction(_copy_kernel, **options)
         else:
             from triton.runtime.interpreter import InterpretedFunction
 
-            _LAUNCHERS[device_type] = InterpretedFunction(_copy_kernel)
+            _LAUNCHERS[device_type] = InterpretedFunction(_copy_kernel, **options)
     return _LAUNCHERS[device_type]
 
 
@@ -221,15 +250,19 @@ class TritonTransfers:
         self.reason: str | None = None
         self.launches = 0
         self._groups: list[_Launch | str] = []
-        self._proven: set[tuple[int, bool]] = set()
         self._launch: Any = None
         if kernels_choice() == "torch":
             self.reason = "LMCACHE_PLATFORM_CUDA_KERNELS=torch"
             return
         if triton is None:
-            self.reason = "triton is not installed"
+            self.reason = _UNAVAILABLE
             return
-        self._launch = _launcher(ctx.device.type)
+        try:
+            self._launch = _launcher(ctx.device.type)
+        except Exception as exc:  # a triton that cannot build kernels here: the torch path moves
+            self.reason = f"no triton kernel: {type(exc).__name__}: {exc}"
+            log.warning("torch path for every transfer: %s", self.reason)
+            return
         if self._launch is None:
             self.reason = (
                 f"no triton kernel for {ctx.device.type} tensors (TRITON_INTERPRET=1 runs them on CPU)"
@@ -264,17 +297,16 @@ class TritonTransfers:
                 return False
             jobs.append((launch, part, buffer))
         for launch, part, buffer in jobs:
-            key = (part.kernel_group_idx, store)
-            if key in self._proven:
-                self._one(launch, part, buffer, store)
-                continue
-            try:  # the first launch compiles: a toolchain failure leaves nothing moved
+            # Any launch may compile (a first one, or a buffer of another alignment), so each
+            # is covered: a failure happens before that launch enqueues anything, and the
+            # torch path then moves the whole plan, rewriting what earlier parts moved with
+            # the same bytes, in order on the same stream.
+            try:
                 self._one(launch, part, buffer, store)
             except Exception as exc:  # logged, recorded, and every later plan takes the torch path
                 self.reason = f"the triton kernel failed to launch: {type(exc).__name__}: {exc}"
                 log.warning("falling back to the torch path: %s", self.reason)
                 return False
-            self._proven.add(key)
         return True
 
     def _one(self, launch: _Launch, part: Any, buffer: torch.Tensor, store: bool) -> None:
@@ -292,6 +324,9 @@ class TritonTransfers:
             *launch.strides,
             STORE=store,
             num_warps=launch.num_warps,
+            # Words copied as integers: nothing to fuse. Explicit, since triton 3.9 warns on
+            # every compile that leaves it to TRITON_DEFAULT_FP_FUSION (an error under pytest).
+            enable_fp_fusion=False,
             **launch.constants,
         )
         self.launches += 1

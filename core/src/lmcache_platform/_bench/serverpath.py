@@ -50,6 +50,8 @@ BLOCKS_PER_CHUNK = TOKENS // BLOCK
 SPARE_BLOCKS = BLOCKS_PER_CHUNK
 SEED = 1234
 _TIMEOUT_S = 600.0
+#: The server's chunk-memory counters each scenario reports (``status``, after the puts).
+_HOST_COUNTERS = ("host_prepared_bytes", "host_slow_takes", "host_registered_bytes", "host_register_failures")
 
 
 def _layers(device: str, num_blocks: int) -> tuple[Any, list[Any]]:
@@ -188,6 +190,8 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
                     if stored != len(batch):
                         raise RuntimeError(f"round {round_}: the server stored {stored} of {len(batch)}")
                 out["puts"].append(seconds)
+            server = client.status()["server"]  # how the server's chunk memory was had
+            out["host"] = {k: server[k] for k in _HOST_COUNTERS}
         else:
             ids = [
                 [list(range(SPARE_BLOCKS + j * BLOCKS_PER_CHUNK, SPARE_BLOCKS + (j + 1) * BLOCKS_PER_CHUNK))]
@@ -353,6 +357,7 @@ def scenario(
         "host_memory": mode,
         "prepare_s": a.get("prepare_s"),
         "engine_mapped_s": {"A": a["mapped_s"], "B": b["mapped_s"]},
+        "host": a["host"],
         "put_vs_copy": put["median"] / a["copy"]["to_host"],
         "get_vs_copy": get["median"] / a["copy"]["from_host"],
         **_like_for_like(put["median"], get["median"], a.get("copy_server_threads")),
@@ -400,6 +405,19 @@ def run(device: str, chunks: int, per_request: int, chunk_format: str = "blocks"
     }
 
 
+def _host_line(host: dict[str, int]) -> str:
+    """The server's chunk memory in a few words: prepared, taken on the request path, registered."""
+    mib = 2**20
+    prepared, slow = host["host_prepared_bytes"] / mib, host["host_slow_takes"]
+    line = f"; host memory: {prepared:.0f} MiB prepared, {slow} slow takes"
+    if host["host_registered_bytes"] or host["host_register_failures"]:
+        line += (
+            f", {host['host_registered_bytes'] / mib:.0f} MiB registered with the device"
+            f" ({host['host_register_failures']} refused)"
+        )
+    return line
+
+
 def format_report(r: dict[str, Any]) -> str:
     m = r["model"]
     mib = 2**20
@@ -421,7 +439,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"bytes {'identical' if s['bytes_identical'] else 'DIFFER: ' + json.dumps(s['check'])}"
             + (f"; memory prepared {s['prepare_s']:.1f} s after registering" if s.get("prepare_s") else "")
             + f"; engine memory mapped {s['engine_mapped_s']['A']:.1f} / {s['engine_mapped_s']['B']:.1f} s"
-            " after registering (A / B)"
+            " after registering (A / B)" + _host_line(s["host"])
         )
         if "put_vs_copy_server_threads" in s:
             lines.append(

@@ -97,6 +97,9 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         :meth:`write_chunk` on a host context. Plans come in the context's chunk format
         (``plan.chunk_format``); an override that handles only ``"tokens"`` passes
         ``"blocks"`` plans on to ``super()``.
+      - :meth:`copy_into_slot` / :meth:`copy_out_of_slot` -- the host copies of
+        :meth:`write_chunk` / :meth:`read_chunk` on a device (default: on :attr:`stream`;
+        a device with a copy stream overlaps one chunk's copy with another's gather).
       - :meth:`allocate_chunk` -- fresh host tensors for one chunk (default: huge-page
         advised on the host, pinned for a device; a backend may register them with a NIC).
       - :meth:`device_event_class` -- the :class:`~lmcache_platform.DeviceEvent` class that
@@ -300,9 +303,10 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
         Called once per host mapping a device context's chunks use (the server's memory,
         prepared ahead of use by :meth:`prepare_host_memory`); what it returns is called
-        before the mapping is unmapped. Default: nothing (copies from pageable memory still work, at
-        the cost of a staging copy in the driver). The cuda backend page-locks it
-        (``cudaHostRegister``).
+        before the mapping is unmapped. Raise to say it could not be done: the mapping
+        stays pageable, and the server logs and counts it (``host_register_failures``).
+        Default: nothing (copies from pageable memory still work, at the cost of a
+        staging copy in the driver). The cuda backend page-locks it (``cuMemHostRegister``).
         """
         return None
 
@@ -340,13 +344,19 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
     def _in_batches(
         self, items: Sequence[T], move: Callable[[int, T], None], before: Callable[[int], None] | None = None
     ) -> None:
-        """``move(slot, item)`` for up to :attr:`max_batch_size` items at a time, then synchronize."""
+        """``move(slot, item)`` for up to :attr:`max_batch_size` items at a time, then synchronize.
+
+        A failure mid-batch still waits for the copies already issued: the host memory
+        they land in may be handed out again once this returns.
+        """
         for start in range(0, len(items), self.max_batch_size):
             if before is not None:
                 before(start)
-            for slot, item in enumerate(items[start : start + self.max_batch_size]):
-                move(slot, item)
-            self.synchronize()
+            try:
+                for slot, item in enumerate(items[start : start + self.max_batch_size]):
+                    move(slot, item)
+            finally:
+                self.synchronize()
 
     def device_event_class(self) -> type[DeviceEvent] | None:
         """The event class :meth:`wait_event` opens handles with; None: no events here.
@@ -705,13 +715,32 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
             self._check_open()  # again: a close() may have won the race for the lock
             with self.stream_context():
                 if staged_host is not None and retrieve:
-                    for og, src in enumerate(staged_host):
-                        self._object_group_view(slot, og).copy_(src, non_blocking=True)
+                    self.copy_into_slot(slot, staged_host)
                 plan = self._transfer_plan(slot, num_tokens, ids, host if direct else None)
                 self.retrieve(plan) if retrieve else self.store(plan)
                 if staged_host is not None and not retrieve:
-                    for og, out in enumerate(staged_host):
-                        out.copy_(self._object_group_view(slot, og), non_blocking=True)
+                    self.copy_out_of_slot(slot, staged_host)
+
+    def copy_into_slot(self, slot: int, host: Sequence[torch.Tensor]) -> None:
+        """Copy one chunk's host tensors (one per object group) into staging slot ``slot``.
+
+        The first step of :meth:`write_chunk` on a device, before the scatter, issued
+        inside :meth:`stream_context`, not waited for. Default: one ``copy_`` per object
+        group on :attr:`stream`. A device that copies on a stream of its own, so the copy
+        of one chunk overlaps the scatter of another, overrides it and orders the scatter
+        after the copy (the cuda backend does).
+        """
+        for og, src in enumerate(host):
+            self._object_group_view(slot, og).copy_(src, non_blocking=True)
+
+    def copy_out_of_slot(self, slot: int, host: Sequence[torch.Tensor]) -> None:
+        """Copy staging slot ``slot`` out to one chunk's host tensors, after :meth:`read_chunk`'s gather.
+
+        The inverse of :meth:`copy_into_slot`, overridden with it: an override must order
+        the copy after the gather and the slot's next use after the copy.
+        """
+        for og, out in enumerate(host):
+            out.copy_(self._object_group_view(slot, og), non_blocking=True)
 
     def _object_group_view(self, slot: int, og: int) -> torch.Tensor:
         assert self._staging is not None  # callers check the context is open

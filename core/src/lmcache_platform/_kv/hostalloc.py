@@ -19,7 +19,7 @@ Two measures:
   (``--host-memory eager``). A store that finds no ready mapping maps a fresh one on its
   own path, correct but slower, and is counted (``slow_takes``).
 * **Registered once with a device.** A device context registers each mapping with its
-  device the first time it uses it (CUDA: ``cudaHostRegister``, see
+  device the first time it uses it (CUDA: ``cuMemHostRegister``, see
   ``BaseCacheContext.register_host_memory``) and the pool undoes that before unmapping:
   no per-chunk pinned allocation.
 """
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 #: Below this a buffer is plain ``torch.empty`` (the allocator's heap reuses such sizes).
 HUGE_PAGE_BYTES = 2 << 20
+#: What :meth:`HostBufferPool.stats` counts besides its mappings.
+_COUNTERS = ("takes", "slow_takes", "prepared_bytes", "registered_bytes", "register_failures", "kept_mapped")
 #: How far ahead of use :meth:`HostBufferPool.prepare` keeps ready memory by default.
 DEFAULT_AHEAD_BYTES = 256 << 20
 
@@ -81,6 +83,8 @@ class HostBufferPool:
         self._hand: dict[int, int] = {}
         #: id(mapping) -> what undoes its registration with a device, called before unmapping.
         self._undo: dict[int, list[Callable[[], None]]] = {}
+        #: Mappings whose registration could not be ended: never unmapped (see :meth:`_unmap`).
+        self._kept: list[mmap.mmap] = []
         self._counts: collections.Counter[str] = collections.Counter()
         #: What :meth:`prepare` asked: chunk sizes to keep ready, the bound, ahead or eager.
         self._sizes: list[int] = []
@@ -137,7 +141,9 @@ class HostBufferPool:
         """Call ``register(address, nbytes)`` of the mapping under ``buffer`` the first time a device uses it.
 
         What it returns is called before the mapping is unmapped (a device registration
-        must end before its memory goes). Buffers not from the pool are left alone.
+        must end before its memory goes). A ``register`` that raises leaves the mapping
+        unregistered (pageable: copies work, slower): logged, counted
+        (``register_failures``) and not tried again. Buffers not from the pool are left alone.
         """
         ptr = buffer.data_ptr()
         with self._lock:
@@ -146,10 +152,19 @@ class HostBufferPool:
                     address = _address(region)
                     if address <= ptr < address + len(region):
                         key = id(region)
-                        if key not in self._undo:
+                        if key in self._undo:
+                            return
+                        try:
                             undo = register(address, len(region))
-                            self._undo[key] = [undo] if undo is not None else []
-                            self._counts["registered_bytes"] += len(region)
+                        except Exception as exc:  # the copies still work, from pageable memory
+                            # logged as text: the exception's frames would keep the buffer alive
+                            why = f"{type(exc).__name__}: {exc}"
+                            _log.warning("a %d-byte chunk mapping stays unregistered: %s", len(region), why)
+                            self._undo[key] = []
+                            self._counts["register_failures"] += 1
+                            return
+                        self._undo[key] = [undo] if undo is not None else []
+                        self._counts["registered_bytes"] += len(region)
                         return
 
     def stats(self) -> dict[str, int]:
@@ -157,7 +172,9 @@ class HostBufferPool:
 
         ``takes``: buffers handed out; ``slow_takes``: of those, mapped on the caller's path
         because no ready mapping was idle; ``prepared_bytes``: bytes the background thread
-        mapped and faulted in; ``registered_bytes``: bytes registered with a device.
+        mapped and faulted in; ``registered_bytes``: bytes registered with a device;
+        ``register_failures``: mappings a device refused to register (left pageable);
+        ``kept_mapped``: mappings never unmapped because ending their registration failed.
         """
         with self._lock:
             lists = list(self._regions.values())
@@ -165,7 +182,7 @@ class HostBufferPool:
                 "mappings": sum(len(regions) for regions in lists),
                 "idle": sum(_idle(regions, i) for regions in lists for i in range(len(regions))),
                 "bytes": sum(len(regions[i]) for regions in lists for i in range(len(regions))),
-                **{k: self._counts[k] for k in ("takes", "slow_takes", "prepared_bytes", "registered_bytes")},
+                **{k: self._counts[k] for k in _COUNTERS},
             }
 
     def _trim(self, keep: int) -> None:
@@ -179,11 +196,21 @@ class HostBufferPool:
             self._hand[nbytes] = 0
 
     def _unmap(self, region: mmap.mmap) -> None:
+        """Unmap ``region`` once its device registrations ended; a failure keeps it mapped.
+
+        A device may still copy into memory it holds registered, so memory whose
+        registration did not end is never unmapped (nor handed out again): it stays
+        with the pool, counted (``kept_mapped``), until the process exits.
+        """
         for undo in self._undo.pop(id(region), ()):
             try:
                 undo()
-            except Exception:  # the mapping still goes; a device that kept it registered logs why
-                _log.exception("ending a device registration of a %d-byte host mapping failed", len(region))
+            except Exception:
+                what = "ending a device registration of a %d-byte host mapping failed: it stays mapped"
+                _log.exception(what, len(region))
+                self._kept.append(region)
+                self._counts["kept_mapped"] += 1
+                return
         region.close()
 
     def _prepare_loop(self) -> None:

@@ -253,6 +253,31 @@ class _Server:
         ctx.synchronize()
         return sum(t.numel() for t in chunk)
 
+    def move_batch(
+        self, handle: int, src: list[list[list[int]]], dst: list[list[list[int]]]
+    ) -> dict[str, Any]:
+        """``read_chunks`` of ``src``, checked against ``read_chunk`` of each; ``write_chunks`` to ``dst``.
+
+        The single reads all go through staging slot 0 with no synchronize between them:
+        a device must order a slot's reuse itself.
+        """
+        import torch
+
+        ctx = self.contexts[handle]
+        batch = ctx.read_chunks(src)
+        singles = []
+        for ids in src:
+            singles.append(ctx.allocate_chunk())
+            ctx.read_chunk(ids, singles[-1], slot=0)
+        ctx.synchronize()
+        same = all(
+            bool(torch.equal(a, b))
+            for got, want in zip(batch, singles, strict=True)
+            for a, b in zip(got, want, strict=True)
+        )
+        ctx.write_chunks(list(zip(dst, batch, strict=True)))
+        return {"chunks": len(batch), "batch_equals_single": same}
+
     def close_context(self, handle: int) -> dict[str, Any]:
         """Close twice (idempotence); then a store must be refused."""
         from .._errors import TransferError
@@ -286,6 +311,7 @@ def serve(conn: Connection) -> None:
         "store",
         "retrieve",
         "move",
+        "move_batch",
         "close_context",
     )
     ops: dict[str, Callable[..., Any]] = {name: getattr(server, name) for name in names}

@@ -167,6 +167,43 @@ def test_chunks_move_through_host_tensors_bit_exact_in_either_format(
         unregister(lmcache_peer, reg)
 
 
+@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
+@pytest.mark.parametrize("case", _kv.CASES, ids=_kv.case_id)
+def test_a_batch_of_chunks_moves_as_the_single_chunk_calls_do(
+    case: tuple[KVFormat, str | None],
+    chunk_format: str,
+    lmcache_backend: Target,
+    lmcache_device: torch.device,
+    lmcache_peer: Peer,
+) -> None:
+    """``read_chunks`` / ``write_chunks`` of three chunks, each in a slot of its own, in flight together."""
+    fmt, engine_layout = case
+    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt, engine_layout, chunk_format)
+    pairs = {(1, 2): (7, 0), (3, 4): (2, 5), (5, 6): (6, 1)}  # source blocks -> destination blocks
+    try:
+        original = reg.snapshot()
+        moved = lmcache_peer.call(
+            "move_batch",
+            handle=reg.handle,
+            src=[[list(s)] for s in pairs],
+            dst=[[list(d)] for d in pairs.values()],
+        )
+        assert moved == {"chunks": 3, "batch_equals_single": True}
+        _kv.synchronize(lmcache_device)
+        expected = [t.clone() for t in original]
+        for e, o in zip(expected, original, strict=True):
+            for src, dst in pairs.items():
+                for s, d in zip(src, dst, strict=True):
+                    _kv.token_view(e, fmt, d, 0, _kv.BLOCK_SIZE).copy_(
+                        _kv.token_view(o, fmt, s, 0, _kv.BLOCK_SIZE)
+                    )
+        reg.assert_layers_equal(
+            expected, f"a batch of {chunk_format} chunks is not bit-exact or wrote elsewhere"
+        )
+    finally:
+        unregister(lmcache_peer, reg)
+
+
 def bad_requests() -> dict[str, tuple[str, list[list[int]], int, int]]:
     chunk, nb = _kv.CHUNK, _kv.BLOCKS
     return {

@@ -98,6 +98,11 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "host_registered_bytes",
         "Host memory registered with a device for its copies (once per mapping).",
     ),
+    "host_register_failures_total": (
+        "counter",
+        "host_register_failures",
+        "Chunk mappings a device refused to register: their copies run from pageable memory.",
+    ),
     "first_register_seconds": (
         "gauge",
         "first_register_s",

@@ -696,6 +696,7 @@ class ReferenceServer:
         own["host_prepared_bytes"] = pool["prepared_bytes"]
         own["host_slow_takes"] = pool["slow_takes"]
         own["host_registered_bytes"] = pool["registered_bytes"]
+        own["host_register_failures"] = pool["register_failures"]
         with self._lock:
             return {
                 "pid": os.getpid(),
