@@ -8,8 +8,9 @@ orders them against an engine's events by entering :meth:`stream_context` and
 waiting there. The host copies of ``read_chunk`` / ``write_chunk`` run on a second
 stream, ordered per staging slot by an event, so in a batch one chunk crosses the
 link while the next one is gathered (or the previous one scattered). Callers that
-read a staging slot or hand blocks back to the engine synchronize first
-(:meth:`synchronize`, or an event recorded inside the context).
+read a staging slot or a ``read_chunk``'s host tensors synchronize first
+(:meth:`synchronize`); one that hands blocks back to the engine may instead record an
+event inside :meth:`stream_context` (it covers every gather and scatter).
 ``store``/``retrieve`` launch the fused Triton kernels of ``_kernels`` (one launch per
 kernel group of a chunk) and fall back to the base's torch ops where those cannot run.
 The base's ``close`` synchronizes, then drops every buffer and view, which hands the
@@ -104,6 +105,8 @@ class GPUCacheContext(BaseCacheContext):
             self.stream.wait_event(self._slot_free(plan.slot))
         if not self.transfer_kernels().run(plan, store=True):
             super().store(plan)
+        if plan.staged and self._ordered_slots:  # a copy into the slot waits for the gather
+            self._slot_free(plan.slot).record(self.stream)
 
     def retrieve(self, plan: ChunkTransfer) -> None:
         """Scatter ``plan`` with the fused kernels, or the base's torch ops where they cannot run.
@@ -150,10 +153,26 @@ class GPUCacheContext(BaseCacheContext):
         self._slot_free(slot).record(copies)
 
     def synchronize(self) -> None:
-        """Wait for the transfer stream and the host copies' stream."""
-        super().synchronize()
-        if self._copies is not None:
-            self._copies.synchronize()
+        """Wait for the transfer stream and the host copies' stream (both, even if one fails)."""
+        try:
+            super().synchronize()
+        finally:
+            if self._copies is not None:
+                self._copies.synchronize()
+
+    def get_temp_kernel_group_buffer(self, slot: int, kernel_group_idx: int) -> torch.Tensor:
+        """The base's view; work the caller then enqueues on :attr:`stream` follows the slot's copies."""
+        view = super().get_temp_kernel_group_buffer(slot, kernel_group_idx)
+        if self._ordered_slots:
+            self.stream.wait_event(self._slot_free(slot))
+        return view
+
+    def get_temp_object_group_buffer(self, slot: int, object_group_idx: int) -> torch.Tensor:
+        """The base's view; work the caller then enqueues on :attr:`stream` follows the slot's copies."""
+        view = super().get_temp_object_group_buffer(slot, object_group_idx)
+        if self._ordered_slots:
+            self.stream.wait_event(self._slot_free(slot))
+        return view
 
     @property
     def _ordered_slots(self) -> bool:

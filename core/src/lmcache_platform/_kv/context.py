@@ -670,8 +670,11 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         ``[og]`` bytes (:meth:`allocate_chunk` makes such). The block ids and
         ``num_tokens`` mean what they mean for :meth:`store_chunk`. On a host context
         the bytes go straight into ``out`` (one pass); on a device through staging slot
-        ``slot`` and one copy to the host, enqueued on :attr:`stream`: call
-        :meth:`synchronize` before reading ``out``.
+        ``slot`` and one copy to the host (:meth:`copy_out_of_slot`), not waited for:
+        call :meth:`synchronize` before reading ``out`` (an event recorded on
+        :attr:`stream` covers the gather, not necessarily the copy). Between this and the
+        seed API's own use of the same slot (:meth:`store_chunk`, :meth:`retrieve_chunk`
+        and the ``get_temp_*`` views), call :meth:`synchronize` too.
         """
         self._run(block_ids_per_group, slot, num_tokens, retrieve=False, host=out)
 
@@ -816,7 +819,9 @@ def _to_device(buffer: torch.Tensor, groups: Sequence[Sequence[int]]) -> list[to
 
     flat = [x for group in groups for x in group]
     staged = buffer[: len(flat)]
-    staged.copy_(torch.tensor(flat, dtype=torch.int64), non_blocking=True)
+    # pinned for a device: an asynchronous copy from pageable memory may wait for the stream
+    ids = torch.tensor(flat, dtype=torch.int64, pin_memory=buffer.device.type == "cuda")
+    staged.copy_(ids, non_blocking=True)
     views, start = [], 0
     for group in groups:
         views.append(staged.narrow(0, start, len(group)))
