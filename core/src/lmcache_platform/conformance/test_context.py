@@ -139,6 +139,17 @@ def test_store_and_retrieve_are_bit_exact_and_touch_nothing_else(
     assert closed["store_after_close"], "a closed context must refuse transfers with TransferError"
 
 
+def blocks_moved(original: list[torch.Tensor], fmt: KVFormat, moves: dict[int, int]) -> list[torch.Tensor]:
+    """``original`` with each source block's tokens copied into its destination block."""
+    expected = [t.clone() for t in original]
+    for e, o in zip(expected, original, strict=True):
+        for src, dst in moves.items():
+            _kv.token_view(e, fmt, dst, 0, _kv.BLOCK_SIZE).copy_(
+                _kv.token_view(o, fmt, src, 0, _kv.BLOCK_SIZE)
+            )
+    return expected
+
+
 @pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
 @pytest.mark.parametrize("case", _kv.CASES, ids=_kv.case_id)
 def test_chunks_move_through_host_tensors_bit_exact_in_either_format(
@@ -156,12 +167,7 @@ def test_chunks_move_through_host_tensors_bit_exact_in_either_format(
         moved = lmcache_peer.call("move", handle=reg.handle, src=[[1, 2]], dst=[[6, 0]])
         assert moved == _kv.CHUNK * int(reg.info["cache_size_per_token"])
         _kv.synchronize(lmcache_device)
-        expected = [t.clone() for t in original]
-        for e, o in zip(expected, original, strict=True):
-            for dst, src in ((6, 1), (0, 2)):
-                _kv.token_view(e, fmt, dst, 0, _kv.BLOCK_SIZE).copy_(
-                    _kv.token_view(o, fmt, src, 0, _kv.BLOCK_SIZE)
-                )
+        expected = blocks_moved(original, fmt, {1: 6, 2: 0})
         reg.assert_layers_equal(expected, f"a {chunk_format} chunk is not bit-exact or wrote other blocks")
     finally:
         unregister(lmcache_peer, reg)
@@ -190,13 +196,8 @@ def test_a_batch_of_chunks_moves_as_the_single_chunk_calls_do(
         )
         assert moved == {"chunks": 3, "batch_equals_single": True}
         _kv.synchronize(lmcache_device)
-        expected = [t.clone() for t in original]
-        for e, o in zip(expected, original, strict=True):
-            for src, dst in pairs.items():
-                for s, d in zip(src, dst, strict=True):
-                    _kv.token_view(e, fmt, d, 0, _kv.BLOCK_SIZE).copy_(
-                        _kv.token_view(o, fmt, s, 0, _kv.BLOCK_SIZE)
-                    )
+        moves = {s: d for src, dst in pairs.items() for s, d in zip(src, dst, strict=True)}
+        expected = blocks_moved(original, fmt, moves)
         reg.assert_layers_equal(
             expected, f"a batch of {chunk_format} chunks is not bit-exact or wrote elsewhere"
         )
