@@ -122,6 +122,28 @@ def test_transfers_use_a_dedicated_stream_and_close_releases_everything(peer: Pe
     assert closed["alive"] == [False] * LAYERS  # raw mappings were unmapped
 
 
+def test_chunk_memory_is_registered_with_the_device_and_moves_bit_exact(peer: PeerHandle) -> None:
+    # 8 layers of 8 heads x 128, bf16: a 256-token chunk is 8 MiB, so its host memory comes
+    # from the server's pool and is registered with the device (cuMemHostRegister), not pinned
+    # per chunk.
+    layers = [torch.empty((2, 64, BLOCK, 8, 128), dtype=torch.bfloat16, device="cuda") for _ in range(8)]
+    for i, t in enumerate(layers):
+        t.copy_(pattern(t, seed=300 + i))
+    torch.cuda.synchronize()
+    before = [t.clone() for t in layers]
+    spec = {"tokens": 256, "format": KVFormat.FLASH_ATTN.value, "block_size": BLOCK, "heads": 8}
+    peer.call("context", "big", wrap_all(RawCudaIPCWrapper, layers), spec)
+    src, dst = list(range(16)), list(range(40, 56))
+    moved = peer.call("chunk_round_trip", "big", src, dst)
+    assert moved["chunk_bytes"] == 8 << 20 and moved["pinned"], moved  # registered memory is pinned
+    assert moved["registered_bytes"] >= moved["chunk_bytes"] and moved["register_failures"] == 0, moved
+    torch.cuda.synchronize()
+    for i, (t, b) in enumerate(zip(layers, before, strict=True)):
+        want = expected_after(b, KVFormat.FLASH_ATTN, src, dst, 256)
+        assert torch.equal(bits(t), bits(want)), f"layer {i}"
+    assert peer.call("close_context", "big")["wrappers_closed"]
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
 def test_a_failing_context_closes_the_wrappers_it_opened(
     peer: PeerHandle, kind: type[DeviceIPCWrapper]

@@ -181,6 +181,23 @@ class Peer:
         ctx.retrieve_chunk([dst], slot=1, num_tokens=num_tokens)
         ctx.synchronize()
 
+    def chunk_round_trip(self, name: str, src: list[int], dst: list[int]) -> dict[str, Any]:
+        """``read_chunks`` of ``src`` into the server's chunk memory, ``write_chunks`` to ``dst``;
+        how the chunk memory was had (pinned? registered through the backend?)."""
+        from lmcache_platform._kv.hostalloc import POOL
+
+        ctx = self.contexts[name]
+        before = POOL.stats()
+        (chunk,) = ctx.read_chunks([[src]])
+        ctx.write_chunks([([dst], chunk)])
+        after = POOL.stats()
+        return {
+            "chunk_bytes": sum(t.numel() for t in chunk),
+            "pinned": all(t.is_pinned() for t in chunk),
+            "registered_bytes": after["registered_bytes"] - before["registered_bytes"],
+            "register_failures": after["register_failures"] - before["register_failures"],
+        }
+
     def close_context(self, name: str) -> dict[str, Any]:
         ctx = self.contexts.pop(name)
         ctx.close()
