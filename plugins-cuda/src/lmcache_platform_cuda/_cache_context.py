@@ -57,6 +57,9 @@ class GPUCacheContext(BaseCacheContext):
 
         stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Made here, before any thread can ask for them (the events reach the driver on
+        # their first record): a lazily made list could be made twice, losing a record.
+        self._slot_free(0)
         return stream
 
     @contextlib.contextmanager

@@ -233,8 +233,12 @@ class CudaDriver:
         try:
             yield
         finally:
+            # Logged, not raised: the call inside succeeded or raised already, and what it
+            # did (a registration, a mapping) must not be reported as not done.
             popped = _CUcontext()
-            self._call("cuCtxPopCurrent_v2", ctypes.byref(popped))
+            rc = int(self._fns["cuCtxPopCurrent_v2"](ctypes.byref(popped)))
+            if rc:
+                log.error("cuCtxPopCurrent failed: %s", self._error_name(rc))
 
     # -- IpcRuntime ------------------------------------------------------------------
 

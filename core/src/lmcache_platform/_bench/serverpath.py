@@ -50,6 +50,8 @@ BLOCKS_PER_CHUNK = TOKENS // BLOCK
 SPARE_BLOCKS = BLOCKS_PER_CHUNK
 SEED = 1234
 _TIMEOUT_S = 600.0
+#: How long an engine waits for the server to map its memory (a few seconds per 10 GiB).
+_MAPPING_TIMEOUT_S = 120.0
 #: The server's chunk-memory counters each scenario reports (``status``, after the puts).
 _HOST_COUNTERS = ("host_prepared_bytes", "host_slow_takes", "host_registered_bytes", "host_register_failures")
 
@@ -171,7 +173,7 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 while client.status()["server"]["host_prepared_bytes"] < spec["prepared"]:
                     time.sleep(0.02)
-                out["prepare_s"] = time.perf_counter() - t0
+                out["prepare_s"] = out["mapped_s"] + time.perf_counter() - t0  # from registering
             out["copy"] = _copy_baseline(flat, request_bytes, device)
             if device == "cpu":  # again with the server's torch threads (serve --torch-threads)
                 import torch
@@ -222,7 +224,10 @@ def _wait_mapped(client: Any, context: int) -> float:
     instead of the transfer (the operator guide, "The engine's memory").
     """
     t0 = time.perf_counter()
-    while client.status(context)["context"]["engine_memory"]["state"] == "mapping":
+    while (memory := client.status(context)["context"]["engine_memory"])["state"] == "mapping":
+        if time.perf_counter() - t0 > _MAPPING_TIMEOUT_S:
+            late = f"the server did not map this engine's memory in {_MAPPING_TIMEOUT_S:.0f} s"
+            raise RuntimeError(f"{late}: {memory}")
         time.sleep(0.02)
     return time.perf_counter() - t0
 

@@ -174,14 +174,16 @@ class HostBufferPool:
         because no ready mapping was idle; ``prepared_bytes``: bytes the background thread
         mapped and faulted in; ``registered_bytes``: bytes registered with a device;
         ``register_failures``: mappings a device refused to register (left pageable);
-        ``kept_mapped``: mappings never unmapped because ending their registration failed.
+        ``kept_mapped``: mappings never unmapped because ending their registration failed
+        (their bytes stay in ``bytes``, and count against the bound).
         """
         with self._lock:
             lists = list(self._regions.values())
             return {
                 "mappings": sum(len(regions) for regions in lists),
                 "idle": sum(_idle(regions, i) for regions in lists for i in range(len(regions))),
-                "bytes": sum(len(regions[i]) for regions in lists for i in range(len(regions))),
+                "bytes": sum(len(regions[i]) for regions in lists for i in range(len(regions)))
+                + sum(len(r) for r in self._kept),
                 **{k: self._counts[k] for k in _COUNTERS},
             }
 
@@ -230,6 +232,7 @@ class HostBufferPool:
     def _next_to_prepare(self) -> int | None:
         """A chunk size to map one more mapping of now, or None. Caller holds the lock."""
         total = sum(len(r) for regions in self._regions.values() for r in regions)
+        total += sum(len(r) for r in self._kept)  # still mapped: it counts against the bound
         for nbytes in self._sizes:
             if total + nbytes > self._limit:
                 continue

@@ -103,6 +103,11 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "host_register_failures",
         "Chunk mappings a device refused to register: their copies run from pageable memory.",
     ),
+    "host_kept_mapped_total": (
+        "counter",
+        "host_kept_mapped",
+        "Chunk mappings kept mapped for good because ending their device registration failed.",
+    ),
     "first_register_seconds": (
         "gauge",
         "first_register_s",

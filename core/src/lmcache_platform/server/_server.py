@@ -697,6 +697,7 @@ class ReferenceServer:
         own["host_slow_takes"] = pool["slow_takes"]
         own["host_registered_bytes"] = pool["registered_bytes"]
         own["host_register_failures"] = pool["register_failures"]
+        own["host_kept_mapped"] = pool["kept_mapped"]
         with self._lock:
             return {
                 "pid": os.getpid(),
