@@ -76,9 +76,7 @@ class LoggedContext(GPUCacheContext):
         return self._copies
 
     def _slot_free(self, slot: int) -> Any:
-        if self._slot_events is None:
-            self._slot_events = [FakeEvent(s, self.log) for s in range(self.max_batch_size)]  # type: ignore[misc]
-        return self._slot_events[slot]
+        return FakeEvent(slot, self.log)
 
     def transfer_kernels(self) -> Any:
         return Moves(self.log)

@@ -42,9 +42,10 @@ class GPUCacheContext(BaseCacheContext):
 
     device_type: ClassVar[str] = "cuda"
     _kernels: TritonTransfers | None = None
-    #: The host copies' stream and one event per staging slot, made on first use.
+    #: The host copies' stream, made on the first copy.
     _copies: torch.cuda.Stream | None = None
-    _slot_events: list[torch.cuda.Event] | None = None
+    #: One event per staging slot (see :meth:`_slot_free`).
+    _slot_events: list[torch.cuda.Event]
 
     def create_stream(self) -> torch.cuda.Stream:
         """A dedicated stream, ordered after everything construction enqueued.
@@ -59,7 +60,7 @@ class GPUCacheContext(BaseCacheContext):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # Made here, before any thread can ask for them (the events reach the driver on
         # their first record): a lazily made list could be made twice, losing a record.
-        self._slot_free(0)
+        self._slot_events = [torch.cuda.Event() for _ in range(self.max_batch_size)]  # type: ignore[no-untyped-call]
         return stream
 
     @contextlib.contextmanager
@@ -165,14 +166,14 @@ class GPUCacheContext(BaseCacheContext):
 
     def get_temp_kernel_group_buffer(self, slot: int, kernel_group_idx: int) -> torch.Tensor:
         """The base's view; work the caller then enqueues on :attr:`stream` follows the slot's copies."""
-        view = super().get_temp_kernel_group_buffer(slot, kernel_group_idx)
-        if self._ordered_slots:
-            self.stream.wait_event(self._slot_free(slot))
-        return view
+        return self._after_copies(slot, super().get_temp_kernel_group_buffer(slot, kernel_group_idx))
 
     def get_temp_object_group_buffer(self, slot: int, object_group_idx: int) -> torch.Tensor:
         """The base's view; work the caller then enqueues on :attr:`stream` follows the slot's copies."""
-        view = super().get_temp_object_group_buffer(slot, object_group_idx)
+        return self._after_copies(slot, super().get_temp_object_group_buffer(slot, object_group_idx))
+
+    def _after_copies(self, slot: int, view: torch.Tensor) -> torch.Tensor:
+        """``view`` of ``slot``, once :attr:`stream` waits for the slot's last copy."""
         if self._ordered_slots:
             self.stream.wait_event(self._slot_free(slot))
         return view
@@ -195,10 +196,6 @@ class GPUCacheContext(BaseCacheContext):
 
     def _slot_free(self, slot: int) -> torch.cuda.Event:
         """Recorded after the last device work that used ``slot``; waiting on a fresh one is a no-op."""
-        if self._slot_events is None:
-            import torch
-
-            self._slot_events = [torch.cuda.Event() for _ in range(self.max_batch_size)]  # type: ignore[no-untyped-call]
         return self._slot_events[slot]
 
     def transfer_kernels(self) -> TritonTransfers:

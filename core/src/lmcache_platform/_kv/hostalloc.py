@@ -182,10 +182,14 @@ class HostBufferPool:
             return {
                 "mappings": sum(len(regions) for regions in lists),
                 "idle": sum(_idle(regions, i) for regions in lists for i in range(len(regions))),
-                "bytes": sum(len(regions[i]) for regions in lists for i in range(len(regions)))
-                + sum(len(r) for r in self._kept),
+                "bytes": self._mapped_bytes(),
                 **{k: self._counts[k] for k in _COUNTERS},
             }
+
+    def _mapped_bytes(self) -> int:
+        """Bytes the pool holds mapped, kept ones included (they count against the bound)."""
+        mapped = sum(len(r) for regions in self._regions.values() for r in regions)
+        return mapped + sum(len(r) for r in self._kept)
 
     def _trim(self, keep: int) -> None:
         """Unmap the idle mappings of every size but ``keep`` (and of no size being prepared)."""
@@ -231,8 +235,7 @@ class HostBufferPool:
 
     def _next_to_prepare(self) -> int | None:
         """A chunk size to map one more mapping of now, or None. Caller holds the lock."""
-        total = sum(len(r) for regions in self._regions.values() for r in regions)
-        total += sum(len(r) for r in self._kept)  # still mapped: it counts against the bound
+        total = self._mapped_bytes()
         for nbytes in self._sizes:
             if total + nbytes > self._limit:
                 continue
