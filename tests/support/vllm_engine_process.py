@@ -56,7 +56,8 @@ Commands (``{"cmd": ...}``); every answer has ``ok`` (and ``error`` when false):
     ``reset_connector`` defaults to false (vLLM's local prefix cache only).
 ``stats``
     The connector's counters, block ids it reported as load errors, request ids vLLM's
-    scheduler was told failed or finished receiving, ``reset_cache`` results. With
+    scheduler was told failed or finished receiving, ``reset_cache`` results, and
+    ``held``: per connector method vLLM called, the seconds its thread spent inside. With
     ``settle``, the engine first steps until the connector has no store or load left to
     report (an in-process engine steps only inside ``generate``).
 ``roundtrip``
@@ -332,6 +333,7 @@ def stats() -> dict[str, Any]:
         "failed_recving": vllm_probe.FAILED_RECVING,
         "finished_recving": vllm_probe.FINISHED_RECVING,
         "resets": [repr(r) for r in vllm_probe.RESETS],
+        "held": vllm_probe.held(),
         "kv_layers": len(vllm_probe.KV_CACHES),
     }
 

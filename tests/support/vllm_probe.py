@@ -12,8 +12,13 @@ same for today's connector and for a rewrite with the same class name and module
 
 from __future__ import annotations
 
+import functools
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from lmcache_platform.vllm import LMCachePlatformConnector
 
@@ -31,6 +36,10 @@ FAILED_RECVING: list[str] = []
 FINISHED_RECVING: list[str] = []
 #: What ``reset_cache`` returned, per call.
 RESETS: list[Any] = []
+#: Per method of vLLM's connector API (``__init__`` included): calls, and the seconds vLLM's
+#: thread spent inside them, in all and at most once. What the connector costs the engine,
+#: however busy the machine is: wall clock between two engines cannot resolve a few seconds.
+HELD: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "s": 0.0, "max_s": 0.0})
 
 
 class ProbeConnector(LMCachePlatformConnector):
@@ -78,6 +87,40 @@ class ProbeConnector(LMCachePlatformConnector):
         if out:
             LOAD_ERROR_BLOCKS.append(sorted(int(b) for b in out))
         return out
+
+
+def _held(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent = time.monotonic() - t0
+            rec = HELD[name]
+            rec["calls"] += 1
+            rec["s"] += spent
+            rec["max_s"] = max(rec["max_s"], spent)
+
+    return timed
+
+
+# Every method vLLM may call (the base class's, however the connector implements it).
+for _name, _member in vars(KVConnectorBase_V1).items():
+    if (
+        (_name == "__init__" or not _name.startswith("_"))
+        and callable(_member)
+        and not isinstance(_member, (classmethod, staticmethod))
+    ):
+        setattr(ProbeConnector, _name, _held(_name, getattr(ProbeConnector, _name)))
+
+
+def held() -> dict[str, dict[str, float]]:
+    """:data:`HELD` for methods called at least once, rounded."""
+    return {
+        name: {"calls": int(rec["calls"]), "s": round(rec["s"], 4), "max_s": round(rec["max_s"], 4)}
+        for name, rec in sorted(HELD.items())
+    }
 
 
 def counters() -> dict[str, float]:

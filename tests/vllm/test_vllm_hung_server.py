@@ -1,9 +1,13 @@
 """A hung, late or dying server never stalls an engine nor writes into it late (issue 21).
 
 * A real ``lmcache-platform serve`` stopped with SIGSTOP before the engine starts: the
-  engine starts and answers a request within 10 s of a no-connector engine (both are
-  measured here, from process start to the first answer), with the no-connector
-  output; after SIGCONT the engine hits again without a restart.
+  engine starts and answers a request with the no-connector output, vLLM's thread spends
+  at most the lookup deadline (and :data:`HELD_SLACK_S`) inside the connector over
+  start-up and that request, and after SIGCONT the engine hits again without a restart.
+  Engine start-up is timed too, against a no-connector engine started just before, but
+  only to a loose ceiling: two starts of the same engine on a busy 2-core machine differ
+  by 15-20 s either way (31.4 s against 10.3 s alone here; 17.5 s against more than 28 s
+  beside CI's other worker), which no 10-s margin on wall clock can resolve.
 * A server that answers a ``get`` only after the connector's deadline (the test double
   sleeps first, then writes a byte pattern): the request gets the no-connector output,
   and the blocks the load targeted keep the bytes they had when the engine gave up.
@@ -28,8 +32,19 @@ pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-failures")]
 #: How long the double sleeps before a late ``get``: well past the connector's deadline
 #: (transfer_deadline_ms, 5 s by default), well short of the old client's 60 s timeout.
 LATE_S = 10.0
-#: How long start-up plus one request may exceed the no-connector engine's.
-MARGIN_S = 10.0
+#: The connector's lookup deadline (``lookup_deadline_ms``, default 1000): the one wait on a
+#: silent server it allows vLLM's thread, per request (a server that never answered the
+#: registration is not asked at all: measured 0.13 s in all, mostly ``register_kv_caches``).
+LOOKUP_S = 1.0
+#: vLLM's thread inside the connector beyond that, over start-up and one request: its own
+#: work (tens of milliseconds with a server; a call that waited for a stopped server would
+#: take the transfer deadline, 5 s, or hang).
+HELD_SLACK_S = 1.5
+
+
+def ceiling_s(baseline: float) -> float:
+    """How long start-up plus one request may take: a hang, not a slow start, fails this."""
+    return 2 * baseline + 30
 
 
 def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(lab):
@@ -51,13 +66,14 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
     engine = EngineDriver(drv.connected("gqa", server, patient=False), name="hung-gqa")
     observed: dict[str, object] = {"no_connector_s": round(baseline, 2)}
     first = resumed = None
+    held_s: float | None = None
     try:
-        budget = baseline + MARGIN_S
+        budget = ceiling_s(baseline)
         try:
             engine.wait_ready(timeout=budget)
+            observed["ready_s"] = engine.ready_s
             left = budget - (time.monotonic() - engine.t_start)
             first = engine.run(p, timeout=max(left, 1.0))
-            observed["ready_s"] = engine.ready_s
         except drv.DriverError as exc:
             observed["stalled"] = str(exc).splitlines()[0]
         observed["with_stopped_server_s"] = round(time.monotonic() - engine.t_start, 2)
@@ -65,6 +81,13 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
             f"start-up + 1 request: no connector {baseline:.1f} s, stopped server {observed['with_stopped_server_s']} s"
         )
         if first is not None:
+            stats = engine.stats()
+            held = stats["held"]
+            held_s = round(sum(rec["s"] for rec in held.values()), 3)
+            observed["held_s"] = held_s
+            observed["held_most"] = sorted(held.items(), key=lambda kv: -kv[1]["s"])[:4]
+            observed["asked"] = held.get("get_num_new_matched_tokens", {}).get("calls", 0)
+            print(f"vLLM's thread inside the connector: {held_s} s")
             observed["first"] = brief(first)
             server.sigcont()
             attempts = []
@@ -85,6 +108,9 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
     expect(
         observed,
         started_and_answered_in_time=first is not None,
+        connector_asked_for_the_request=bool(observed.get("asked")),
+        connector_held_vllm_at_most_the_lookup_deadline=held_s is not None
+        and held_s <= LOOKUP_S + HELD_SLACK_S,
         no_error=first is not None and first["finish_reason"] != "error",
         equal_to_no_connector=first is not None and same(first, ref_cold),
         hits_resumed_after_sigcont=resumed is not None,
