@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
+from lmcache_platform.remote import RemotePartialError, RemoteUnavailable
 from lmcache_platform.remote._tier import RemoteTier
 from support.valkey import ValkeyCluster
 
@@ -54,5 +56,49 @@ def test_keys_spread_and_a_dead_node_costs_only_its_chunks(valkey_cluster: Valke
         assert tier.flush(30)
         s = tier.stats()
         assert s["written"] == 60 + 60 - unwritable and s["write_errors"] == unwritable, s
+    finally:
+        tier.close()
+
+
+def test_a_batch_for_the_dead_node_alone_fails_its_items_not_the_store(valkey_cluster: ValkeyCluster) -> None:
+    """A write-behind batch of one chunk that lives on the dead node (the writer took the
+    chunk alone) loses that chunk only: the tier stays healthy and keeps writing the others.
+    Only a batch that asked every primary, none answering, takes the store down."""
+    tier = RemoteTier.open(valkey_cluster.url, prefix="c2", retry_first_s=0.2)
+    try:
+        assert tier.wait_ready(10), tier.stats()
+        victim = valkey_cluster.nodes[1]
+        on_victim = [k for k in KEYS if valkey_cluster.node_of(tier.store_key(NS, k)) is victim][:4]
+        elsewhere = [k for k in KEYS if valkey_cluster.node_of(tier.store_key(NS, k)) is not victim][:4]
+        assert on_victim and elsewhere
+        victim.kill()
+        for i, key in enumerate(on_victim):  # one batch each: the writer finds one chunk queued
+            assert tier.write_behind(NS, key, chunk(i))
+            assert tier.flush(30)
+            assert tier.stats()["state"] == "healthy", tier.stats()
+        for i, key in enumerate(elsewhere):
+            assert tier.write_behind(NS, key, chunk(100 + i))
+        assert tier.flush(30)
+        s = tier.stats()
+        assert s["state"] == "healthy" and s["dropped_down"] == 0, s
+        assert s["write_errors"] == len(on_victim) and s["written"] == len(elsewhere), s
+
+        deadline = time.monotonic_ns() + 2_000_000_000
+        assert tier.fetch(NS, on_victim, deadline) == [None] * len(on_victim)
+        got = tier.fetch(NS, elsewhere, deadline)
+        assert all(g is not None and torch.equal(g.tensors[0], chunk(100 + i)[0]) for i, g in enumerate(got))
+        assert tier.stats()["state"] == "healthy", tier.stats()
+
+        victim_keys = [tier.store_key(NS, k) for k in on_victim]
+        with pytest.raises(RemotePartialError) as partial:  # the store's own answer, one node asked
+            tier.store.put_many([(k, b"x") for k in victim_keys], ttl=None, timeout=5)
+        assert partial.value.failed == tuple(range(len(victim_keys)))
+        assert partial.value.results == [False] * len(victim_keys)
+
+        every_node = [tier.store_key(NS, k) for k in KEYS]  # spans all three primaries
+        for node in valkey_cluster.nodes:
+            node.kill()
+        with pytest.raises(RemoteUnavailable):
+            tier.store.put_many([(k, b"x") for k in every_node], ttl=None, timeout=5)
     finally:
         tier.close()

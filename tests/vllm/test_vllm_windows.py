@@ -64,7 +64,7 @@ def b_loads_what_a_stored(lab: Lab, config: str, seed: int, *, keep: bool = Fals
 
 def b_loads_what_a_stored_with(server: Any, a: EngineDriver, b: EngineDriver, seed: int) -> None:
     p = prompt(tokens(L6, seed))
-    store(a, server, p, chunks=6)
+    a_cold = store(a, server, p, chunks=6)
     a_hit = a.run(p)  # A's own prefix-cache hit: the reference for a hit of 1,536 tokens
     b.reset_prefix_cache()
     null_before = b.kv_blocks([0])
@@ -76,6 +76,7 @@ def b_loads_what_a_stored_with(server: Any, a: EngineDriver, b: EngineDriver, se
     null_after = b.kv_blocks([0]) if result is not None else None
     alive = drv.alive_run(b) if result is not None else "dead: " + died
     observed = {
+        "a_cold": brief(a_cold),  # not compared (a hit computes less): it tells which side went wrong
         "a_hit": brief(a_hit),
         "b": brief(result) if result is not None else died,
         "null_block_written": null_after is not None and null_after != null_before,

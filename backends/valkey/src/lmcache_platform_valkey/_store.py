@@ -4,7 +4,9 @@ One server: a batch is one pipeline (no transaction) on one connection, so one r
 trip. A cluster: the batch is split by the client's slot map into one pipeline per
 primary, and the pipelines run in parallel, so still about one round trip. The client's
 own cluster pipeline is not used on purpose: it fails a whole batch when one node is
-down, where a shared cache should lose only that node's keys (``RemotePartialError``).
+down, where a shared cache should lose only that node's keys (``RemotePartialError``,
+also for a batch that went to that node alone; the whole call fails only when it asked
+every primary and none answered).
 A ``MOVED`` answer or a node that does not answer makes the store refresh its slot map,
 at most once a second, in the background.
 
@@ -19,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmcache_platform.remote import (
     Buffer,
@@ -43,6 +45,7 @@ _REFRESH_PERIOD_S = 1.0
 _READ_SIZE = 1 << 20
 #: A pipeline command: (pipeline, key, value-or-None) -> None.
 Queue = Callable[[Any, bytes, Any], None]
+_T = TypeVar("_T")
 
 
 class ValkeyStore:
@@ -60,25 +63,23 @@ class ValkeyStore:
     # -- the RemoteStore protocol --------------------------------------------------------
 
     def get_many(self, keys: Sequence[bytes], *, timeout: float) -> list[Buffer | None]:
-        results = self._batch("get", keys, [None] * len(keys), lambda p, k, _: p.get(k), timeout)
-        return [r if isinstance(r, bytes) else None for r in results]
+        return self._batch("get", keys, [None] * len(keys), lambda p, k, _: p.get(k), timeout, _value)
 
     def exists_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
-        results = self._batch("exists", keys, [None] * len(keys), lambda p, k, _: p.exists(k), timeout)
-        return [bool(r) for r in results]
+        return self._batch("exists", keys, [None] * len(keys), lambda p, k, _: p.exists(k), timeout, bool)
 
     def put_many(
         self, items: Sequence[tuple[bytes, Buffer]], *, ttl: float | None, timeout: float
     ) -> list[bool]:
         px = None if ttl is None else max(1, int(ttl * 1000))
-        results = self._batch(
+        return self._batch(
             "put",
             [k for k, _ in items],
             [_as_arg(v) for _, v in items],
             lambda p, k, v: p.set(k, v, px=px),
             timeout,
+            _stored,
         )
-        return [r is True for r in results]
 
     def ping(self, *, timeout: float) -> None:
         if self.config.cluster:
@@ -103,19 +104,25 @@ class ValkeyStore:
     # -- batches -------------------------------------------------------------------------
 
     def _batch(
-        self, what: str, keys: Sequence[bytes], values: Sequence[Any], queue: Queue, timeout: float
-    ) -> list[Any]:
-        """One pipelined batch; per-item results (``None`` or an exception for a failed item)."""
+        self,
+        what: str,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        queue: Queue,
+        timeout: float,
+        answer: Callable[[Any], _T],
+    ) -> list[_T]:
+        """One pipelined batch; per item, ``answer`` of the reply (of ``None`` for a failed item)."""
         if not keys:
             return []
         if self.config.cluster:
-            return self._cluster_batch(what, keys, values, queue, timeout)
+            return self._cluster_batch(what, keys, values, queue, timeout, answer)
         outcome = self._calls.run([lambda: self._pipeline(self._standalone(), keys, values, queue)], timeout)[
             0
         ]
         if isinstance(outcome, BaseException):
             raise _remote_error(self.name, what, outcome)
-        return self._items(what, outcome, [None] * len(keys))
+        return self._items(what, outcome, answer)
 
     @staticmethod
     def _pipeline(client: Any, keys: Sequence[bytes], values: Sequence[Any], queue: Queue) -> list[Any]:
@@ -124,15 +131,17 @@ class ValkeyStore:
             queue(pipe, k, v)
         return list(pipe.execute(raise_on_error=False))
 
-    def _items(self, what: str, results: list[Any], absent: list[Any]) -> list[Any]:
-        """Per-item errors (``OOM``, ``MOVED``...) become absent items of a :class:`RemotePartialError`."""
+    def _items(self, what: str, results: list[Any], answer: Callable[[Any], _T]) -> list[_T]:
+        """Per-item errors (``OOM``, ``MOVED``...) become absent items (``answer(None)``) of a
+        :class:`RemotePartialError`, whose other items are answered as a whole call's are."""
         failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
         if not failed:
-            return results
+            return [answer(r) for r in results]
         first = results[failed[0]]
         if any(_moved(results[i]) for i in failed):
             self._refresh_soon()
-        clean = [absent[i] if i in set(failed) else r for i, r in enumerate(results)]
+        gone = set(failed)
+        clean = [answer(None if i in gone else r) for i, r in enumerate(results)]
         raise RemotePartialError(
             f"{self.name}: {what}: {len(failed)} of {len(results)} items failed "
             f"(first: {type(first).__name__}: {first})",
@@ -141,8 +150,14 @@ class ValkeyStore:
         )
 
     def _cluster_batch(
-        self, what: str, keys: Sequence[bytes], values: Sequence[Any], queue: Queue, timeout: float
-    ) -> list[Any]:
+        self,
+        what: str,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        queue: Queue,
+        timeout: float,
+        answer: Callable[[Any], _T],
+    ) -> list[_T]:
         """Split by node, one pipeline per node in parallel; a failed node fails only its items."""
         started = time.monotonic()
         client = self._client
@@ -172,9 +187,18 @@ class ValkeyStore:
                     results[i] = r
         if node_errors:
             self._refresh_soon()
-            if len(node_errors) == len(groups):  # nothing answered: the whole call failed
-                raise _remote_error(self.name, what, node_errors[0][1])
-        return self._items(what, results, [None] * len(keys))
+            if len(node_errors) == len(groups):
+                # Nothing answered. The call's deadline passed: a timeout, as on one server
+                # (the tier then pings to tell slow from down). Otherwise the whole call failed
+                # only if it asked every primary: a batch that went to a dead node alone (a
+                # write-behind batch of one chunk) is that node's items failing, not the store.
+                errors = [_remote_error(self.name, what, exc) for _, exc in node_errors]
+                timeout_error = next((e for e in errors if isinstance(e, RemoteTimeout)), None)
+                if timeout_error is not None:
+                    raise timeout_error
+                if len(groups) >= len(client.get_primaries()):
+                    raise errors[0]
+        return self._items(what, results, answer)
 
     @staticmethod
     def _route(client: Any, keys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
@@ -267,6 +291,16 @@ class ValkeyStore:
         outcome = self._calls.run([refresh], 0.0)[0]  # do not wait: it runs on its own
         if isinstance(outcome, BaseException) and not isinstance(outcome, RemoteTimeout):
             logger.debug("%s: slot map refresh failed: %s", self.name, outcome)
+
+
+def _value(reply: Any) -> bytes | None:
+    """A ``GET`` reply as ``get_many`` answers it: the bytes, or ``None`` (absent, failed)."""
+    return reply if isinstance(reply, bytes) else None
+
+
+def _stored(reply: Any) -> bool:
+    """A ``SET`` reply as ``put_many`` answers it: ``True`` only for the server's OK."""
+    return reply is True
 
 
 def _as_arg(value: Buffer) -> bytes | memoryview:
