@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -98,7 +99,50 @@ def test_a_batch_for_the_dead_node_alone_fails_its_items_not_the_store(valkey_cl
         every_node = [tier.store_key(NS, k) for k in KEYS]  # spans all three primaries
         for node in valkey_cluster.nodes:
             node.kill()
-        with pytest.raises(RemoteUnavailable):
+        with pytest.raises(RemoteUnavailable) as whole:
             tier.store.put_many([(k, b"x") for k in every_node], ttl=None, timeout=5)
+        assert type(whole.value) is RemoteUnavailable  # refused everywhere: not a timeout
+        # The whole cluster gone, and a batch that asks one node: every item failed, so the
+        # tier pings every primary, none answers, and it goes down.
+        assert tier.write_behind(NS, elsewhere[0], chunk(0))
+        assert until(lambda: tier.state == "down", 10), tier.stats()
     finally:
         tier.close()
+
+
+def test_a_hung_node_costs_only_its_chunks(valkey_cluster: ValkeyCluster) -> None:
+    """A SIGSTOPped node: a write or fetch that asked it alone runs out of time, the tier
+    pings every primary at once, the others answer, and the tier stays healthy (``slow``)."""
+    tier = RemoteTier.open(valkey_cluster.url, prefix="c3", retry_first_s=0.2, write_timeout_s=1.0)
+    victim = valkey_cluster.nodes[1]
+    try:
+        assert tier.wait_ready(10), tier.stats()
+        on_victim = [k for k in KEYS if valkey_cluster.node_of(tier.store_key(NS, k)) is victim][:2]
+        elsewhere = [k for k in KEYS if valkey_cluster.node_of(tier.store_key(NS, k)) is not victim][:4]
+        assert tier.write_behind(NS, elsewhere[0], chunk(0)) and tier.flush(30)
+        victim.pause()
+        for i, key in enumerate(on_victim):  # a batch of one chunk each, for the hung node alone
+            assert tier.write_behind(NS, key, chunk(10 + i))
+            assert tier.flush(30)
+        assert tier.fetch(NS, on_victim, time.monotonic_ns() + 300_000_000) == [None] * len(on_victim)
+        assert until(lambda: tier.stats()["slow"] >= 3, 10), tier.stats()  # every ping answered
+        for i, key in enumerate(elsewhere[1:]):
+            assert tier.write_behind(NS, key, chunk(20 + i))
+        assert tier.flush(30)
+        s = tier.stats()
+        assert s["state"] == "healthy" and s["dropped_down"] == 0 and s["state_changes"] == 1, s
+        assert s["timeouts"] == 3 and s["write_errors"] == len(on_victim) and s["written"] == 4, s
+        got = tier.fetch(NS, elsewhere, time.monotonic_ns() + 2_000_000_000)
+        assert [g is not None for g in got] == [True] * 4, tier.stats()
+    finally:
+        victim.resume()
+        tier.close()
+
+
+def until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -13,12 +13,13 @@ same for today's connector and for a rewrite with the same class name and module
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
 from lmcache_platform.vllm import LMCachePlatformConnector
 
@@ -89,14 +90,24 @@ class ProbeConnector(LMCachePlatformConnector):
         return out
 
 
+_calling = threading.local()
+
+
 def _held(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, timed into :data:`HELD` when vLLM calls it (not when the connector calls
+    another of its methods inside: that time is the outer call's already)."""
+
     @functools.wraps(method)
     def timed(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_calling, "inside", False):
+            return method(*args, **kwargs)
+        _calling.inside = True
         t0 = time.monotonic()
         try:
             return method(*args, **kwargs)
         finally:
             spent = time.monotonic() - t0
+            _calling.inside = False
             rec = HELD[name]
             rec["calls"] += 1
             rec["s"] += spent
@@ -105,14 +116,15 @@ def _held(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-# Every method vLLM may call (the base class's, however the connector implements it).
-for _name, _member in vars(KVConnectorBase_V1).items():
-    if (
-        (_name == "__init__" or not _name.startswith("_"))
-        and callable(_member)
-        and not isinstance(_member, (classmethod, staticmethod))
-    ):
-        setattr(ProbeConnector, _name, _held(_name, getattr(ProbeConnector, _name)))
+# Every method vLLM may call (the base classes', however the connector implements them).
+for _base in (KVConnectorBase_V1, SupportsHMA):
+    for _name, _member in vars(_base).items():
+        if (
+            (_name == "__init__" or not _name.startswith("_"))
+            and callable(_member)
+            and not isinstance(_member, (classmethod, staticmethod))
+        ):
+            setattr(ProbeConnector, _name, _held(_name, getattr(ProbeConnector, _name)))
 
 
 def held() -> dict[str, dict[str, float]]:

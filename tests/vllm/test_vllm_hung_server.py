@@ -2,8 +2,9 @@
 
 * A real ``lmcache-platform serve`` stopped with SIGSTOP before the engine starts: the
   engine starts and answers a request with the no-connector output, vLLM's thread spends
-  at most the lookup deadline (and :data:`HELD_SLACK_S`) inside the connector over
-  start-up and that request, and after SIGCONT the engine hits again without a restart.
+  at most the lookup deadline in the connector's lookups and :data:`HELD_SLACK_S` in its
+  other methods over start-up and that request, and after SIGCONT the engine hits again
+  without a restart.
   Engine start-up is timed too, against a no-connector engine started just before, but
   only to a loose ceiling: two starts of the same engine on a busy 2-core machine differ
   by 15-20 s either way (31.4 s against 10.3 s alone here; 17.5 s against more than 28 s
@@ -36,10 +37,10 @@ LATE_S = 10.0
 #: silent server it allows vLLM's thread, per request (a server that never answered the
 #: registration is not asked at all: measured 0.13 s in all, mostly ``register_kv_caches``).
 LOOKUP_S = 1.0
-#: vLLM's thread inside the connector beyond that, over start-up and one request: its own
-#: work (tens of milliseconds with a server; a call that waited for a stopped server would
-#: take the transfer deadline, 5 s, or hang).
-HELD_SLACK_S = 1.5
+#: vLLM's thread inside the connector's other methods, over start-up and one request: its
+#: own work (0.08-0.13 s measured, mostly ``register_kv_caches``; a call that waited for a
+#: stopped server would take the transfer deadline, 5 s, or hang).
+HELD_SLACK_S = 1.0
 
 
 def ceiling_s(baseline: float) -> float:
@@ -66,7 +67,7 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
     engine = EngineDriver(drv.connected("gqa", server, patient=False), name="hung-gqa")
     observed: dict[str, object] = {"no_connector_s": round(baseline, 2)}
     first = resumed = None
-    held_s: float | None = None
+    held_s = lookup_s = None  # seconds vLLM's thread spent in the connector: in all, in lookups
     try:
         budget = ceiling_s(baseline)
         try:
@@ -84,7 +85,9 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
             stats = engine.stats()
             held = stats["held"]
             held_s = round(sum(rec["s"] for rec in held.values()), 3)
+            lookup_s = held.get("get_num_new_matched_tokens", {}).get("s", 0.0)
             observed["held_s"] = held_s
+            observed["held_in_lookups_s"] = lookup_s
             observed["held_most"] = sorted(held.items(), key=lambda kv: -kv[1]["s"])[:4]
             observed["asked"] = held.get("get_num_new_matched_tokens", {}).get("calls", 0)
             print(f"vLLM's thread inside the connector: {held_s} s")
@@ -109,8 +112,10 @@ def test_a_stopped_server_neither_delays_start_up_nor_requests_and_hits_resume(l
         observed,
         started_and_answered_in_time=first is not None,
         connector_asked_for_the_request=bool(observed.get("asked")),
-        connector_held_vllm_at_most_the_lookup_deadline=held_s is not None
-        and held_s <= LOOKUP_S + HELD_SLACK_S,
+        lookups_held_vllm_at_most_the_lookup_deadline=lookup_s is not None and lookup_s <= LOOKUP_S + 0.25,
+        other_calls_held_vllm_at_most_their_own_work=held_s is not None
+        and lookup_s is not None
+        and held_s - lookup_s <= HELD_SLACK_S,
         no_error=first is not None and first["finish_reason"] != "error",
         equal_to_no_connector=first is not None and same(first, ref_cold),
         hits_resumed_after_sigcont=resumed is not None,

@@ -17,6 +17,7 @@ timeout whatever the network does. Client exceptions become the remote-store err
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -83,10 +84,9 @@ class ValkeyStore:
 
     def ping(self, *, timeout: float) -> None:
         if self.config.cluster:
-            results = self._calls.run([self._ping_cluster], timeout)
-        else:
-            results = self._calls.run([self._ping_standalone], timeout)
-        outcome = results[0]
+            self._ping_cluster(timeout)
+            return
+        outcome = self._calls.run([self._ping_standalone], timeout)[0]
         if isinstance(outcome, BaseException):
             raise _remote_error(self.name, "ping", outcome)
 
@@ -160,12 +160,7 @@ class ValkeyStore:
     ) -> list[_T]:
         """Split by node, one pipeline per node in parallel; a failed node fails only its items."""
         started = time.monotonic()
-        client = self._client
-        if client is None:  # creating the client asks a node for the slot map: within the deadline
-            made = self._calls.run([self._cluster], timeout)[0]
-            if isinstance(made, BaseException):
-                raise _remote_error(self.name, what, made)
-            client = made
+        client = self._cluster_within(what, timeout)
         groups = self._route(client, keys)
         left = timeout - (time.monotonic() - started)
         tasks = [
@@ -188,16 +183,16 @@ class ValkeyStore:
         if node_errors:
             self._refresh_soon()
             if len(node_errors) == len(groups):
-                # Nothing answered. The call's deadline passed: a timeout, as on one server
-                # (the tier then pings to tell slow from down). Otherwise the whole call failed
-                # only if it asked every primary: a batch that went to a dead node alone (a
+                # Nothing answered. If the call ran out of time (its deadline, or no free
+                # slot), it is a timeout, as on one server: the tier pings to tell slow from
+                # down. Otherwise the whole call failed only if it asked every primary: a
+                # batch that went to a dead or hung node alone (its socket timed out; a
                 # write-behind batch of one chunk) is that node's items failing, not the store.
-                errors = [_remote_error(self.name, what, exc) for _, exc in node_errors]
-                timeout_error = next((e for e in errors if isinstance(e, RemoteTimeout)), None)
-                if timeout_error is not None:
-                    raise timeout_error
+                out_of_time = next((e for _, e in node_errors if isinstance(e, RemoteTimeout)), None)
+                if out_of_time is not None:
+                    raise out_of_time
                 if len(groups) >= len(client.get_primaries()):
-                    raise errors[0]
+                    raise _remote_error(self.name, what, node_errors[0][1])
         return self._items(what, results, answer)
 
     @staticmethod
@@ -212,17 +207,23 @@ class ValkeyStore:
     def _ping_standalone(self) -> None:
         self._standalone().ping()
 
-    def _ping_cluster(self) -> None:
-        client = self._cluster()
+    def _ping_cluster(self, timeout: float) -> None:
+        """Every primary at once; the cluster answers if one of them does (a dead or hung node
+        costs only its keys, and must not make the tier stop calling the others)."""
+        started = time.monotonic()
+        client = self._cluster_within("ping", timeout)
         primaries = client.get_primaries()
-        errors = []
-        for node in primaries:
-            try:
-                client.get_valkey_connection(node).ping()
-            except Exception as exc:
-                errors.append(exc)
-        if primaries and len(errors) == len(primaries):
-            raise errors[0]
+        if not primaries:
+            raise RemoteUnavailable(f"{self.name}: ping: the slot map lists no primary")
+        left = timeout - (time.monotonic() - started)
+
+        def ping(node: Any) -> Any:
+            return client.get_valkey_connection(node).ping()
+
+        outcomes = self._calls.run([functools.partial(ping, node) for node in primaries], left)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if len(errors) == len(outcomes):
+            raise _remote_error(self.name, "ping", errors[0])
 
     # -- clients -------------------------------------------------------------------------
 
@@ -246,6 +247,16 @@ class ValkeyStore:
                 )
                 self._client = valkey.Valkey(connection_pool=pool)
             return self._client  # type: ignore[no-any-return]
+
+    def _cluster_within(self, what: str, timeout: float) -> Any:
+        """The cluster client; creating it asks a node for the slot map, so within the deadline."""
+        client = self._client
+        if client is None:
+            made = self._calls.run([self._cluster], timeout)[0]
+            if isinstance(made, BaseException):
+                raise _remote_error(self.name, what, made)
+            client = made
+        return client
 
     def _cluster(self) -> Any:
         """The cluster client, created on first use (creating it asks a node for the slot map)."""

@@ -14,11 +14,12 @@
   round trip), which checks each entry against what was asked for and refuses and counts
   anything else, then moves them into the engine's blocks like local ones.
 
-Failures never reach the engine: every store call has a deadline, a store that times out
-is probed (a ping) from the writer thread, and a store that fails or does not answer is
-*down*: no call goes to it (lookups find nothing, fetches return misses, writes are
-dropped) until a probe, retried with exponential backoff, finds it again. Each state change
-is one log line. So a remote that is down, slow or flushed leaves local serving as it was.
+Failures never reach the engine: every store call has a deadline; a call that times out,
+or fails in every item (a batch that asked only a dead cluster node), makes the writer
+thread ping the store, and a store that fails or does not answer is *down*: no call goes
+to it (lookups find nothing, fetches return misses, writes are dropped) until a probe,
+retried with exponential backoff, finds it again. Each state change is one log line. So a
+remote that is down, slow or flushed leaves local serving as it was.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class RemoteTier:
         self._why = "not checked yet"
         self._retry_s = retry_first_s
         self._next_probe = 0.0
-        self._suspect = ""  # a call timed out: the writer pings to tell slow from down
+        self._suspect = ""  # why the writer pings to tell slow (or one node down) from down
+        self._suspect_slow = False  # the suspicion is a timeout: a ping that answers means slow
         self._counts: collections.Counter[str] = collections.Counter()
         self._last_log: dict[str, float] = {}
         self._writer = threading.Thread(target=self._run, name="lmcache-remote-writer", daemon=True)
@@ -414,16 +416,11 @@ class RemoteTier:
             result = fn(timeout)
         except RemotePartialError as exc:
             self._add(errors=len(exc.failed))
-            self._log_limited(
-                "partial", logging.WARNING, f"remote {self.name}: {what}: {exc}", failed=len(exc.failed)
-            )
+            self._partial(what, exc, n)
             result, failed = list(exc.results), frozenset(exc.failed)
         except RemoteTimeout as exc:
             self._add(timeouts=1)
-            with self._lock:
-                if self._state == HEALTHY and not self._suspect:
-                    self._suspect = f"{what} timed out after {time.monotonic() - started:.3f} s ({exc})"
-                    self._wake.notify()
+            self._suspect_now(f"{what} timed out after {time.monotonic() - started:.3f} s ({exc})", slow=True)
             return None
         except RemoteError as exc:
             self._add(errors=1)
@@ -508,9 +505,11 @@ class RemoteTier:
                 stored = self.store.put_many(items, ttl=self.ttl_s, timeout=self.write_timeout_s)
         except RemotePartialError as exc:
             stored = [bool(s) for s in exc.results]
-            self._log_limited(
-                "partial", logging.WARNING, f"remote {self.name}: write: {exc}", failed=len(exc.failed)
-            )
+            self._partial("write", exc, len(items))
+        except RemoteTimeout as exc:  # slow or hung: the ping tells which; these chunks are lost
+            self._add(timeouts=1, write_errors=len(items))
+            self._suspect_now(f"write of {len(items)} chunks timed out ({exc})", slow=True)
+            stored = []
         except RemoteError as exc:
             self._add(dropped_down=len(items), errors=1)
             self._went_down(f"write of {len(items)} chunks failed: {exc}")
@@ -547,16 +546,33 @@ class RemoteTier:
             if self._state in (CONNECTING, DOWN):
                 self._set_state(HEALTHY, "answered a ping")
 
+    def _partial(self, what: str, exc: RemotePartialError, n: int) -> None:
+        """Some items failed (a cluster node down): logged; if every one did, is it the whole store?"""
+        message = f"remote {self.name}: {what}: {exc}"
+        self._log_limited("partial", logging.WARNING, message, failed=len(exc.failed))
+        if len(exc.failed) >= n:
+            self._suspect_now(f"every item of a {what} failed ({exc})", slow=False)
+
+    def _suspect_now(self, why: str, *, slow: bool) -> None:
+        """Have the writer ping the store: a call timed out (``slow``), or failed in every item."""
+        with self._lock:
+            if self._state == HEALTHY and not self._suspect:
+                self._suspect, self._suspect_slow = why, slow
+                self._wake.notify()
+
     def _check_suspect(self) -> None:
         with self._lock:
             why, self._suspect = self._suspect, ""
+            slow = self._suspect_slow
         try:
             self.store.ping(timeout=self.probe_timeout_s)
         except Exception as exc:
             self._went_down(f"{why}; then a ping failed: {type(exc).__name__}: {exc}")
             return
-        self._add(slow=1)
-        self._log_limited("slow", logging.WARNING, f"remote {self.name}: slow: {why}, but it answers pings")
+        if slow:
+            self._add(slow=1)
+            message = f"remote {self.name}: slow: {why}, but it answers pings"
+            self._log_limited("slow", logging.WARNING, message)
 
     # -- state ---------------------------------------------------------------------------
 
