@@ -116,7 +116,7 @@ class ValkeyStore:
         if not keys:
             return []
         if self.config.cluster:
-            return self._cluster_batch(what, keys, values, queue, timeout, answer)
+            return self._items(what, self._cluster_batch(what, keys, values, queue, timeout), answer)
         outcome = self._calls.run([lambda: self._pipeline(self._standalone(), keys, values, queue)], timeout)[
             0
         ]
@@ -150,15 +150,10 @@ class ValkeyStore:
         )
 
     def _cluster_batch(
-        self,
-        what: str,
-        keys: Sequence[bytes],
-        values: Sequence[Any],
-        queue: Queue,
-        timeout: float,
-        answer: Callable[[Any], _T],
-    ) -> list[_T]:
-        """Split by node, one pipeline per node in parallel; a failed node fails only its items."""
+        self, what: str, keys: Sequence[bytes], values: Sequence[Any], queue: Queue, timeout: float
+    ) -> list[Any]:
+        """Split by node, one pipeline per node in parallel; a failed node fails only its items
+        (their replies are its exception)."""
         started = time.monotonic()
         client = self._cluster_within(what, timeout)
         groups = self._route(client, keys)
@@ -193,7 +188,7 @@ class ValkeyStore:
                     raise out_of_time
                 if len(groups) >= len(client.get_primaries()):
                     raise _remote_error(self.name, what, node_errors[0][1])
-        return self._items(what, results, answer)
+        return results
 
     @staticmethod
     def _route(client: Any, keys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
