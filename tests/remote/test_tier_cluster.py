@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -112,8 +113,8 @@ def test_a_batch_for_the_dead_node_alone_fails_its_items_not_the_store(valkey_cl
 
 def test_a_hung_node_costs_only_its_chunks(valkey_cluster: ValkeyCluster) -> None:
     """A SIGSTOPped node: a write or fetch that asked it alone runs out of time, the tier
-    pings every primary at once, the others answer, and the tier stays healthy (``slow``)."""
-    tier = RemoteTier.open(valkey_cluster.url, prefix="c3", retry_first_s=0.2, write_timeout_s=1.0)
+    pings every primary at once, another answers, and the tier stays healthy (``slow``)."""
+    tier = RemoteTier.open(valkey_cluster.url, prefix="c3", retry_first_s=0.2, write_timeout_s=2.0)
     victim = valkey_cluster.nodes[1]
     try:
         assert tier.wait_ready(10), tier.stats()
@@ -125,15 +126,51 @@ def test_a_hung_node_costs_only_its_chunks(valkey_cluster: ValkeyCluster) -> Non
             assert tier.write_behind(NS, key, chunk(10 + i))
             assert tier.flush(30)
         assert tier.fetch(NS, on_victim, time.monotonic_ns() + 300_000_000) == [None] * len(on_victim)
-        assert until(lambda: tier.stats()["slow"] >= 3, 10), tier.stats()  # every ping answered
+        assert until(lambda: tier.stats()["slow"] >= 1, 10), tier.stats()  # a ping answered
         for i, key in enumerate(elsewhere[1:]):
             assert tier.write_behind(NS, key, chunk(20 + i))
         assert tier.flush(30)
         s = tier.stats()
         assert s["state"] == "healthy" and s["dropped_down"] == 0 and s["state_changes"] == 1, s
-        assert s["timeouts"] == 3 and s["write_errors"] == len(on_victim) and s["written"] == 4, s
+        assert s["timeouts"] >= 1 and s["write_errors"] == len(on_victim) and s["written"] == 4, s
         got = tier.fetch(NS, elsewhere, time.monotonic_ns() + 2_000_000_000)
         assert [g is not None for g in got] == [True] * 4, tier.stats()
+    finally:
+        victim.resume()
+        tier.close()
+
+
+def test_a_hung_node_asked_often_leaves_call_slots_for_the_others(valkey_cluster: ValkeyCluster) -> None:
+    """Calls abandoned on a hung node run on until the socket timeout (5 s). Asked by many
+    requests at once, it takes at most half the store's 32 call slots: fetches that span it
+    still get the other nodes' chunks, and the tier never goes down."""
+    tier = RemoteTier.open(valkey_cluster.url, prefix="c4", retry_first_s=0.2)
+    victim = valkey_cluster.nodes[1]
+    try:
+        assert tier.wait_ready(10), tier.stats()
+        for i, key in enumerate(KEYS):
+            assert tier.write_behind(NS, key, chunk(i))
+        assert tier.flush(30)
+        on_victim = {i for i, k in enumerate(KEYS) if valkey_cluster.node_of(tier.store_key(NS, k)) is victim}
+        victim.pause()
+        missing: list[int] = []
+
+        def fetches(n: int) -> None:
+            for _ in range(n):
+                got = tier.fetch(NS, KEYS, time.monotonic_ns() + 250_000_000)
+                missing.append(sum(1 for i, g in enumerate(got) if g is None and i not in on_victim))
+
+        threads = [threading.Thread(target=fetches, args=(6,)) for _ in range(8)]  # 48 fetches
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        s = tier.stats()
+        print(
+            f"\nhung node, 48 fetches of 60 chunks from 8 threads: healthy nodes' chunks missing {missing}; {s}"
+        )
+        assert s["state"] == "healthy" and s["state_changes"] == 1, s
+        assert len(missing) == 48 and sum(missing) == 0, missing
     finally:
         victim.resume()
         tier.close()

@@ -11,8 +11,9 @@ every one is taken, a new call fails at once instead of queueing behind hung one
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from lmcache_platform.remote import RemoteTimeout, RemoteUnavailable
@@ -30,8 +31,14 @@ class Calls:
         self._pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="lmcache-valkey")
         self._closed = False
 
-    def run(self, tasks: Sequence[Callable[[], T]], timeout: float) -> list[T | BaseException]:
-        """Run ``tasks`` in parallel; each one's result, or the exception it raised or timed out with."""
+    def run(
+        self, tasks: Sequence[Callable[[], T]], timeout: float, *, first: bool = False
+    ) -> list[T | BaseException]:
+        """Run ``tasks`` in parallel; each one's result, or the exception it raised or timed out with.
+
+        ``first``: return once one task has returned (a ping of every node: one answer is
+        enough); the tasks still running then count as timed out.
+        """
         futures: list[Future[T] | BaseException] = []
         for task in tasks:
             if self._closed:
@@ -47,8 +54,16 @@ class Calls:
                     self._slots.release()
                     futures.append(RemoteUnavailable(f"{self.name}: the store is closed"))
         pending = [f for f in futures if isinstance(f, Future)]
-        if pending:
+        if pending and not first:
             wait(pending, timeout=max(timeout, 0.0))
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while pending and first:  # until one returns, every one failed, or the deadline
+            done, waiting = wait(
+                pending, timeout=max(deadline - time.monotonic(), 0.0), return_when=FIRST_COMPLETED
+            )
+            if not done or any(f.exception() is None for f in done):
+                break
+            pending = list(waiting)
         out: list[T | BaseException] = []
         for f in futures:
             if not isinstance(f, Future):

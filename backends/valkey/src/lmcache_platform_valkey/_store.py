@@ -34,6 +34,7 @@ from lmcache_platform.remote import (
 
 from ._calls import Calls
 from ._config import ValkeyConfig
+from ._nodes import NodeGuard
 
 if TYPE_CHECKING:
     import valkey
@@ -56,6 +57,7 @@ class ValkeyStore:
         self.config = config
         self.name = config.name
         self._calls = Calls(config.max_calls, config.name)
+        self._nodes = NodeGuard(config.name, max(1, config.max_calls // 2))
         self._lock = threading.Lock()
         self._client: Any = None  # valkey.Valkey, or ValkeyCluster once a node answered
         self._refresh_at = 0.0
@@ -158,13 +160,12 @@ class ValkeyStore:
         client = self._cluster_within(what, timeout)
         groups = self._route(client, keys)
         left = timeout - (time.monotonic() - started)
-        tasks = [
-            (lambda node=node, idx=idx: self._pipeline(
-                client.get_valkey_connection(node), [keys[i] for i in idx], [values[i] for i in idx], queue
-            ))
-            for node, idx in groups
-        ]  # fmt: skip
-        outcomes = self._calls.run(tasks, left)
+
+        def on(node: Any, idx: list[int]) -> list[Any]:
+            conn = client.get_valkey_connection(node)
+            return self._pipeline(conn, [keys[i] for i in idx], [values[i] for i in idx], queue)
+
+        outcomes = self._ask([(node.name, functools.partial(on, node, idx)) for node, idx in groups], left)
         results: list[Any] = [None] * len(keys)
         node_errors: list[tuple[str, BaseException]] = []
         for (node, idx), outcome in zip(groups, outcomes, strict=True):
@@ -189,6 +190,19 @@ class ValkeyStore:
                 if len(groups) >= len(client.get_primaries()):
                     raise _remote_error(self.name, what, node_errors[0][1])
         return results
+
+    def _ask(
+        self, calls: Sequence[tuple[str, Callable[[], Any]]], timeout: float, *, probe: bool = False
+    ) -> list[Any]:
+        """One call per ``(node, call)``, in parallel: each one's answer, or why it failed or
+        was not asked (:class:`NodeGuard`). ``probe``: a ping: resting nodes are asked too,
+        and the first answer is enough."""
+        outcomes: list[Any] = [self._nodes.refusal(node, probe=probe) for node, _ in calls]
+        asked = [n for n, refused in enumerate(outcomes) if refused is None]
+        ran = self._calls.run([self._nodes.call(*calls[n]) for n in asked], timeout, first=probe)
+        for n, outcome in zip(asked, ran, strict=True):
+            outcomes[n] = outcome
+        return outcomes
 
     @staticmethod
     def _route(client: Any, keys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
@@ -215,7 +229,9 @@ class ValkeyStore:
         def ping(node: Any) -> Any:
             return client.get_valkey_connection(node).ping()
 
-        outcomes = self._calls.run([functools.partial(ping, node) for node in primaries], left)
+        outcomes = self._ask(
+            [(node.name, functools.partial(ping, node)) for node in primaries], left, probe=True
+        )
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if len(errors) == len(outcomes):
             raise _remote_error(self.name, "ping", errors[0])

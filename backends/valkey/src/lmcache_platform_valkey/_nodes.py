@@ -1,0 +1,78 @@
+"""Per-node guards of a cluster: a dead or hung node costs its keys, not everyone's time.
+
+A node whose own call failed (refused, or its socket timed out) is *resting*: its items
+fail at once instead of each call waiting on it again (the write-behind thread would
+otherwise pay the socket timeout per batch), for :data:`REST_S`, doubling with each
+failure up to :data:`REST_MAX_S`, until it answers (a ping asks resting nodes too).
+
+A node may hold at most ``share`` of the store's call slots: calls a caller gave up on
+keep running until the socket timeout, and a hung node asked often would otherwise take
+every slot, so that calls to the healthy nodes, and the pings that tell slow from down,
+failed for want of one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from lmcache_platform.remote import RemoteError, RemoteUnavailable
+
+T = TypeVar("T")
+
+#: Seconds a node whose call failed is skipped before it is asked again; doubling to the most.
+REST_S = 1.0
+REST_MAX_S = 30.0
+
+
+class NodeGuard:
+    """Resting nodes and each node's calls in flight, for one store."""
+
+    def __init__(self, name: str, share: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.share = share
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running: dict[str, int] = {}
+        self._resting: dict[str, tuple[float, float]] = {}  # node -> (until, its rest)
+
+    def refusal(self, node: str, *, probe: bool = False) -> RemoteUnavailable | None:
+        """Why ``node`` is not asked now, or ``None``; a ``probe`` asks a resting node too."""
+        with self._lock:
+            running = self._running.get(node, 0)
+            until = self._resting.get(node, (0.0, 0.0))[0]
+        if running >= self.share:
+            return RemoteUnavailable(f"{self.name}: node {node} has {running} calls in flight (hung?)")
+        left = until - self._clock()
+        if not probe and left > 0:
+            return RemoteUnavailable(f"{self.name}: node {node} failed; asked again in {left:.1f} s")
+        return None
+
+    def call(self, node: str, task: Callable[[], T]) -> Callable[[], T]:
+        """``task``, counted among ``node``'s calls in flight while it runs. Its end, however
+        long after its caller gave up, tells about the node: an answer ends a rest; the
+        node's own failure (any error but the remote-store errors this store raises itself)
+        starts one."""
+
+        def counted() -> T:
+            with self._lock:
+                self._running[node] = self._running.get(node, 0) + 1
+            try:
+                out = task()
+            except BaseException as exc:
+                if not isinstance(exc, RemoteError):
+                    with self._lock:
+                        rest = min(self._resting.get(node, (0.0, REST_S / 2))[1] * 2, REST_MAX_S)
+                        self._resting[node] = (self._clock() + rest, rest)
+                raise
+            else:
+                with self._lock:
+                    self._resting.pop(node, None)
+                return out
+            finally:
+                with self._lock:
+                    self._running[node] -= 1
+
+        return counted
