@@ -564,6 +564,8 @@ class RemoteTier:
         with self._lock:
             why, self._suspect = self._suspect, ""
             slow = self._suspect_slow
+        if not why:  # the state changed since the writer took this job: nothing to tell
+            return
         try:
             self.store.ping(timeout=self.probe_timeout_s)
         except Exception as exc:
