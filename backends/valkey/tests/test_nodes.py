@@ -27,7 +27,8 @@ def test_a_node_failing_rests_doubling_until_it_answers() -> None:
         assert refused is not None and "n1 failed" in str(refused)
         assert guard.refusal("n2") is None  # the other nodes are asked as ever
         assert guard.refusal("n1", probe=True) is None  # a ping asks a resting node
-        rests.append(guard._resting["n1"][1])
+        rests.append(guard._resting["n1"].seconds)
+        now[0] += 0.001  # the next call begins after this rest did
     assert rests == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
     now[0] += 29.9
     assert guard.refusal("n1") is not None
@@ -36,7 +37,47 @@ def test_a_node_failing_rests_doubling_until_it_answers() -> None:
     assert guard.call("n1", lambda: "PONG")() == "PONG"
     with pytest.raises(ConnectionError):
         guard.call("n1", lambda: fail(ConnectionError("refused")))()
-    assert guard._resting["n1"][1] == 1.0  # the answer ended the doubling
+    assert guard._resting["n1"].seconds == 1.0  # the answer ended the doubling
+
+
+def test_the_calls_in_flight_when_a_node_dies_are_one_failure() -> None:
+    now = [100.0]
+    guard = NodeGuard("store", share=8, clock=lambda: now[0])
+    dead = threading.Event()
+    running = threading.Barrier(6)
+
+    def in_flight() -> None:
+        running.wait()
+        dead.wait(10)
+        raise ConnectionResetError("reset")
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            guard.call("n1", in_flight)()
+        except ConnectionResetError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(5)]
+    for t in threads:
+        t.start()
+    running.wait()  # all five began
+    now[0] += 0.5
+    with pytest.raises(ConnectionError):
+        guard.call("n1", lambda: fail(ConnectionError("refused")))()  # the rest begins
+    dead.set()
+    for t in threads:
+        t.join(10)
+    assert len(errors) == 5
+    assert guard._resting["n1"].seconds == 1.0  # not doubled five times more
+
+
+def test_a_call_that_fails_on_its_own_data_rests_no_node() -> None:
+    guard = NodeGuard("store", share=4)
+    with pytest.raises(TypeError):
+        guard.call("n1", lambda: fail(TypeError("a value the client cannot send")))()
+    assert guard.refusal("n1") is None
 
 
 def test_the_stores_own_errors_start_no_rest() -> None:
