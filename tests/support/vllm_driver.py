@@ -33,6 +33,7 @@ from typing import Any
 
 from support.vllm_engines import ROOT, vllm_python
 from support.vllm_models import KINDS
+from support.waits import until
 
 #: The engine process's module, run with ``tests`` on ``PYTHONPATH`` (as pytest has it).
 PROCESS = "support.vllm_engine_process"
@@ -498,6 +499,27 @@ def store(
         if time.monotonic() > deadline:
             raise AssertionError(f"{engine.name} did not store {chunks} chunks within {timeout:.0f} s")
         time.sleep(2)
+
+
+def wait_contexts(server: Any, n: int = 1, timeout: float = 60) -> dict[str, Any]:
+    """Until ``server`` holds exactly ``n`` registered contexts and its remote tier, if any, is healthy.
+
+    An engine serves its first request as soon as it has started, while its workers may
+    still be registering with the server (seconds on a loaded machine). Until they have,
+    the scheduler neither looks up nor stores, and logs that the ranks cannot reach the
+    server: by design, since the workers could not move the bytes. A test that counts an
+    engine's first stores or hits waits for its workers first. Returns the last status.
+    """
+    status: dict[str, Any] = {}
+
+    def reached() -> bool:
+        nonlocal status
+        status = server.status()
+        remote = status.get("remote")
+        return int(status["contexts"]) == n and (not remote or remote.get("state") == "healthy")
+
+    assert until(reached, timeout), f"the server did not reach {n} context(s) in {timeout:g} s: {status}"
+    return status
 
 
 def held_by_server(

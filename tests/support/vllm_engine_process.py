@@ -308,19 +308,23 @@ def reset_prefix_cache(llm: Any, reset_connector: bool) -> bool:
         time.sleep(0.05)
 
 
-def settle(llm: Any, timeout: float = 30) -> None:
+def settle(llm: Any, timeout: float = 30) -> bool:
     """Step the engine until the connector heard how every store and load ended.
 
     Stores run after the step that computed them and finish later; an in-process engine
     steps only inside ``generate``, so step it here (a served engine's loop does this on
-    its own) before the counters are read.
+    its own) before the counters are read. False when work was still pending at ``timeout``
+    (``stats`` answers it as ``settled``, so a check of the counters can say so).
     """
     from support import vllm_probe
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(c.has_pending_push_work() for c in vllm_probe.INSTANCES):
+    while any(c.has_pending_push_work() for c in vllm_probe.INSTANCES):
+        if time.monotonic() >= deadline:
+            return False
         llm.llm_engine.step()
         time.sleep(0.02)
+    return True
 
 
 def stats() -> dict[str, Any]:
@@ -488,9 +492,8 @@ def main(spec: dict[str, Any]) -> None:
                 elif op == "reset_prefix_cache":
                     out = {"result": reset_prefix_cache(llm, bool(cmd.get("reset_connector")))}
                 elif op == "stats":
-                    if cmd.get("settle"):
-                        settle(llm)
-                    out = stats()
+                    settled = settle(llm) if cmd.get("settle") else None
+                    out = {**stats(), "settled": settled}
                 elif op == "roundtrip":
                     out = roundtrip(llm, cmd["socket"], int(cmd.get("chunks", 3)))
                 elif op == "kv_blocks":

@@ -18,7 +18,18 @@ from typing import Any
 
 import pytest
 
-from support.vllm_driver import CHUNK, PATIENT, EngineDriver, Lab, amx_mla, connected, prompt, same
+from support.vllm_driver import (
+    CHUNK,
+    PATIENT,
+    EngineDriver,
+    Lab,
+    amx_mla,
+    connected,
+    expect,
+    prompt,
+    same,
+    wait_contexts,
+)
 
 P = [(i * 37 + 11) % 1000 + 1 for i in range(3 * CHUNK + 40)]
 #: Shares P's first two chunks only.
@@ -32,28 +43,41 @@ pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-connector")]
 def run(engine: EngineDriver, ids: list[int]) -> tuple[dict[str, Any], dict[str, float]]:
     """One prompt, and the connector's counters once its stores and loads have ended."""
     result = engine.run(prompt(ids))
-    return result, engine.stats(settle=True)["counters"]
+    stats = engine.stats(settle=True)
+    assert stats["settled"], f"stores or loads still pending 30 s after the run: {stats['counters']}"
+    return result, stats["counters"]
 
 
 def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(lab: Lab) -> None:
     server = lab.server("reuse")
     # Engine A computes P (and stores its three whole chunks), then hits its own cache.
+    # Its workers register first: a request served before they have is not stored (by design).
     a = lab.engine("reuse-a", connected("gqa", server))
+    wait_contexts(server, 1)
     a_cold, a_stats = run(a, P)
     a_hit, _ = run(a, P)
-    assert a_cold["cached"] == 0 and a_hit["cached"] == 3 * CHUNK
-    assert a_stats["stored_chunks"] == 3
+    expect(
+        {"a_stats": a_stats, "server": server.status(), "a_log": a.stderr_tail(4000)},
+        a_cold_computed=a_cold["cached"] == 0,
+        a_hit_its_own_cache=a_hit["cached"] == 3 * CHUNK,
+        a_stored_three_chunks=a_stats["stored_chunks"] == 3,
+    )
     a.kill()  # SIGKILL: no unregister, no goodbye
     lab.retire("reuse-a")
+    wait_contexts(server, 0)  # the server closed A's context when its connection ended
 
     # Engine B, a fresh process: Q loads only the two chunks it shares with P; P then
     # hits Q's blocks locally and loads its third chunk from the server.
     b = lab.engine("reuse-b", connected("gqa", server))
+    wait_contexts(server, 1)
     b_q, q_stats = run(b, Q)
-    assert b_q["cached"] == 2 * CHUNK and q_stats["loaded_chunks"] == 2
     b_p, p_stats = run(b, P)
-    assert b_p["cached"] == 3 * CHUNK and p_stats["loaded_chunks"] == 3
-    assert p_stats["load_failures"] == 0
+    expect(
+        {"q_stats": q_stats, "p_stats": p_stats, "server": server.status(), "b_log": b.stderr_tail(4000)},
+        q_hits_two_chunks=b_q["cached"] == 2 * CHUNK and q_stats["loaded_chunks"] == 2,
+        p_hits_three_chunks=b_p["cached"] == 3 * CHUNK and p_stats["loaded_chunks"] == 3,
+        no_load_failures=p_stats["load_failures"] == 0,
+    )
     # B computed only the remainder, and the result is A's to the last bit.
     assert same(b_p, a_hit), "engine B's output differs from engine A's with the same KV prefix"
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from support import vllm_driver as drv
 from support.vllm_driver import Lab, brief, connected, connector_tokens, expect, prompt, same, store, tokens
-from support.waits import until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-file")]
 
@@ -32,18 +30,6 @@ def wait_entries(disk: Path, n: int, timeout: float = 30) -> int:
     while len(entries(disk)) < n and time.monotonic() < deadline:
         time.sleep(0.1)
     return len(entries(disk))
-
-
-def wait_registered(server: Any, timeout: float = 30) -> None:
-    """Until an engine's workers registered and the file tier is healthy.
-
-    A lookup the server reads before the asking engine's workers registered answers
-    ``unregistered`` and offers no hit (by design: the workers could not load it); an
-    engine's first request can come that early, so the checks below wait for the workers.
-    """
-    assert until(
-        lambda: (s := server.status())["contexts"] >= 1 and s["remote"]["state"] == "healthy", timeout
-    ), server.status()
 
 
 def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed(
@@ -60,7 +46,7 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
         lab.retire("file-a")
         server.restart()  # SIGTERM (the queue drains), then a new server: its memory is empty
         b = lab.engine("file-b", connected("gqa", server))
-        wait_registered(server)
+        drv.wait_contexts(server)
         loaded = b.cold(p)
         after_restart = server.status()
 
@@ -69,7 +55,7 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
         store(b, server, q, chunks=3)
         wait_entries(disk, 6)
         server.restart()
-        wait_registered(server)  # B's workers register again by themselves (no request needed)
+        drv.wait_contexts(server)  # B's workers register again by themselves (no request needed)
         for path in entries(disk)[-3:]:  # q's chunks: the newest entries
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0xFF
