@@ -177,6 +177,15 @@ def run(args: argparse.Namespace) -> int:
         remote_flush_timeout_s=args.remote_flush_timeout or 5.0,
         host_memory=args.host_memory,
     )
+    # The socket's directory first: a mistake there is the one line logged, before any other.
+    try:
+        _make_private_dir(os.path.dirname(path))
+    except OSError as exc:  # ours carries the fix and no errno; the system's is named
+        why = str(exc) if exc.errno is None else f"{type(exc).__name__}: {exc}"
+        log_event(logging.ERROR, "error", f"cannot start: {why}", socket=path)
+        if tier is not None:
+            tier.close()
+        return 2
     # Before bind: a socket that exists is one that answers. Engines that watch the path for
     # a restarted server connect the moment it appears, and their pings carry deadlines that
     # seconds of imports in a backlog would miss (they would then wait out a back-off).
@@ -200,7 +209,6 @@ def run(args: argparse.Namespace) -> int:
         frozen=frozen,
     )
     try:
-        _make_private_dir(os.path.dirname(path))
         server.bind()
     except (OSError, ServerError) as exc:
         log_event(logging.ERROR, "error", f"cannot start: {type(exc).__name__}: {exc}", socket=path)
@@ -261,13 +269,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _make_private_dir(directory: str) -> None:
-    """Create the socket's directory (one level) with mode 0700 if it is missing."""
+    """Create the socket's directory (one level) with mode 0700 if it is missing.
+
+    Raises :class:`OSError` with a message that gives the fix when its parent is missing.
+    """
     from ..server._log import log_event
 
     try:
         os.mkdir(directory, 0o700)
     except FileExistsError:
         return
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"the socket's directory {directory} is missing, and so is its parent (serve creates "
+            f"one level only); create it: mkdir -m 700 -p {directory}"
+        ) from None
     log_event(
         logging.INFO, "mkdir", f"created the socket directory {directory} (mode 0700)", directory=directory
     )
