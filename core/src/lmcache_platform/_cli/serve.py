@@ -36,7 +36,8 @@ environment variables:
   (each backend's own variables: see the operator guide)
 
 The socket's directory must belong to you with mode 0700; a missing one is created
-so. A socket left by a server that died is replaced; a live server's is refused.
+so (one level: a missing parent is refused with the `mkdir -m 700 -p` line to run).
+A socket left by a server that died is replaced; a live server's is refused.
 Stop with SIGINT (Ctrl-C) or SIGTERM: every context is closed and the socket removed.
 With --metrics-port, GET http://HOST:PORT/metrics serves the server's counters in the
 Prometheus text format; `lmcache-platform status` prints them for a person.
@@ -198,6 +199,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.torch_threads)
     frozen = freeze_startup_objects()
+    try:
+        server.bind()
+    except (OSError, ServerError) as exc:
+        log_event(logging.ERROR, "error", f"cannot start: {type(exc).__name__}: {exc}", socket=path)
+        if tier is not None:
+            tier.close()
+        return 2
+    # Logged once started: a server that cannot start says only why.
     log_event(
         logging.INFO,
         "torch",
@@ -208,13 +217,6 @@ def run(args: argparse.Namespace) -> int:
         threads=torch.get_num_threads(),
         frozen=frozen,
     )
-    try:
-        server.bind()
-    except (OSError, ServerError) as exc:
-        log_event(logging.ERROR, "error", f"cannot start: {type(exc).__name__}: {exc}", socket=path)
-        if tier is not None:
-            tier.close()
-        return 2
     if tier is not None:
         log_event(
             logging.INFO,
