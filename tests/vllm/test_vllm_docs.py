@@ -16,6 +16,7 @@ the page says it prints, loaded from the server, which counts it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -141,3 +142,19 @@ def test_the_pages_commands_reach_a_hit_from_the_server(tmp_path: Path) -> None:
         for command in (vllm, server):
             if command is not None:
                 command.kill()
+
+
+def test_doctor_in_the_vllm_venv_says_the_connector_imports() -> None:
+    """The page's check of an install: ``lmcache-platform doctor`` in vLLM's venv."""
+    python = vllm_python()
+    done = subprocess.run(
+        [str(python.parent / "lmcache-platform"), "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = json.loads(done.stdout)
+    assert report["vllm"] == {"installed": True, "version": "0.32.0", "connector": True, "error": None}, (
+        report
+    )
+    assert "vllm 0.32.0; the connector imports (lmcache_platform.vllm)" in " ".join(DOC.read_text().split())
