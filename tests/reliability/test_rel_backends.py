@@ -170,7 +170,8 @@ def test_a_raising_gc_hook_does_not_stop_the_others(site: Path, tmp_path: Path) 
     proc = cli(gc_site, tmp_path, "gc")
     assert proc.returncode == 1
     assert "rel: gc failed: OSError: vendor gc exploded" in proc.stdout
-    assert "stale resource(s) would remove" in proc.stdout  # the cpu backend's gc still ran
+    last = proc.stdout.splitlines()[-1]  # the cpu backend's gc still ran
+    assert last.startswith("would remove ") or last == "no stale resources: nothing to remove", last
 
 
 @pytest.mark.parametrize("variant", sorted(set(REASONS) - set(BROKEN)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,49 @@ def test_check_remote_runs_the_suite_and_summarizes(valkey_node: ValkeyNode) -> 
         text=True,
     )
     assert both.returncode == 2 and "NAME or --remote URL" in both.stderr
+
+
+def test_check_remote_says_when_timeouts_are_not_checked_and_takes_the_broken_urls(tmp_path: Path) -> None:
+    """A store without hosts (the file store): PASS names what it did not check, and the
+    flags its hint names are accepted and used (here pointing at broken Valkey servers)."""
+    from lmcache_platform.remote.conformance.plugin import Blackhole
+
+    store = f"file://{tmp_path / 'kv'}"
+    check = [sys.executable, "-m", "lmcache_platform._cli", "check", "--remote", store]
+    proc = subprocess.run(check, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = proc.stdout.splitlines()
+    verdict = lines.index(f"lmcache-platform check {store}: PASS (timeouts not checked)")
+    skips = sorted(lines[verdict + 3 : verdict + 5])
+    assert skips == [
+        f"  SKIP   1 check: {store} has no host to replace: pass --lmcache-remote-{kind} URL "
+        f"(lmcache-platform check: --remote-{kind} URL)"
+        for kind in ("refused", "stalled")
+    ]
+    assert lines[-1] == (
+        "  the timeout checks need a stalled and a refusing instance of the store: "
+        "--remote-stalled URL and --remote-refused URL (docs/remote-stores.md)"
+    )
+
+    hole = Blackhole()
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        refused = f"valkey://127.0.0.1:{closed.getsockname()[1]}"
+        flags = ["--remote-stalled", f"valkey://127.0.0.1:{hole.port}", "--remote-refused", refused]
+        try:
+            proc = subprocess.run(
+                [*check, *flags, "-k", "timeouts_honoured", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        finally:
+            hole.close()
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 0 and summary["verdict"] == "pass", proc.stderr[-3000:]
+    assert "unchecked" not in summary and summary["counts"] == {
+        "passed": 2,
+        "failed": 0,
+        "error": 0,
+        "skipped": 0,
+    }

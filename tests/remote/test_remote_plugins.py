@@ -171,6 +171,29 @@ def test_unknown_scheme_lists_what_is_installed(site: Path) -> None:
     assert info.value.scheme == "s3" and info.value.installed == ("alpha",)
 
 
+def test_an_unknown_schemes_hint_names_its_first_party_store_or_how_stores_are_found(site: Path) -> None:
+    """The hint fits the scheme: no Valkey advert for ``file``, none for a scheme nobody ships."""
+    reg = registry(site)  # nothing installed
+    with pytest.raises(RemoteStoreNotFoundError) as info:
+        reg.open("file:///tmp/kv")
+    assert str(info.value) == (
+        "no installed remote store serves the URL scheme 'file' (installed: none); install "
+        "lmcache-platform-file-store (from a checkout of lmcache-platform: pip install ./backends/file-store)"
+    )
+    with pytest.raises(RemoteStoreNotFoundError) as info:
+        reg.open("valkeys+cluster://h:1")
+    assert str(info.value).endswith(
+        "install lmcache-platform-valkey (from a checkout of lmcache-platform: pip install ./backends/valkey)"
+    )
+    with pytest.raises(RemoteStoreNotFoundError) as info:
+        reg.open("sqlite:///tmp/x.db")
+    assert str(info.value) == (
+        "no installed remote store serves the URL scheme 'sqlite' (installed: none); a store is a "
+        "distribution advertising its scheme in the lmcache.remote entry-point group (see "
+        "docs/remote-stores.md); `lmcache-platform list` shows the installed ones"
+    )
+
+
 def test_bad_and_clashing_entry_point_names_are_reported(site: Path) -> None:
     install(
         site, "one", {"Bad_Scheme": "m1", "dup": "m2"}, {"m1.py": store_module(), "m2.py": store_module()}
@@ -203,6 +226,9 @@ def test_urls_parse_and_refuse_passwords() -> None:
     assert url.scheme == "valkey+cluster" and url.username == "ops" and url.path == "0"
     assert url.hosts == (("h1", 7000), ("::1", 7001), ("h3", None))
     assert RemoteURL.parse("s3://bucket/a/b?region=x").query == {"region": "x"}
+    # Path-style: no host, the path after the third slash (without its leading slash).
+    path_style = RemoteURL.parse("sqlite:///tmp/x.db?mode=wal")
+    assert (path_style.hosts, path_style.path, path_style.query) == ((), "tmp/x.db", {"mode": "wal"})
     with pytest.raises(RemoteConfigError, match="password in the URL") as info:
         open_remote("valkey://user:hunter2@h:6379/0")
     assert "hunter2" not in str(info.value)

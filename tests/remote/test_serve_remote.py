@@ -210,6 +210,39 @@ def test_a_remote_configuration_error_stops_serve_with_one_line(
     assert "s3cret-pw" not in out.stderr  # the refused URL's password is never echoed
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        (
+            "/tmp/kv",
+            "remote URL '/tmp/kv': a directory is file:///tmp/kv (three slashes, then the absolute path)",
+        ),
+        (
+            "file:/tmp/kv",
+            "remote URL 'file:/tmp/kv': a directory is file:///tmp/kv (three slashes, then the absolute path)",
+        ),
+        (
+            "file://tmp/kv",
+            "remote URL file://tmp/kv: a file store takes no host: file:///tmp/kv (three slashes; "
+            "a shared file system is mounted, not addressed)",
+        ),
+        (
+            "nosuch://127.0.0.1:1",
+            "no installed remote store serves the URL scheme 'nosuch' (installed: file, valkey, "
+            "valkey+cluster, valkeys, valkeys+cluster); a store is a distribution advertising its scheme "
+            "in the lmcache.remote entry-point group (see docs/remote-stores.md); `lmcache-platform list` "
+            "shows the installed ones",
+        ),
+    ],
+    ids=["path", "file-one-slash", "file-two-slashes", "unknown-scheme"],
+)
+def test_a_remote_url_mistake_is_one_line_with_the_fix(tmp_path: Path, url: str, says: str) -> None:
+    out = serve_once(tmp_path, "--json-log", "--remote", url)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert json.loads(lines[0])["message"] == f"cannot start: remote tier: {says}"
+
+
 def test_durations_and_sizes_are_checked_by_the_parser(tmp_path: Path) -> None:
     for flags in (["--remote-ttl", "0"], ["--remote-ttl", "1y"], ["--remote-queue-bytes", "lots"]):
         out = serve_once(tmp_path, "--remote", "valkey://127.0.0.1:1", *flags)

@@ -130,7 +130,13 @@ def test_status_prints_the_counters_for_a_person_and_as_json(serve: Serve) -> No
 def test_status_says_why_when_no_server_answers(serve: Serve, tmp_path: Path) -> None:
     out = cli("status", "--socket", str(tmp_path / "nothing.sock"))
     assert out.returncode == 2 and out.stdout == ""
-    assert "no server answered at" in out.stderr and "No such file" in out.stderr
+    first = out.stderr.splitlines()[0]  # nothing to wait for: no claim of a timeout
+    assert first.startswith(
+        f"lmcache-platform status: no server at {tmp_path / 'nothing.sock'}: no socket there "
+    )
+    assert (
+        first.endswith("; start one with `lmcache-platform serve --socket PATH`") and " within " not in first
+    )
     out = cli("status", env={"LMCACHE_PLATFORM_SOCKET": ""})
     assert out.returncode == 2 and "no socket path" in out.stderr
     sigstop(serve.proc.pid)  # hung: the deadline, not a hang
@@ -164,3 +170,17 @@ def test_a_taken_metrics_port_stops_serve_at_start(serve: Serve, tmp_path: Path)
 
 def test_request_fields_the_wire_page_lists_exist() -> None:
     assert {"ping", "release"} <= set(P.OPS)
+
+
+def test_status_with_a_remote_tier_prints_its_rows_and_says_what_hits_count(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with Serve(private_dir(tmp_path) / "kv.sock", "--remote", f"file://{store}") as proc:
+        out = cli("status", "--socket", str(proc.socket_path))
+        assert proc.stop() == 0
+    assert out.returncode == 0, out.stderr
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines()[1:])
+    assert "remote" not in rows  # one row per counter of the tier, no stray "remote <n>" row
+    assert rows["remote.store"] == f"file://{store}"
+    assert rows["hits"] == "0 (found in host memory; remote_hits counts the remote tier's)"
+    assert rows["misses"] == "0 (not in host memory; the remote tier may hold them: remote_hits)"
+    assert rows["remote_hits"] == "0"

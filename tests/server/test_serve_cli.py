@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -66,8 +67,9 @@ def test_a_signal_stops_it_closing_every_context_and_removing_the_socket(tmp_pat
         assert not sock.exists() and not (sock.parent / "kv.sock.lock").exists()
         events = serve.events()
         names = [e["event"] for e in events]
-        # torch imported before the socket exists: a socket that exists answers at once
-        assert names[:3] == ["torch", "mkdir", "listening"] and names[-1] == "stopped"
+        # torch is imported before the socket exists (a socket that exists answers at once),
+        # its line logged once listening: a server that cannot start logs only why
+        assert names[:3] == ["mkdir", "listening", "torch"] and names[-1] == "stopped"
         closed = [e for e in events if e["event"] == "close"]
         assert [(e["context"], e["reason"]) for e in closed] == [(ctx, "server stopping")]
         assert next(e for e in events if e["event"] == "signal")["signal"] == signal.Signals(sig).name
@@ -91,7 +93,8 @@ def test_a_live_servers_socket_is_refused(tmp_path: Path) -> None:
     with Serve(sock) as first:
         second = serve_cmd("--socket", str(sock))
         assert second.returncode == 2
-        assert "cannot start: ServerError: another server is serving" in second.stderr
+        (line,) = second.stderr.strip().splitlines()  # the error alone: no torch or GC line first
+        assert "cannot start: ServerError: another server is serving" in line
         with ServerClient(str(sock), timeout=30) as c:  # the first one is untouched
             assert c.status()["server"]["pid"] == first.proc.pid
         assert first.stop() == 0
@@ -114,6 +117,18 @@ def test_something_else_at_the_socket_path_is_left_alone(tmp_path: Path) -> None
     out = serve_cmd("--socket", str(sock))
     assert out.returncode == 2 and "exists and is not a socket" in out.stderr
     assert sock.read_text() == "precious"
+
+
+def test_a_socket_directory_missing_two_levels_is_one_line_with_the_fix(tmp_path: Path) -> None:
+    sock = tmp_path / "a" / "b" / "kv.sock"
+    out = serve_cmd("--json-log", "--socket", str(sock))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr  # no torch or other line before it
+    assert json.loads(lines[0])["message"] == (
+        f"cannot start: the socket's directory {sock.parent} is missing, and so is its parent "
+        f"(serve creates one level only); create it: mkdir -m 700 -p {sock.parent}"
+    )
+    assert not (tmp_path / "a").exists()
 
 
 def test_a_directory_others_can_enter_is_refused(tmp_path: Path) -> None:

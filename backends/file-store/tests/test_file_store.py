@@ -141,12 +141,34 @@ def test_a_symlink_and_a_host_are_refused(tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(real)
-    with pytest.raises(RemoteConfigError, match="link"):
+    with pytest.raises(RemoteConfigError) as refused:
         opened(tmp_path / "link")
+    assert str(refused.value) == (
+        f"file store directory {tmp_path / 'link'} is a symlink (to {real}); symlinks are refused, "
+        f"so that entries land where the URL says: name the directory itself, file://{real}"
+    )
     with pytest.raises(RemoteConfigError, match="no host"):
         open_remote(f"file://somehost{real}")
     with pytest.raises(RemoteConfigError, match="max_bytes, not"):
         open_remote(f"file://{real}?maxbytes=1G")
+
+
+def test_a_regular_file_and_a_missing_parent_are_refused_with_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(RemoteConfigError) as refused:
+        opened(tmp_path / "file")
+    assert str(refused.value) == (
+        f"file store directory {tmp_path / 'file'} exists and is not a directory; name a directory "
+        "(a missing one is created 0700)"
+    )
+    deep = tmp_path / "a" / "b"
+    with pytest.raises(RemoteConfigError) as refused:
+        opened(deep)
+    assert str(refused.value) == (
+        f"file store directory {deep}: its parent {deep.parent} does not exist; create it first: "
+        f"mkdir -m 700 -p {deep}"
+    )
+    assert not deep.parent.exists()
 
 
 def test_a_created_directory_and_its_entries_are_private(tmp_path: Path) -> None:

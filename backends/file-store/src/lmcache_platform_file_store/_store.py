@@ -77,9 +77,14 @@ class FileStoreConfig:
     @classmethod
     def from_url(cls, url: RemoteURL, options: RemoteOptions | None = None) -> FileStoreConfig:
         if url.hosts:
+            meant = (
+                "/".join(p for p in (url.hosts[0][0], url.path) if p)
+                if len(url.hosts) == 1
+                else "absolute/dir"
+            )
             raise RemoteConfigError(
-                f"remote URL {url.text}: a file store takes no host (file:///absolute/dir; a shared "
-                "file system is mounted, not addressed)"
+                f"remote URL {url.text}: a file store takes no host: file:///{meant} (three slashes; "
+                "a shared file system is mounted, not addressed)"
             )
         if not url.path:
             raise RemoteConfigError(f"remote URL {url.text}: name a directory: file:///absolute/dir")
@@ -353,11 +358,38 @@ def _header(data: bytes | bytearray) -> int | None:
 
 
 def _open_private_dir(path: str) -> int:
-    """An fd on ``path``, created 0700 if missing; refuses anything others could write into."""
+    """An fd on ``path``, created 0700 if missing; refuses anything others could write into.
+
+    Only the last level is created (as ``serve`` does its socket's directory): a missing
+    parent, a symlink or something that is not a directory stops the store with the fix.
+    """
     if not os.path.isabs(path):
         raise RemoteConfigError(f"file store directory {path!r}: give an absolute path (file:///abs/dir)")
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        parent = os.path.dirname(path)
+        raise RemoteConfigError(
+            f"file store directory {path}: its parent {parent} does not exist; create it first: "
+            f"mkdir -m 700 -p {path}"
+        ) from None
+    except OSError as exc:
+        raise RemoteConfigError(f"file store directory {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.path.realpath(path)
+            raise RemoteConfigError(
+                f"file store directory {path} is a symlink (to {target}); symlinks are refused, so that "
+                f"entries land where the URL says: name the directory itself, file://{target}"
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise RemoteConfigError(
+                f"file store directory {path} exists and is not a directory; name a directory "
+                "(a missing one is created 0700)"
+            )
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise RemoteConfigError(f"file store directory {path}: {exc.strerror or exc}") from None

@@ -26,13 +26,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("lmcache_platform._cli.bench", "benchmark hand-off, transfers and dispatch"),
     "serve": ("lmcache_platform._cli.serve", "run the reference KV-cache server in the foreground"),
     "status": ("lmcache_platform._cli.status", "print a running reference server's counters"),
+    "tiny-model": (
+        "lmcache_platform._cli.tiny_model",
+        "write a tiny random-weight model and tokenizer, to try vLLM without a model hub",
+    ),
 }
+#: ``--help``'s opening: what the tool is for and where to start.
+DESCRIPTION = """\
+Device-platform layer for LLM KV caches. Run the KV-cache server with
+`lmcache-platform serve --socket PATH`, read its counters with `status`, and connect
+vLLM to it (docs/vllm.md); `demo` runs a round trip on its own, `list` and `doctor`
+show what is installed. Docs: docs/index.md in the repository."""
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmcache-platform",
-        description="Device-platform layer for LLM KV caches: backends, diagnostics, demo.",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__} (backend API {API_VERSION})"

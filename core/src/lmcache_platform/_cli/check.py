@@ -1,7 +1,11 @@
 """``lmcache-platform check NAME``: run the conformance suite against an installed backend.
 
 ``lmcache-platform check --remote URL`` runs the remote-store conformance suite
-(``lmcache_platform.remote.conformance``) against a live store instead, the same way.
+(``lmcache_platform.remote.conformance``) against a live store instead, the same way;
+``--remote-stalled URL`` and ``--remote-refused URL`` name the broken instances its
+timeout checks call (by default the URL's hosts are replaced by loopback ones). Where
+those checks cannot run (a URL without hosts and no such flags), the verdict says
+``PASS (timeouts not checked)``.
 
 It runs ``pytest --pyargs lmcache_platform.conformance --lmcache-backend NAME`` in a
 subprocess, isolated from any pytest configuration of the current directory (a
@@ -44,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remote-option", metavar="KEY=VALUE", action="append", default=[], help="a store setting"
     )
     add_access_arguments(remote)
+    for kind, what in _BROKEN.items():
+        remote.add_argument(
+            f"--remote-{kind}",
+            metavar="URL",
+            help=f"the store at a {what}, for the timeout checks (default: URL's hosts replaced by a "
+            "loopback one; a URL without hosts needs this flag, else the timeouts are not checked)",
+        )
     parser.add_argument("-k", metavar="EXPR", dest="keyword", help="only checks matching EXPR (pytest -k)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     parser.add_argument("--junitxml", metavar="PATH", help="also write a JUnit XML report (for CI)")
@@ -56,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the summary as JSON (pytest's output goes to stderr)"
     )
+
+
+#: The broken instances the timeout checks call: ``--remote-KIND URL``, what each one is.
+_BROKEN = {
+    "stalled": "server (or backing file, mount, lock) that never answers",
+    "refused": "server that refuses connections (or a backing that fails at once)",
+}
+#: The remote suite's checks that need the broken instances.
+_TIMEOUT_CHECK = "test_timeouts_honoured"
 
 
 def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namespace) -> list[str]:
@@ -91,6 +111,9 @@ def pytest_command(name: str, workdir: Path, report: Path, args: argparse.Namesp
             cmd += ["--lmcache-remote-option", item]
         if args.remote_password_env:
             cmd += ["--lmcache-remote-password-env", args.remote_password_env]
+        for kind in _BROKEN:
+            if getattr(args, f"remote_{kind}", None):
+                cmd += [f"--lmcache-remote-{kind}", getattr(args, f"remote_{kind}")]
         for flag in ("password_file", "tls_ca", "tls_cert", "tls_key"):  # paths: pytest runs elsewhere
             path = getattr(args, f"remote_{flag}")
             if path:
@@ -152,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
 
         summary["backend"]["kind"] = "remote store"
         summary["api_version"] = REMOTE_API_VERSION
+        unchecked = [r for r in summary["results"] if r["test"].split("[")[0].endswith(_TIMEOUT_CHECK)]
+        if summary["verdict"] == "pass" and any(r["outcome"] == "skipped" for r in unchecked):
+            summary["unchecked"] = ["timeouts"]
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -197,7 +223,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         "",
         f"lmcache-platform check {b['name']}: {s['verdict'].upper()}"
-        + (f" (it cannot serve on this host: {b['unavailable']})" if s["verdict"] == "not verified" else ""),
+        + (f" (it cannot serve on this host: {b['unavailable']})" if s["verdict"] == "not verified" else "")
+        + (f" ({', '.join(s['unchecked'])} not checked)" if s.get("unchecked") else ""),
         f"  {b.get('kind', 'backend')} {b['name']}{where}; core "
         f"{'remote-store' if 'kind' in b else 'backend'} API {s['api_version']}",
         f"  {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped "
@@ -209,6 +236,11 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  {r['outcome'].upper():6} {r['test']}: {first.removeprefix('E').strip()}")
     for reason, count in s["skip_counts"].items():
         lines.append(f"  SKIP   {count} {'check' if count == 1 else 'checks'}: {reason}")
+    if s.get("unchecked"):
+        lines.append(
+            "  the timeout checks need a stalled and a refusing instance of the store: "
+            "--remote-stalled URL and --remote-refused URL (docs/remote-stores.md)"
+        )
     if s["verdict"] == "fail" and not s["failures"]:
         lines.append(f"  pytest exited with status {s['pytest_exit_status']} (see its output above)")
     return "\n".join(lines)

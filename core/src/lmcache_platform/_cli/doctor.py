@@ -10,12 +10,16 @@ doctor reports on what actually serves. ``--json`` prints::
      "python": {"version", "implementation", "executable", "platform"},
      "torch": {"installed", "version", "cuda_build", "hip_build", "cuda_available",
                "devices": [{"index", "name"}], "cuda_visible_devices", "error"},
-     "backends": <the `lmcache-platform list --json` report>,
+     "backends": <the `lmcache-platform list --json` report, remote stores included>,
+     "vllm": {"installed", "version", "connector", "error"},
      "stale_resources": {"<backend>": ["<resource>", ...]},
      "findings": [{"backend", "device_type", "level", "message"}],
      "hints": [{"level": "error" | "warning" | "info", "message"}]}
 
-Schema 2 replaced schema 1's ``shm`` section by the backends' ``findings``. Exit status
+Schema 2 replaced schema 1's ``shm`` section by the backends' ``findings``; ``vllm`` was
+added to it later: whether vLLM and the connector (``lmcache_platform.vllm``) import in
+this Python, tried in a child process (importing vLLM takes seconds and may fail
+natively), so "why no hits?" starts from one command. Exit status
 1 when a hint has level ``error`` (nothing could serve KV caches on this host as it
 stands), else 0.
 """
@@ -80,6 +84,37 @@ def _torch() -> dict[str, Any]:
     return out
 
 
+def _vllm() -> dict[str, Any]:
+    """Whether vLLM and the connector import in this interpreter, tried in a child process."""
+    import importlib.util
+    import subprocess
+
+    out: dict[str, Any] = {"installed": False, "version": None, "connector": False, "error": None}
+    if importlib.util.find_spec("vllm") is None:
+        return out
+    out["installed"] = True
+    code = "import vllm; print(vllm.__version__); import lmcache_platform.vllm"
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=_VLLM_IMPORT_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        out["error"] = f"importing vllm took over {_VLLM_IMPORT_TIMEOUT_S} s"
+        return out
+    lines = child.stdout.splitlines()
+    out["version"] = lines[0] if lines else None
+    if child.returncode == 0:
+        out["connector"] = True
+    else:
+        errors = [line for line in child.stderr.splitlines() if line and not line.startswith(" ")]
+        out["error"] = errors[-1] if errors else f"exit status {child.returncode}"
+    return out
+
+
+#: How long ``import vllm`` may take in the child (it imports torch and much more).
+_VLLM_IMPORT_TIMEOUT_S = 300
+
+
 def _backends() -> tuple[dict[str, Any] | None, dict[str, list[str]], str | None]:
     from . import gc as _gc
     from . import list as _list
@@ -123,7 +158,7 @@ def _findings(backends: dict[str, Any] | None) -> list[dict[str, str]]:
 
 def collect() -> dict[str, Any]:
     """Run every probe and derive the hints."""
-    report: dict[str, Any] = {"schema": SCHEMA, "python": _python(), "torch": _torch()}
+    report: dict[str, Any] = {"schema": SCHEMA, "python": _python(), "torch": _torch(), "vllm": _vllm()}
     backends, stale, backend_error = _backends()
     report["backends"] = backends if backends is not None else {"error": backend_error}
     report["stale_resources"] = stale
@@ -207,6 +242,10 @@ def _hints(
                 "info",
                 "a GPU is visible but no cuda backend is installed: `pip install lmcache-platform-cuda`",
             )
+    v = r["vllm"]
+    if v["installed"] and v["error"]:
+        what = "vLLM" if v["version"] is None else "the connector (lmcache_platform.vllm)"
+        add("warning", f"{what} does not import here: {v['error']}; see docs/vllm.md, Install")
     for backend, resources in r["stale_resources"].items():
         add(
             "warning",
@@ -238,6 +277,14 @@ def format_text(r: dict[str, Any]) -> str:
         lines.append(f"{'torch':<{width}}{t['version']} ({build}); GPUs: {devices}")
     else:
         lines.append(f"{'torch':<{width}}not installed")
+    v = r["vllm"]
+    if not v["installed"]:
+        vllm = "not installed in this Python (the connector runs in vLLM's venv: docs/vllm.md)"
+    elif v["connector"]:
+        vllm = f"{v['version']}; the connector imports (lmcache_platform.vllm)"
+    else:
+        vllm = f"{v['version'] or '?'}; does not import (see below)"
+    lines.append(f"{'vllm':<{width}}{vllm}")
     if "error" in backends:
         lines.append(f"{'backends':<{width}}registry failed: {backends['error']}")
     else:
@@ -254,6 +301,12 @@ def format_text(r: dict[str, Any]) -> str:
             )
         if not rows:
             lines.append(f"{'backends':<{width}}none installed")
+        for store in backends.get("remote_stores", []):
+            reason = f": {store['reason']}" if store["reason"] else ""
+            lines.append(
+                f"{'remote':<{width}}{store['scheme']}:// {store['distribution'] or '(manual)'} "
+                f"{store['version'] or '-'}  {store['status']}{reason}"
+            )
     lines += [f"{f['backend']:<{width}}{f['message']}" for f in infos]
     lines += [f"{h['level']:<{width}}{h['message']}" for h in r["hints"]]
     lines.append("ok" if r["ok"] else "problems found")

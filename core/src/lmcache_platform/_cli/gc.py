@@ -34,5 +34,13 @@ def run(args: argparse.Namespace) -> int:
         total += len(resources)
     for backend, error in failed.items():
         print(f"{backend}: gc failed: {type(error).__name__}: {error}")
-    print(f"{total} stale resource(s) {verb}" + ("" if args.yes else "; pass --yes to delete"))
+    noun = "stale resource" if total == 1 else "stale resources"
+    if args.yes:
+        print(f"removed {total} {noun} of dead processes")
+    elif total:
+        print(
+            f"would remove {total} {noun} of dead processes; run `lmcache-platform gc --yes` to remove them"
+        )
+    else:
+        print("no stale resources: nothing to remove")
     return 1 if failed else 0

@@ -10,6 +10,9 @@ The JSON shape (``--json``) is stable; fields are only ever added:
                                  "why": "<one line>" | null, "explicit": ["<backend>", ...]}}}
 
 ``status`` is one of ``ok``, ``failed``, ``disabled``, ``unavailable``, ``not loaded``.
+``remote_stores`` (added to schema 1) lists the installed remote stores, by URL scheme:
+``[{"scheme", "distribution", "version", "entry_point", "status", "reason"}]``; their
+modules are imported only with ``load`` (statuses ``ok``/``failed``), else ``not loaded``.
 ``explicit`` lists the backends of the type that ``LMCACHE_PLATFORM_BACKEND`` chooses, in
 its order (empty when it names none): with ``selected`` null, the choice cannot be served.
 """
@@ -62,7 +65,26 @@ def collect(*, load: bool = True) -> dict[str, Any]:
         }
         for i in infos
     ]
-    return {"schema": SCHEMA, "api_version": API_VERSION, "backends": backends, "device_types": device_types}
+    from ..remote import list_remote_stores
+
+    stores = [
+        {
+            "scheme": r.scheme,
+            "distribution": r.distribution,
+            "version": r.version,
+            "entry_point": r.entry_point,
+            "status": r.status,
+            "reason": r.reason.splitlines()[0] if r.reason else "",
+        }
+        for r in list_remote_stores(load=load)
+    ]
+    return {
+        "schema": SCHEMA,
+        "api_version": API_VERSION,
+        "backends": backends,
+        "device_types": device_types,
+        "remote_stores": stores,
+    }
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -94,6 +116,25 @@ def format_table(report: dict[str, Any]) -> str:
             choice = f"none: {(entry['error'] or 'not resolved').splitlines()[0]}"
         lines.append(f"{device_type}: {choice}")
     lines.append("(* = selected)")
+    lines.append("")
+    stores = [("REMOTE STORE", "DISTRIBUTION", "VERSION", "STATUS", "")] + [
+        (
+            f"{r['scheme']}://",
+            r["distribution"] or "(manual)",
+            r["version"] or "-",
+            r["status"],
+            r["reason"],
+        )
+        for r in report.get("remote_stores", [])
+    ]
+    widths = [max(len(r[i]) for r in stores) for i in range(4)]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)).rstrip()
+        + (f"  {r[4]}" if r[4] else "")
+        for r in stores
+    ]
+    if len(stores) == 1:
+        lines.append("(no remote stores installed: --remote needs one; see docs/tiers.md)")
     return "\n".join(lines)
 
 

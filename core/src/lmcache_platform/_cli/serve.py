@@ -36,7 +36,8 @@ environment variables:
   (each backend's own variables: see the operator guide)
 
 The socket's directory must belong to you with mode 0700; a missing one is created
-so. A socket left by a server that died is replaced; a live server's is refused.
+so (one level: a missing parent is refused with the `mkdir -m 700 -p` line to run).
+A socket left by a server that died is replaced; a live server's is refused.
 Stop with SIGINT (Ctrl-C) or SIGTERM: every context is closed and the socket removed.
 With --metrics-port, GET http://HOST:PORT/metrics serves the server's counters in the
 Prometheus text format; `lmcache-platform status` prints them for a person.
@@ -177,6 +178,15 @@ def run(args: argparse.Namespace) -> int:
         remote_flush_timeout_s=args.remote_flush_timeout or 5.0,
         host_memory=args.host_memory,
     )
+    # The socket's directory first: a mistake there is the one line logged, before any other.
+    try:
+        _make_private_dir(os.path.dirname(path))
+    except OSError as exc:  # ours carries the fix and no errno; the system's is named
+        why = str(exc) if exc.errno is None else f"{type(exc).__name__}: {exc}"
+        log_event(logging.ERROR, "error", f"cannot start: {why}", socket=path)
+        if tier is not None:
+            tier.close()
+        return 2
     # Before bind: a socket that exists is one that answers. Engines that watch the path for
     # a restarted server connect the moment it appears, and their pings carry deadlines that
     # seconds of imports in a backlog would miss (they would then wait out a back-off).
@@ -189,6 +199,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.torch_threads)
     frozen = freeze_startup_objects()
+    try:
+        server.bind()
+    except (OSError, ServerError) as exc:
+        log_event(logging.ERROR, "error", f"cannot start: {type(exc).__name__}: {exc}", socket=path)
+        if tier is not None:
+            tier.close()
+        return 2
+    # Logged once started: a server that cannot start says only why.
     log_event(
         logging.INFO,
         "torch",
@@ -199,14 +217,6 @@ def run(args: argparse.Namespace) -> int:
         threads=torch.get_num_threads(),
         frozen=frozen,
     )
-    try:
-        _make_private_dir(os.path.dirname(path))
-        server.bind()
-    except (OSError, ServerError) as exc:
-        log_event(logging.ERROR, "error", f"cannot start: {type(exc).__name__}: {exc}", socket=path)
-        if tier is not None:
-            tier.close()
-        return 2
     if tier is not None:
         log_event(
             logging.INFO,
@@ -261,13 +271,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _make_private_dir(directory: str) -> None:
-    """Create the socket's directory (one level) with mode 0700 if it is missing."""
+    """Create the socket's directory (one level) with mode 0700 if it is missing.
+
+    Raises :class:`OSError` with a message that gives the fix when its parent is missing.
+    """
     from ..server._log import log_event
 
     try:
         os.mkdir(directory, 0o700)
     except FileExistsError:
         return
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"the socket's directory {directory} is missing, and so is its parent (serve creates "
+            f"one level only); create it: mkdir -m 700 -p {directory}"
+        ) from None
     log_event(
         logging.INFO, "mkdir", f"created the socket directory {directory} (mode 0700)", directory=directory
     )

@@ -19,6 +19,11 @@ from .._units import format_bytes
 from ._args import add_socket_argument
 
 _BYTES = ("host_bytes", "max_host_bytes")
+#: Lookup counters of the server's own memory; ``remote_hits`` counts the remote tier's apart.
+_HOST_ONLY = {
+    "hits": "found in host memory; remote_hits counts the remote tier's",
+    "misses": "not in host memory; the remote tier may hold them: remote_hits",
+}
 _EPILOG = f"""\
 environment variables:
   {SOCKET_ENV}   socket path when --socket is not given
@@ -57,10 +62,18 @@ def run(args: argparse.Namespace) -> int:
             counters = client.status()["server"]
     except Exception as exc:  # OSError, ServerError, WireFormatError: no usable answer
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        print(
-            f"lmcache-platform status: no server answered at {args.socket} within {timeout:g} s ({why})",
-            file=sys.stderr,
-        )
+        if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):  # nothing to wait for
+            what = "no socket there" if isinstance(exc, FileNotFoundError) else "nothing listens on it"
+            print(
+                f"lmcache-platform status: no server at {args.socket}: {what} ({why}); "
+                "start one with `lmcache-platform serve --socket PATH`",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"lmcache-platform status: no server answered at {args.socket} within {timeout:g} s ({why})",
+                file=sys.stderr,
+            )
         return 2
     if args.json:
         print(json.dumps(counters, sort_keys=True, default=_plain))
@@ -80,6 +93,9 @@ def render(socket_path: str, counters: dict[str, Any]) -> str:
             continue
         if key == "remote" and isinstance(value, dict):  # the remote tier: one row per counter
             rows += [(f"remote.{k}", str(_plain(v))) for k, v in value.items()]
+            continue
+        if key in _HOST_ONLY and "remote" in counters:
+            text = f"{_plain(value)} ({_HOST_ONLY[key]})"
         elif isinstance(value, dict):
             text = ", ".join(f"{k} {v}" for k, v in sorted(value.items())) or "none"
         elif key in _BYTES and isinstance(value, int):

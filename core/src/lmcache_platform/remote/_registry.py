@@ -84,8 +84,7 @@ class RemoteRegistry:
             installed = self.engine.names()
             raise RemoteStoreNotFoundError(
                 f"no installed remote store serves the URL scheme {scheme!r} "
-                f"(installed: {', '.join(installed) or 'none'}; the first-party Valkey store is "
-                "pip install lmcache-platform-valkey)",
+                f"(installed: {', '.join(installed) or 'none'}); {_install_hint(scheme)}",
                 scheme=scheme,
                 installed=installed,
             )
@@ -118,6 +117,27 @@ class RemoteRegistry:
                 "not an object with the RemoteStore methods (get_many, exists_many, put_many, ping, close)"
             )
         return store
+
+
+#: The first-party stores, by the schemes they serve: (distribution, its folder in a checkout).
+FIRST_PARTY: dict[str, tuple[str, str]] = {
+    "file": ("lmcache-platform-file-store", "backends/file-store"),
+    **{
+        s: ("lmcache-platform-valkey", "backends/valkey")
+        for s in ("valkey", "valkeys", "valkey+cluster", "valkeys+cluster")
+    },
+}
+
+
+def _install_hint(scheme: str) -> str:
+    """How to get a store for ``scheme``: its first-party distribution, or how stores are found."""
+    if scheme in FIRST_PARTY:
+        distribution, folder = FIRST_PARTY[scheme]
+        return f"install {distribution} (from a checkout of lmcache-platform: pip install ./{folder})"
+    return (
+        "a store is a distribution advertising its scheme in the lmcache.remote entry-point group "
+        "(see docs/remote-stores.md); `lmcache-platform list` shows the installed ones"
+    )
 
 
 #: The live remote-store registry of this process.

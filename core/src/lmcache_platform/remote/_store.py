@@ -96,9 +96,7 @@ class RemoteURL:
         scheme, sep, rest = text.partition("://")
         scheme = scheme.lower()
         if not sep or not SCHEME_RE.match(scheme):
-            raise RemoteConfigError(
-                f"remote URL {text!r}: expected scheme://host:port[/path] with a scheme such as valkey"
-            )
+            raise RemoteConfigError(f"remote URL {text!r}: {_expected(text)}")
         netloc, slash, tail = rest.partition("/")
         path, _, query_text = tail.partition("?")
         if not slash and "?" in netloc:
@@ -122,6 +120,14 @@ class RemoteURL:
         if len(query) != len(pairs):
             raise RemoteConfigError(f"remote URL {text!r}: a query parameter appears twice")
         return cls(scheme, hosts, username, path, query, text)
+
+
+def _expected(text: str) -> str:
+    """What a URL without ``scheme://`` should have been: a directory's URL for a path."""
+    path = text[len("file:") :] if text.lower().startswith("file:") else text
+    if path.startswith("/"):
+        return f"a directory is file:///{path.lstrip('/')} (three slashes, then the absolute path)"
+    return "expected scheme://host:port[/path] (valkey://host:6379) or file:///absolute/dir"
 
 
 def _host(item: str, text: str) -> tuple[str, int | None]:

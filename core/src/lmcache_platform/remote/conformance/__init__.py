@@ -15,6 +15,8 @@ It opens the store through installed metadata exactly as ``serve --remote URL`` 
   every byte value, empty), from ``bytes``, ``bytearray`` and ``memoryview`` alike;
 * missing keys: ``None`` from get, ``False`` from exists, in the order asked;
 * pipelined batches: a thousand keys in one call, answers in order; replacing a value;
+* ``delete_many``, where the store has it (optional; the server deletes damaged entries
+  with it): the entry is gone, the others stay, ``True`` where one was removed;
 * TTL: an entry put with a TTL is gone some seconds after it;
 * large values: 64 MiB and more round trip (the figure is printed);
 * timeouts: against a server that accepts connections and never answers, and against a
@@ -26,5 +28,7 @@ It opens the store through installed metadata exactly as ``serve --remote URL`` 
 
 The stalled and the refusing server are made by replacing the URL's hosts with loopback
 ones (a listener that never answers, a closed port); for a URL without hosts pass
-``--lmcache-remote-stalled URL`` and ``--lmcache-remote-refused URL`` instead.
+``--lmcache-remote-stalled URL`` and ``--lmcache-remote-refused URL`` instead
+(``check``: ``--remote-stalled``, ``--remote-refused``), or those checks are skipped and
+``check`` says ``PASS (timeouts not checked)``.
 """

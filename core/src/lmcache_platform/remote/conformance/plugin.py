@@ -124,7 +124,10 @@ def remote_variant_url(remote_url: str, pytestconfig: pytest.Config) -> Iterator
             return str(given)
         url = RemoteURL.parse(remote_url)
         if not url.hosts:
-            pytest.skip(f"{remote_url} has no host to replace: pass --lmcache-remote-{kind} URL")
+            pytest.skip(
+                f"{remote_url} has no host to replace: pass --lmcache-remote-{kind} URL "
+                f"(lmcache-platform check: --remote-{kind} URL)"
+            )
         if kind == "stalled":
             stalled.append(Blackhole())
             port = stalled[-1].port
