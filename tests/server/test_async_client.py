@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from lmcache_platform import WireFormatError
+from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import (
     AsyncClient,
     LookupResult,
@@ -37,13 +38,12 @@ from lmcache_platform.server import (
     ServerUnavailable,
     new_lease_id,
 )
-from lmcache_platform.server import _protocol as P
 from support.procs import sigstop
 from support.serve import Serve, TinyEngine, namespace, private_dir
 from support.waits import wait_until
 
 WAIT_S = 60  # a bound for waits, never a measured time
-LOGGER = "lmcache_platform.server._async"
+LOGGER = "lmcache_platform.client._async"
 
 
 @pytest.fixture(scope="module")

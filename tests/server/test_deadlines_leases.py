@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import LookupRequest, ServerClient, ServerError, new_lease_id
-from lmcache_platform.server import _protocol as P
 from support.serve import CHUNK_BYTES, InProcess, TinyEngine, namespace
 from support.waits import wait_until
 

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcache_platform.server._link import socket_identity
+from lmcache_platform.client._link import socket_identity
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

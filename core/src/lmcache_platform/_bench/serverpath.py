@@ -99,7 +99,7 @@ def _sync(device: str) -> None:
 
 
 def _namespace() -> bytes:
-    from ..server import cache_namespace
+    from ..protocol import cache_namespace
 
     return cache_namespace(
         model="serverpath",
@@ -142,7 +142,8 @@ def engine_main(conn: Connection, spec: dict[str, Any]) -> None:
 
 def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     from .. import LayoutHints, wrap_kv_caches
-    from ..server import DEFAULT_TORCH_THREADS, ServerClient
+    from ..client import ServerClient
+    from ..server import DEFAULT_TORCH_THREADS
 
     device, chunks, per_request = spec["device"], spec["chunks"], spec["per_request"]
     flat, views = _layers(device, chunks * BLOCKS_PER_CHUNK + SPARE_BLOCKS)
@@ -260,7 +261,7 @@ class _Serve:
         cmd += ["--max-host-bytes", str(max_host_bytes), "--host-memory", host_memory]
         with log.open("wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
-        from ..server import ServerClient
+        from ..client import ServerClient
 
         deadline = time.monotonic() + 120
         while True:

@@ -57,13 +57,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._errors import LMCachePlatformError, TransferError, WireFormatError
-from . import _frames, _ops, _protocol
+from ..protocol import _frames, _messages, _ops
+from ..protocol._ops import Json
 from ._index import ChunkIndex
 from ._leases import LeaseTable
 from ._listen import Listener
 from ._log import log_event
 from ._namespaces import Bindings, layout_of, plain, show_namespace
-from ._ops import Json
 from ._registration import open_context, prefault
 from ._transfers import (
     DeadlineExceeded,
@@ -268,7 +268,7 @@ class ReferenceServer:
             with contextlib.suppress(OSError):
                 _frames.send_frame(
                     client,
-                    _protocol.encode_error(
+                    _messages.encode_error(
                         0, "ServerError", f"too many connections (limit {self.max_connections})"
                     ),
                 )
@@ -326,7 +326,7 @@ class ReferenceServer:
                 except WireFormatError as exc:  # stream out of sync: answer, then hang up
                     _frames.close_fds(fds)
                     self._refused(conn, "frame", 0, exc)
-                    self._send(conn, _protocol.encode_error(0, type(exc).__name__, str(exc)))
+                    self._send(conn, _messages.encode_error(0, type(exc).__name__, str(exc)))
                     return
                 except OSError:
                     _frames.close_fds(fds)
@@ -364,7 +364,7 @@ class ReferenceServer:
         which owns them from then on; any other request closes them and is refused.
         """
         try:
-            req = _protocol.decode_request(payload)
+            req = _messages.decode_request(payload)
             if fds and not isinstance(req, _ops.RegisterRequest):
                 raise WireFormatError(
                     f"{req.op} request: {len(fds)} file descriptors came with it; only "
@@ -372,13 +372,13 @@ class ReferenceServer:
                 )
         except Exception as exc:
             _frames.close_fds(fds)
-            rid = _protocol.request_id_of(payload)
+            rid = _messages.request_id_of(payload)
             if not isinstance(exc, WireFormatError):  # a decoder bug must not cost the client its reply
                 logger.exception("decoding a request failed")
                 exc = WireFormatError(f"malformed request: {exc}")
             self._refused(conn, "request", rid, exc)
             self._count("invalid", error=True, refused="invalid")
-            return _protocol.encode_error(rid, type(exc).__name__, str(exc))
+            return _messages.encode_error(rid, type(exc).__name__, str(exc))
         self._count(req.op)
         try:
             if req.op != "ping":  # ping takes no lock but its connection's
@@ -390,19 +390,19 @@ class ReferenceServer:
                 result = self._handlers[req.op](req, conn)
         except DeadlineExceeded as exc:  # counted, and logged at most once per period
             self._dropped(req, conn, exc)
-            return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
+            return _messages.encode_error(req.request_id, type(exc).__name__, str(exc))
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True, refused=req.op)
-            return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
+            return _messages.encode_error(req.request_id, type(exc).__name__, str(exc))
         except Exception as exc:  # a bug or a backend failure: report it, keep serving
             logger.exception("%s request %d failed", req.op, req.request_id)
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True, refused=req.op)
-            return _protocol.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
+            return _messages.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
         finally:
             _frames.close_fds(fds)  # what register did not take
-        return _protocol.encode_reply(req.request_id, req.encode_result(result))
+        return _messages.encode_reply(req.request_id, req.encode_result(result))
 
     def _count(self, op: str | None, *, error: bool = False, refused: str | None = None) -> None:
         with self._stats_lock:
@@ -653,7 +653,7 @@ class ReferenceServer:
         return max(min(n + m for n, m in zip(local, more, strict=True)) - hits, 0)
 
     def _removals(self, req: _ops.RemovalsRequest, conn: _Connection) -> _ops.RemovalsResult:
-        removed, cursor, missed = self._index.removed_since(req.namespaces, req.since, _protocol.MAX_CHUNKS)
+        removed, cursor, missed = self._index.removed_since(req.namespaces, req.since, _messages.MAX_CHUNKS)
         return _ops.RemovalsResult(
             removed=tuple((i, content_key(k)) for i, k in removed), cursor=cursor, missed=missed
         )

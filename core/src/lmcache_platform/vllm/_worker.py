@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from .._env import CUDA_IPC_ENV
 from .._errors import LMCachePlatformError, ServerError
 from .._facade import wrap_kv_caches
-from ..server import UnregisterRequest
+from ..protocol import UnregisterRequest
 from . import _identity
 from ._messages import DOWN, OFF, READY, StepPlan, Transfer, WorkerReport
 from ._settings import Settings
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     import torch
 
     from .._ipc_wrapper import DeviceIPCWrapper
-    from ..server import AsyncClient, GetResult, Pending, PutResult
+    from ..client import AsyncClient, Pending
+    from ..protocol import GetResult, PutResult
 
 _log = logging.getLogger(__name__)
 #: How much longer than a transfer's deadline unregistering waits for it to resolve.
@@ -113,7 +114,7 @@ class WorkerSide:
             self.settings.model_id,
             self.rank,
         )
-        from ..server import AsyncClient
+        from ..client import AsyncClient
 
         self._client = AsyncClient(
             self.settings.socket,
@@ -356,7 +357,8 @@ def _seconds(flight: _InFlight[Any]) -> float:
 
 def _refused(op: str, off_reason: str | None) -> Pending[Any]:
     """A request that was never sent: failed, and resolved (the server never saw it)."""
-    from ..server import Pending, ServerUnavailable
+    from .._errors import ServerUnavailable
+    from ..client import Pending
 
     pending: Pending[Any] = Pending(op, 0, 0, control=False)
     pending.set_exception(ServerUnavailable(f"{op}: not sent: the connector is off here ({off_reason})"))

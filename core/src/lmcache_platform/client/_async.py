@@ -50,7 +50,7 @@ marked resolved (logged). Requests on the control connection (``ping``, ``lookup
 ``release``, ``status``) never write into an engine: they are resolved when it is given up.
 
 One log line per change of :attr:`AsyncClient.state`, never one per request (logger
-``lmcache_platform.server._async``).
+``lmcache_platform.client._async``).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ from typing import Any, Final, TypeVar
 
 from .._env import SOCKET_ENV
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _frames, _ops, _protocol
+from ..protocol import _frames, _messages, _ops
+from ..protocol._ops import REQUEST_TYPES, ChunkLike, Json, as_chunks
 from ._client import ServerClient, lookup_request
 from ._link import Link, SessionClient, socket_identity, why
-from ._ops import REQUEST_TYPES, ChunkLike, Json, as_chunks
 from ._pending import Pending, RequestLike, SessionField, from_session, settle
 
 logger = logging.getLogger(__name__)
@@ -577,7 +577,7 @@ class AsyncClient:
         pending._decode = made.decode_result
         if not pending.op:
             pending.op = made.wire()[0]
-        return _protocol.encode(made)
+        return _messages.encode(made)
 
     def _flush(self, link: Link) -> None:
         try:
@@ -638,7 +638,7 @@ class AsyncClient:
             link.inbuf += data
             try:
                 for payload in _frames.split_frames(link.inbuf):
-                    self._reply(link, _protocol.decode_reply(payload))
+                    self._reply(link, _messages.decode_reply(payload))
             except WireFormatError as exc:
                 self._link_failed(link, f"malformed reply: {exc}", dead=True)
                 return
@@ -649,7 +649,7 @@ class AsyncClient:
             if len(data) < _READ_BYTES:
                 return
 
-    def _reply(self, link: Link, reply: _protocol.Reply) -> None:
+    def _reply(self, link: Link, reply: _messages.Reply) -> None:
         pending = link.pending.pop(reply.request_id, None)
         if pending is None:
             if reply.request_id == 0 and not reply.ok:  # e.g. "too many connections"

@@ -5,7 +5,7 @@ the wire); the type parameter is its result, so both clients are typed end to en
 :meth:`ServerClient.execute(GetRequest(...)) <lmcache_platform.server.ServerClient.execute>`
 returns a :class:`GetResult`, and :meth:`AsyncClient.execute
 <lmcache_platform.server.AsyncClient.execute>` a ``Pending[GetResult]``. The server
-decodes frames into these types (``_protocol.decode_request``) and answers each with
+decodes frames into these types (``_messages.decode_request``) and answers each with
 its result. A protocol change is a change here, and a type error wherever it matters.
 
 Fields added after version 1 shipped are optional, and a result carries its newer

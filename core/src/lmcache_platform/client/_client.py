@@ -3,7 +3,7 @@
 One blocking request at a time per client, over the server's UNIX socket (for an
 engine's hot path, :class:`~lmcache_platform.server.AsyncClient` never blocks). Wrappers
 travel as :mod:`lmcache_platform.wire` messages; everything else as the typed
-requests of ``lmcache_platform.server._protocol``. A server-side failure raises
+requests of ``lmcache_platform.protocol._messages``. A server-side failure raises
 :class:`ServerError` carrying the server's exception type and message.
 
 Two ways to name chunks: :meth:`ServerClient.store` / :meth:`~ServerClient.retrieve`
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import wire
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _frames, _ops, _protocol
-from ._ops import Json, as_chunks
+from ..protocol import _frames, _messages, _ops
+from ..protocol._ops import Json, as_chunks
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -197,7 +197,7 @@ class ServerClient:
             wait_until = time.monotonic_ns() + int(self.deadline_ms * 1e6)
             request = replace(request, deadline=wait_until)
         request = replace(request, request_id=rid)
-        _frames.send_frame(self._sock, _protocol.encode(request), fds)
+        _frames.send_frame(self._sock, _messages.encode(request), fds)
         op = request.wire()[0]
         try:
             reply = self.recv_reply(deadline_ns=wait_until)
@@ -234,11 +234,11 @@ class ServerClient:
         """Send one frame as is (tests use it to send malformed requests)."""
         _frames.send_frame(self._sock, payload)
 
-    def recv_reply(self, *, deadline_ns: int | None = None) -> _protocol.Reply:
+    def recv_reply(self, *, deadline_ns: int | None = None) -> _messages.Reply:
         payload = _frames.recv_frame(self._sock, deadline_ns=deadline_ns)
         if payload is None:
             raise ServerError("the server closed the connection")
-        return _protocol.decode_reply(payload)
+        return _messages.decode_reply(payload)
 
     def close(self) -> None:
         self._sock.close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .._errors import ServerError
-from ._ops import Json, Request
+from ..protocol._ops import Json, Request
 
 R = TypeVar("R")
 #: What :meth:`AsyncClient.execute <lmcache_platform.server.AsyncClient.execute>` takes: a
