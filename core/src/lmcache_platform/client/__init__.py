@@ -10,9 +10,10 @@ modules: an engine loads only this package and the protocol.
 from __future__ import annotations
 
 from .._errors import ServerError, ServerUnavailable
+from ..protocol._ops import SessionField
 from ._async import AsyncClient
 from ._client import ChunkSpec, KeyedChunkSpec, ServerClient
-from ._pending import Pending, SessionField, new_lease_id
+from ._pending import Pending, new_lease_id
 
 __all__ = [
     "AsyncClient",

@@ -197,7 +197,7 @@ def _key(value: object, where: str) -> bytes:
 
 
 def _decode_chunks(value: object, op: str) -> tuple[Chunk, ...]:
-    keyed = op in ("put", "get")
+    keyed = getattr(REQUEST_TYPES[op], "keyed", False)
     chunks = []
     for i, item in enumerate(expect_list(value, f"{op} chunks", max_len=MAX_CHUNKS)):
         where = f"{op} chunk {i}"

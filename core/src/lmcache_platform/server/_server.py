@@ -52,7 +52,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -197,20 +197,6 @@ class ReferenceServer:
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
         self._listener: Listener | None = None
-        # op -> its handler, which takes the op's request type and returns its result.
-        self._handlers: dict[str, Callable[[Any, _Connection], Any]] = {
-            "store": self._store,
-            "retrieve": self._retrieve,
-            "put": self._put,
-            "get": self._get,
-            "lookup": self._lookup,
-            "removals": self._removals,
-            "release": self._release,
-            "ping": self._ping,
-            "unregister": self._unregister,
-            "status": self._status,
-            "shutdown": self._shutdown,
-        }
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -381,13 +367,10 @@ class ReferenceServer:
             return _messages.encode_error(rid, type(exc).__name__, str(exc))
         self._count(req.op)
         try:
-            if req.op != "ping":  # ping takes no lock but its connection's
+            if not isinstance(req, _ops.PingRequest):  # ping takes no lock but its connection's
                 self._leases.sweep()
             check_deadline(req.deadline, "before the server read the request")
-            if isinstance(req, _ops.RegisterRequest):
-                result = self._register(req, conn, _take(fds))
-            else:
-                result = self._handlers[req.op](req, conn)
+            result = self._dispatch(req, conn, fds)
         except DeadlineExceeded as exc:  # counted, and logged at most once per period
             self._dropped(req, conn, exc)
             return _messages.encode_error(req.request_id, type(exc).__name__, str(exc))
@@ -403,6 +386,35 @@ class ReferenceServer:
         finally:
             _frames.close_fds(fds)  # what register did not take
         return _messages.encode_reply(req.request_id, req.encode_result(result))
+
+    def _dispatch(self, req: _ops.Request[Any], conn: _Connection, fds: list[int]) -> Any:
+        """The handler of the request's type: each takes its own request type, typed."""
+        match req:
+            case _ops.RegisterRequest():
+                return self._register(req, conn, _take(fds))
+            case _ops.PutRequest():
+                return self._put(req, conn)
+            case _ops.GetRequest():
+                return self._get(req, conn)
+            case _ops.LookupRequest():
+                return self._lookup(req, conn)
+            case _ops.StoreRequest():
+                return self._store(req, conn)
+            case _ops.RetrieveRequest():
+                return self._retrieve(req, conn)
+            case _ops.RemovalsRequest():
+                return self._removals(req, conn)
+            case _ops.ReleaseRequest():
+                return self._release(req, conn)
+            case _ops.PingRequest():
+                return self._ping(req, conn)
+            case _ops.UnregisterRequest():
+                return self._unregister(req, conn)
+            case _ops.StatusRequest():
+                return self._status(req, conn)
+            case _ops.ShutdownRequest():
+                return self._shutdown(req, conn)
+        raise WireFormatError(f"{req.op} request: this server has no handler for it")
 
     def _count(self, op: str | None, *, error: bool = False, refused: str | None = None) -> None:
         with self._stats_lock:

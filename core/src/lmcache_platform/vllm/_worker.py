@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from .._ipc_wrapper import DeviceIPCWrapper
     from ..client import AsyncClient, Pending
-    from ..protocol import GetResult, PutResult
+    from ..protocol import GetResult, PutResult, Registration
 
 _log = logging.getLogger(__name__)
 #: How much longer than a transfer's deadline unregistering waits for it to resolve.
@@ -123,7 +123,7 @@ class WorkerSide:
             on_connect=self._register,
         )
 
-    def _register(self, conn: Any) -> dict[str, Any]:
+    def _register(self, conn: Any) -> Registration:
         """On the client's thread, after each (re)connect: a restarted server has no context of ours."""
         config = _identity.registration_config(self.kv_cache_config, list(self.kv_caches))
         kwargs = {
@@ -134,7 +134,7 @@ class WorkerSide:
         try:
             # A namespace binds one layout, so its chunks keep the engine's own block order:
             # every move is whole blocks (docs/performance.md).
-            registration = conn.register(self.kv_caches, chunk_format="blocks", **kwargs)
+            registration: Registration = conn.register(self.kv_caches, chunk_format="blocks", **kwargs)
         except ServerError as exc:
             if exc.remote_type != "LayoutError":
                 raise
@@ -148,7 +148,7 @@ class WorkerSide:
             len(self.kv_caches),
             registration.context,
         )
-        return {"context": registration.context}
+        return registration
 
     @property
     def state(self) -> str:
@@ -172,7 +172,7 @@ class WorkerSide:
                 )
             else:
                 pending = self._client.get(
-                    self._client.SESSION_CONTEXT, transfer.chunks, transfer.lease or None, event=event
+                    self._client.SESSION_CONTEXT, transfer.chunks, lease=transfer.lease, event=event
                 )
             self._loads[transfer.ticket] = _InFlight(transfer, pending, started)
 
