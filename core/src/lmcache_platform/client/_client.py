@@ -145,7 +145,7 @@ class ServerClient:
         """How many leading ``keys`` the server holds in ``namespaces`` (no context needed).
 
         One namespace (``bytes``), or a list: how many it holds in every one of them.
-        With ``lease`` (a fresh id, see :func:`~lmcache_platform.client.new_lease_id`)
+        With ``lease`` (a fresh id, see :func:`~lmcache_platform.server.new_lease_id`)
         and ``lease_ms``, those chunks stay pinned against eviction, in every namespace,
         until the lease expires, :meth:`release` ends it, or a :meth:`get` naming it
         has read them (each namespace's share separately). The blocking sugar for

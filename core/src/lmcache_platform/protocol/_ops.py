@@ -73,9 +73,9 @@ def as_chunks(specs: Iterable[ChunkLike]) -> tuple[Chunk, ...]:
 class SessionField:
     """A value the sending client fills in from its session (what its ``on_connect`` returned).
 
-    :data:`AsyncClient.SESSION_CONTEXT <lmcache_platform.client.AsyncClient.SESSION_CONTEXT>`
-    stands for the context the connection registered: an engine that reconnects to a
-    restarted server registers anew, and requests queued before that carry the new id.
+    ``AsyncClient.SESSION_CONTEXT`` stands for the context the connection registered: an
+    engine that reconnects to a restarted server registers anew, and requests queued
+    before that carry the new id.
     """
 
     name: str
@@ -570,7 +570,7 @@ class RawRequest(Request[Json]):
 
     raw_op: str
     raw_fields: Json = field(default_factory=dict)
-    #: Which of :class:`~lmcache_platform.client.AsyncClient`'s connections carries it
+    #: Which of :class:`~lmcache_platform.server.AsyncClient`'s connections carries it
     #: (``None``: the op's own, the control connection for control ops).
     control_link: bool | None = None
 
