@@ -52,6 +52,8 @@ _PRIVATE_ALIASES = {
     "LayerKV": "torch.Tensor | tuple[torch.Tensor, torch.Tensor]",
     "LayerTensors": "torch.Tensor | tuple[torch.Tensor, torch.Tensor]",
     "lmcache_platform._env._Choice": "str",
+    "ChunkLike": "lmcache_platform.server.Chunk | "
+    "tuple[str | bytes, collections.abc.Sequence[collections.abc.Sequence[int]]]",
 }
 
 # Constructors only the package calls (the base cache context builds its groups manager, the

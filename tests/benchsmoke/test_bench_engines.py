@@ -56,19 +56,26 @@ def test_the_transfer_section_runs_against_a_separate_engine_process(with_server
 
 
 def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) -> None:
-    # What scripts/gpu-check runs with --device cuda, at the smallest size: a real serve,
-    # two engine processes, a fresh, a prepared (--host-memory eager) and an evicting server.
+    # `bench --section server`, which scripts/gpu-check runs with --device cuda, at the smallest
+    # size: a real serve, two engine processes, a fresh, a prepared and an evicting server.
     out = tmp_path / "server.json"
-    cmd = [sys.executable, "-m", "lmcache_platform._bench.serverpath", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "lmcache_platform._cli", "bench", "--section", "server"]
     proc = subprocess.run(
-        [*cmd, "--chunks", "2", "--per-request", "1", "--json", str(out)],
+        [*cmd, "--chunks", "2", "--per-request", "1", "--save", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    rows = [r for r in saved["results"] if r["section"] == "server"]
+    assert sorted((r["params"]["scenario"], r["case"]) for r in rows) == sorted(
+        (s, op) for s in ("fresh", "prepared", "evicting") for op in ("put", "get")
+    )
+    assert all(r["unit"] == "GB/s" and r["min"] > 0 and r["ratio"] > 0 for r in rows)
+    assert {t["name"] for t in saved["targets"]} >= {"server put", "server get"}
+    report = saved["meta"]["server"]
     assert [s["scenario"] for s in report["scenarios"]] == ["fresh", "prepared", "evicting"]
     assert report["model"]["chunk_format"] == "blocks"  # as the vLLM connector registers
     for s in report["scenarios"]:
@@ -93,4 +100,4 @@ def test_the_server_path_runs_on_the_host_and_checks_every_byte(tmp_path: Path) 
         )
     evicting = report["scenarios"][2]
     assert evicting["working_set_bytes"] < evicting["max_host_bytes"] < 2 * evicting["working_set_bytes"]
-    assert "bytes identical" in proc.stdout and "engine memory mapped" in proc.stdout
+    assert "== A real serve between two engine processes" in proc.stdout

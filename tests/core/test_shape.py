@@ -28,6 +28,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "hostmem hookspecs",
         "_plugins",
         "_facade wire remote",
+        "protocol",
+        "client",
         "server __init__",
         "vllm conformance testing _bench",
         "_cli __main__",

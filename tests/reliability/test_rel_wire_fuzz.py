@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_platform import DeviceIPCWrapper, EngineGroupInfo, KVFormat, LayoutHints, WireFormatError, wire
+from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import RegisterRequest
-from lmcache_platform.server import _protocol as P
 from lmcache_platform_cpu import CpuShmIPCWrapper
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 from support.fuzz import Mutator

@@ -26,24 +26,25 @@ from typing import Any
 import pytest
 
 from lmcache_platform import WireFormatError
+from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import (
     AsyncClient,
     LookupResult,
     Pending,
     ReferenceServer,
+    Registration,
     ServerClient,
     ServerError,
     ServerProcess,
     ServerUnavailable,
     new_lease_id,
 )
-from lmcache_platform.server import _protocol as P
 from support.procs import sigstop
 from support.serve import Serve, TinyEngine, namespace, private_dir
 from support.waits import wait_until
 
 WAIT_S = 60  # a bound for waits, never a measured time
-LOGGER = "lmcache_platform.server._async"
+LOGGER = "lmcache_platform.client._async"
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +72,14 @@ class Registrar:
         self.runs = 0
         self.thread: threading.Thread | None = None
 
-    def __call__(self, client: ServerClient) -> dict[str, Any]:
+    def __call__(self, client: ServerClient) -> Registration:
         self.runs += 1
         self.thread = threading.current_thread()
         if self.failures:
             self.failures -= 1
             raise RuntimeError("registration refused (on purpose)")
-        assert client.ping()["pid"] > 0  # a blocking, deadline-bounded client
-        return {"context": self.engine.register(client, self.ns)}
+        assert client.ping().pid > 0  # a blocking, deadline-bounded client
+        return self.engine.registration(client, self.ns)
 
 
 _models = itertools.count()
@@ -91,6 +92,12 @@ def fresh() -> bytes:
 
 def key(i: int) -> bytes:
     return i.to_bytes(4, "big").ljust(32, b"a")
+
+
+def context_of(client: AsyncClient) -> int:
+    """The context the client's latest ``on_connect`` registered."""
+    assert client.session is not None, "on_connect has not registered a context"
+    return client.session.context
 
 
 def healthy(client: AsyncClient) -> AsyncClient:
@@ -113,7 +120,7 @@ def test_pipelined_requests_come_back_through_futures(server: ServerProcess, eng
     hook = Registrar(engine, ns)
     with healthy(AsyncClient(server.socket_path, name="t", on_connect=hook)) as client:
         assert hook.runs == 1 and hook.thread is not threading.current_thread()
-        assert set(client.session) == {"context"}
+        assert context_of(client) > 0
         for i in range(8):
             engine.fill(i, seed=10 + i)
         start = time.monotonic()
@@ -193,7 +200,7 @@ def test_on_connect_failures_are_logged_once_and_retried(
     )
     with client:
         healthy(client)
-        assert hook.runs == 4 and "context" in client.session
+        assert hook.runs == 4 and client.session is not None
         assert client.put(CTX, []).result(WAIT_S).stored == 0
     lines = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.INFO]
     text = [r.getMessage() for r in lines]
@@ -226,7 +233,7 @@ def test_a_slow_transfer_fails_its_future_but_the_server_stays_healthy(
         ) as client:
             engine.fill(0, seed=4)
             assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S).stored == 1
-            ctx = server._entries[client.session["context"]].ctx
+            ctx = server._entries[context_of(client)].ctx
             go = threading.Event()
             retrieve = ctx.write_chunk
 
@@ -275,7 +282,7 @@ def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
     client = quick_to_retry(own_server, hook, 0.5, name="hung", deadline_ms=1000)
     with client:
         healthy(client)
-        first_context = client.session["context"]
+        first_context = context_of(client)
         engine.fill(0, seed=7)
         assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S).stored == 1
         assert own_server.pid is not None
@@ -306,7 +313,7 @@ def test_a_hung_server_costs_a_deadline_not_a_timeout_and_recovers(
         resolved_s = time.monotonic() - t2
         assert engine.is_zero(5), "the server wrote into blocks after the load's deadline"
         healthy_s = wait_until(lambda: client.state == "healthy", "recovery", 10)
-        assert hook.runs == 2 and client.session["context"] != first_context  # registered anew
+        assert hook.runs == 2 and context_of(client) != first_context  # registered anew
         assert client.get(CTX, [(key(0), [engine.blocks(6)])]).result(WAIT_S).retrieved == 1
         assert engine.holds(6, seed=7)
         status = client.status().result(WAIT_S)["server"]
@@ -565,13 +572,17 @@ def test_a_hung_server_is_not_asked_more_often_than_the_backoff(tmp_path: Path, 
         ) as client,
     ):
         healthy(client)
-        os.kill(hung.proc.pid, signal.SIGSTOP)
+        sigstop(hung.proc.pid)
         try:
             client.ping()
             wait_until(lambda: client.state == "unavailable", "the client to give up on the hung server")
-            attempts = client.stats()["connects"]
+            before = client.stats()
             time.sleep(1.0)  # ten looks at the socket path: the same socket, so no new attempt
-            assert client.stats()["connects"] == attempts
+            after = client.stats()
+            assert after["connects"] == before["connects"], (
+                f"a new attempt on the hung server's own socket ({client.state}: {client.reason}): "
+                f"before {before}, after {after}"
+            )
         finally:
             os.kill(hung.proc.pid, signal.SIGCONT)
 
@@ -584,7 +595,7 @@ class HeldRegistrar(Registrar):
         self.release = threading.Event()
         self.held = threading.Event()
 
-    def __call__(self, client: ServerClient) -> dict[str, Any]:
+    def __call__(self, client: ServerClient) -> Registration:
         if self.runs:
             self.held.set()
             assert self.release.wait(WAIT_S)

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import LookupRequest, ServerClient, ServerError, new_lease_id
-from lmcache_platform.server import _protocol as P
 from support.serve import CHUNK_BYTES, InProcess, TinyEngine, namespace
 from support.waits import wait_until
 
@@ -70,7 +70,7 @@ def test_ping_answers_the_servers_clock_and_pid(server: InProcess) -> None:
     with server.client() as c:
         before = time.monotonic_ns()
         r = c.ping()
-        assert before <= r["now"] <= time.monotonic_ns() and r["pid"] == os.getpid()
+        assert before <= r.now <= time.monotonic_ns() and r.pid == os.getpid()
 
 
 def test_new_reply_keys_only_for_requests_that_use_new_fields(server: InProcess, engine: TinyEngine) -> None:
@@ -313,7 +313,7 @@ def test_lookup_refuses_malformed_lease_fields(server: InProcess) -> None:
             reply = c.recv_reply()
             assert (reply.ok, reply.error_type) == (False, "WireFormatError")
             assert re.search(match, reply.error_message), (match, reply.error_message)
-        assert c.ping()["pid"] == os.getpid()  # still serving
+        assert c.ping().pid == os.getpid()  # still serving
 
 
 def _raw_lookup(fields: dict[str, Any]) -> bytes:

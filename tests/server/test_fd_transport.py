@@ -29,7 +29,8 @@ from lmcache_platform import (
     WireFormatError,
     wire,
 )
-from lmcache_platform.server import ServerClient, ServerError, _frames, cache_namespace
+from lmcache_platform.protocol import _frames
+from lmcache_platform.server import ServerClient, ServerError, cache_namespace
 from lmcache_platform.testing import RegistryFixture, fake_backend
 from lmcache_platform_cpu import CPUCacheContext
 from support.serve import InProcess
@@ -289,7 +290,7 @@ def test_the_server_closes_every_fd_it_received_when_the_context_closes(server: 
 
 
 def test_fds_with_any_other_request_are_refused_and_closed(server: InProcess) -> None:
-    from lmcache_platform.server import _protocol
+    from lmcache_platform.protocol import _messages as _protocol
 
     fd = os.memfd_create("stray", os.MFD_CLOEXEC)
     try:
@@ -301,7 +302,7 @@ def test_fds_with_any_other_request_are_refused_and_closed(server: InProcess) ->
             assert (reply.ok, reply.error_type) == (False, "WireFormatError")
             assert "only register takes file descriptors" in reply.error_message
             assert open_fds() == before
-            assert c.ping()["pid"] == os.getpid()  # still serving
+            assert c.ping().pid == os.getpid()  # still serving
     finally:
         os.close(fd)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import ServerClient, ServerError
-from lmcache_platform.server import _protocol as P
 from lmcache_platform.server._metrics import METRICS, PREFIX, prometheus_text
 from support.procs import sigstop
 from support.serve import Serve, TinyEngine, namespace, private_dir

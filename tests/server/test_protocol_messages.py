@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_platform import EngineGroupInfo, EngineType, KVFormat, LayoutHints, WireFormatError
-from lmcache_platform.server import _protocol as P
+from lmcache_platform.protocol import _messages as P
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ import torch
 
 import lmcache_platform
 from lmcache_platform import KVFormat, LayoutHints, WireFormatError, wire
+from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import ReferenceServer, ServerClient, ServerError, ServerProcess
-from lmcache_platform.server import _protocol as P
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 32, 4, 2, 8
 CHUNK = 8  # tokens: two blocks per chunk
@@ -450,8 +450,8 @@ def test_connections_beyond_the_cap_are_refused_with_an_error_reply() -> None:
     import threading
     import time
 
+    from lmcache_platform.protocol import _messages as P
     from lmcache_platform.server import ReferenceServer
-    from lmcache_platform.server import _protocol as P
 
     directory = tempfile.mkdtemp(prefix="lmcache-cap-")  # 0700, as the server requires
     server = ReferenceServer(os.path.join(directory, "kv.sock"), max_connections=2)

@@ -24,7 +24,7 @@ import torch
 
 import lmcache_platform
 from lmcache_platform import KVFormat, LayoutHints
-from lmcache_platform.server import ReferenceServer, ServerClient, cache_namespace
+from lmcache_platform.server import ReferenceServer, Registration, ServerClient, cache_namespace
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 2, 32, 4, 2, 8
 CHUNK = 8  # tokens: two blocks per chunk
@@ -124,9 +124,12 @@ class TinyEngine:
         self.hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN, block_size=BLOCK, num_kv_heads=HEADS)
 
     def register(self, client: ServerClient, ns: bytes | None = None) -> int:
+        return self.registration(client, ns).context
+
+    def registration(self, client: ServerClient, ns: bytes | None = None) -> Registration:
         return client.register(
             self.wrappers, namespace=ns, lmcache_tokens_per_chunk=CHUNK, layout_hints=self.hints
-        ).context
+        )
 
     @staticmethod
     def blocks(i: int) -> list[int]:

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcache_platform.server._link import socket_identity
+from lmcache_platform.client._link import socket_identity
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -192,41 +192,36 @@ def _double_class() -> type:
             super().__init__(socket_path, **kw)
             self.directory = directory
             self._events_lock = threading.Lock()
-            real_get = self._handlers["get"]
-            real_lookup = self._handlers["lookup"]
 
-            def lookup(req: Any, conn: Any) -> LookupResult:
-                if self._mode().get("lookup") == "miss":
-                    return LookupResult(hits=0)
-                result: LookupResult = real_lookup(req, conn)
-                return result
+        def _lookup(self, req: Any, conn: Any) -> LookupResult:
+            if self._mode().get("lookup") == "miss":
+                return LookupResult(hits=0)
+            result: LookupResult = super()._lookup(req, conn)
+            return result
 
-            def get(req: Any, conn: Any) -> GetResult:
-                mode = self._mode()
-                what = mode.get("get", "normal")
-                self._event(op="get", phase="begin", mode=what, chunks=len(req.chunks))
-                if what == "refuse":
-                    self._event(op="get", phase="end", mode=what, refused=True)
-                    raise TransferError("the test double refuses every get")
-                if what == "sleep":
-                    time.sleep(float(mode.get("sleep_s", 10)))
-                    if mode.get("scramble"):
-                        namespace = self._entries[req.context].namespace
-                        self._scramble(namespace, [c.chunk_id for c in req.chunks])
-                if what == "drop":
+        def _get(self, req: Any, conn: Any) -> GetResult:
+            mode = self._mode()
+            what = mode.get("get", "normal")
+            self._event(op="get", phase="begin", mode=what, chunks=len(req.chunks))
+            if what == "refuse":
+                self._event(op="get", phase="end", mode=what, refused=True)
+                raise TransferError("the test double refuses every get")
+            if what == "sleep":
+                time.sleep(float(mode.get("sleep_s", 10)))
+                if mode.get("scramble"):
                     namespace = self._entries[req.context].namespace
-                    dropped = self._drop(namespace, [c.chunk_id for c in req.chunks])
-                    self._event(op="get", phase="dropped", dropped=dropped)
-                try:
-                    out: GetResult = real_get(req, conn)
-                except Exception as exc:
-                    self._event(op="get", phase="end", mode=what, error=f"{type(exc).__name__}: {exc}")
-                    raise
-                self._event(op="get", phase="end", mode=what, retrieved=out.retrieved)
-                return out
-
-            self._handlers["get"] = get
-            self._handlers["lookup"] = lookup
+                    self._scramble(namespace, [c.chunk_id for c in req.chunks])
+            if what == "drop":
+                namespace = self._entries[req.context].namespace
+                dropped = self._drop(namespace, [c.chunk_id for c in req.chunks])
+                self._event(op="get", phase="dropped", dropped=dropped)
+            try:
+                out: GetResult = super()._get(req, conn)
+            except Exception as exc:
+                self._event(op="get", phase="end", mode=what, error=f"{type(exc).__name__}: {exc}")
+                raise
+            self._event(op="get", phase="end", mode=what, retrieved=out.retrieved)
+            return out
 
         def _mode(self) -> dict[str, Any]:
             try:

@@ -1,6 +1,8 @@
 """A real server between two engine processes: ``put`` and ``get`` timed from the engine.
 
-``python -m lmcache_platform._bench.serverpath --device cuda|cpu [--chunks N] [--json FILE]``
+``lmcache-platform bench --section server [--device cuda] [--chunks N] [--per-request N]``
+(the section :func:`bench_server`); ``scripts/gpu-check`` runs it with its own report
+(``python -m lmcache_platform._bench.serverpath --device cuda --json FILE``).
 
 The contexts move chunks as the vLLM connector registers them: the engine's own blocks
 (``--chunk-format blocks``, the default; ``tokens`` for token-major chunks).
@@ -99,7 +101,7 @@ def _sync(device: str) -> None:
 
 
 def _namespace() -> bytes:
-    from ..server import cache_namespace
+    from ..protocol import cache_namespace
 
     return cache_namespace(
         model="serverpath",
@@ -142,7 +144,8 @@ def engine_main(conn: Connection, spec: dict[str, Any]) -> None:
 
 def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     from .. import LayoutHints, wrap_kv_caches
-    from ..server import DEFAULT_TORCH_THREADS, ServerClient
+    from ..client import ServerClient
+    from ..server import DEFAULT_TORCH_THREADS
 
     device, chunks, per_request = spec["device"], spec["chunks"], spec["per_request"]
     flat, views = _layers(device, chunks * BLOCKS_PER_CHUNK + SPARE_BLOCKS)
@@ -260,7 +263,7 @@ class _Serve:
         cmd += ["--max-host-bytes", str(max_host_bytes), "--host-memory", host_memory]
         with log.open("wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
-        from ..server import ServerClient
+        from ..client import ServerClient
 
         deadline = time.monotonic() + 120
         while True:
@@ -408,6 +411,47 @@ def run(device: str, chunks: int, per_request: int, chunk_format: str = "blocks"
         },
         "scenarios": results,
     }
+
+
+def bench_server(
+    report: Any, settings: Any, *, chunks: int | None, per_request: int | None, chunk_format: str
+) -> None:
+    """The ``server`` section of ``lmcache-platform bench``: every scenario's put and get rates.
+
+    Each request's rate is one value of its row (GB/s); the ratio is to a ``copy_`` of the
+    same bytes (on the host, with the server's torch threads). Bytes that differ raise.
+    """
+    from .stats import Result, SpeedTarget
+
+    device = settings.device
+    chunks = chunks or (64 if device == "cuda" else (4 if settings.quick else 8))
+    per_request = per_request or (8 if device == "cuda" else (2 if settings.quick else 4))
+    if chunks % per_request:
+        raise ValueError(f"--chunks ({chunks}) must be a multiple of --per-request ({per_request})")
+    r = run(device, chunks, per_request, chunk_format)
+    report.meta["server"] = r  # the whole run, as ``--json`` of this module writes it
+    for s in r["scenarios"]:
+        params = {"scenario": s["scenario"], "chunks": chunks, "per_request": per_request}
+        for op, copy_key, threads_key in (
+            ("put", "copy_to_host_gb_s", "copy_to_host_server_threads_gb_s"),
+            ("get", "copy_from_host_gb_s", "copy_from_host_server_threads_gb_s"),
+        ):
+            rates = s[f"{op}_gb_s"]
+            baseline = s.get(threads_key, s[copy_key])
+            report.results.append(
+                Result("server", op, "GB/s", tuple(rates["each"]), params, ratio=rates["median"] / baseline)
+            )
+        if not s["bytes_identical"]:
+            raise RuntimeError(f"server path, {s['scenario']}: bytes differ: {json.dumps(s['check'])}")
+    fresh = next(s for s in r["scenarios"] if s["scenario"] == "fresh")
+    for op in ("put", "get"):
+        ratio = fresh.get(f"{op}_vs_copy_server_threads", fresh[f"{op}_vs_copy"])
+        goal = 0.9 if device == "cuda" else 0.8
+        report.targets.append(
+            SpeedTarget.at_least(
+                f"server {op}", f"a fresh serve's {op} >= {goal:g}x copy_ of the same bytes", ratio, goal
+            )
+        )
 
 
 def _host_line(host: dict[str, int]) -> str:

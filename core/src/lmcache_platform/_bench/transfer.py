@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._kv.context import BaseCacheContext
-    from ..server import ServerClient
+    from ..client import ServerClient
 
 #: store and retrieve must reach this share of copy_ bandwidth.
 BANDWIDTH_SHARE = 0.8
@@ -181,7 +181,8 @@ class _Server:
     def client(self) -> ServerClient:
         import torch
 
-        from ..server import ServerClient, ServerProcess
+        from ..client import ServerClient
+        from ..server import ServerProcess
 
         if self.process is None:
             # Room for two puts of the largest case: from the third on, a put evicts as much
@@ -317,7 +318,7 @@ def _server_rows(
     server: _Server, wrapped: Any, hints: LayoutHints, chunk_ids: list[list[list[int]]], runs: int
 ) -> dict[str, list[float]]:
     """GB/s of a put of every chunk under fresh keys, and of a get of them back, per format."""
-    from ..server import cache_namespace
+    from ..protocol import cache_namespace
 
     rows: dict[str, list[float]] = {}
     with server.client() as client:

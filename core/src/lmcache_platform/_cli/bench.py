@@ -1,4 +1,4 @@
-"""``lmcache-platform bench``: hand-off, migration, transfer, dispatch and import figures.
+"""``lmcache-platform bench``: hand-off, migration, transfer, dispatch, import and server-path figures.
 
 Speed goals are measured here and printed as pass/miss next to the figures; no
 test asserts a timing. Sections live in :mod:`lmcache_platform._bench`; this one runs them,
@@ -63,9 +63,16 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("format", "engine_layout", "chunk_bytes"),
         "ratio = median / copy_ of the same bytes and shape",
     ),
+    "server": (
+        "A real serve between two engine processes: put and get per request (GB/s)",
+        ("scenario", "chunks", "per_request"),
+        "ratio = median / copy_ of the same bytes (host: with the server's torch threads)",
+    ),
 }
 ORDER = tuple(SECTIONS)
-_RUNNABLE = ("import", "dispatch", "handoff", "migration", "transfer")
+_RUNNABLE = ("import", "dispatch", "handoff", "migration", "transfer", "server")
+#: What runs without --section: the server path starts processes of its own and takes minutes.
+_DEFAULT = ("import", "dispatch", "handoff", "migration", "transfer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +99,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         choices=_RUNNABLE,
         dest="sections",
-        help="run only this section (repeatable; default: all)",
+        help="run only this section (repeatable; default: all but server, the server path: a real "
+        "serve and two engine processes, with --chunks, --per-request and --chunk-format)",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=_positive,
+        metavar="N",
+        help="server: working set in chunks (default: 64 on cuda, 8 on cpu)",
+    )
+    parser.add_argument(
+        "--per-request",
+        type=_positive,
+        metavar="N",
+        help="server: chunks per put or get (default: 8 on cuda, 4 on cpu)",
+    )
+    parser.add_argument(
+        "--chunk-format",
+        choices=("blocks", "tokens"),
+        default="blocks",
+        help="server: the contexts' chunk format: the engine's own blocks, as the vLLM connector "
+        "registers them (default), or token-major",
     )
     parser.add_argument(
         "--sizes",
@@ -146,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         layout=getattr(args, "layout", "vllm"),
     )
     with _sigterm_exits():
-        report = _measure(settings, args.sections or _RUNNABLE)
+        report = _measure(settings, args.sections or _DEFAULT, args)
     if args.plot:
         if plot_handoff(report, args.plot):
             report.meta["plot"] = str(args.plot)
@@ -160,10 +187,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.errors else 0
 
 
-def _measure(settings: Settings, names: Sequence[str]) -> Report:
+def _measure(settings: Settings, names: Sequence[str], args: argparse.Namespace | None = None) -> Report:
     """Run the sections ``names``; one that raises is reported as an error and the rest go on."""
     report = Report(meta=_meta(settings))
-    sections = _sections(settings, report)
+    sections = _sections(settings, report, args)
     started = time.perf_counter()
     timings: dict[str, float] = {}
     for name in names:
@@ -199,7 +226,9 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _sections(settings: Settings, report: Report) -> dict[str, Callable[[], None]]:
+def _sections(
+    settings: Settings, report: Report, args: argparse.Namespace | None = None
+) -> dict[str, Callable[[], None]]:
     def imports() -> None:
         from .._bench.dispatch import bench_import
 
@@ -228,12 +257,24 @@ def _sections(settings: Settings, report: Report) -> dict[str, Callable[[], None
 
         bench_transfer(report, settings)
 
+    def server() -> None:
+        from .._bench.serverpath import bench_server
+
+        bench_server(
+            report,
+            settings,
+            chunks=getattr(args, "chunks", None),
+            per_request=getattr(args, "per_request", None),
+            chunk_format=getattr(args, "chunk_format", "blocks"),
+        )
+
     return {
         "import": imports,
         "dispatch": dispatch,
         "handoff": handoff,
         "migration": migration,
         "transfer": transfer,
+        "server": server,
     }
 
 

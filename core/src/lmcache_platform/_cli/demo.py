@@ -309,7 +309,7 @@ def _exchange(
     """
     from .. import wire
     from .._facade import wrap_kv_caches
-    from ..server._client import ServerClient
+    from ..client._client import ServerClient
 
     kv_bytes = report["sizes"]["kv_cache_bytes"]
     # 1. Export the per-layer KV tensors (once, after allocating them).

@@ -155,8 +155,9 @@ def _configure_logging(json_log: bool, verbose: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._errors import ServerError
     from ..remote import RemoteConfigError, RemoteStoreLoadError
-    from ..server import ReferenceServer, ServerError
+    from ..server import ReferenceServer
     from ..server._log import log_event
     from ..server._process import freeze_startup_objects
 

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..server import ServerClient
+    from ..client import ServerClient
 
     if not args.socket:
         print(

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 else:
     WrapperFactory = Callable[[Any], DeviceIPCWrapper]
 
-logger = logging.getLogger(__name__)
+#: A public name (operators configure it): the backend chosen per device type, and why.
+logger = logging.getLogger("lmcache_platform.plugins")
 
 _WHAT_CONTEXT = "cache-context class"
 _WHAT_WRAPPER = "KV-cache wrapper factory"

@@ -12,10 +12,9 @@ package imports neither torch nor a backend.
 """
 
 from .._errors import ServerError, ServerUnavailable
-from ._async import AsyncClient
-from ._client import ChunkSpec, KeyedChunkSpec, ServerClient
-from ._keys import KEY_BYTES, cache_namespace, chunk_keys
-from ._ops import (
+from ..client import AsyncClient, ChunkSpec, KeyedChunkSpec, Pending, ServerClient, SessionField, new_lease_id
+from ..protocol import (
+    KEY_BYTES,
     Chunk,
     GetRequest,
     GetResult,
@@ -39,8 +38,9 @@ from ._ops import (
     StoreRequest,
     StoreResult,
     UnregisterRequest,
+    cache_namespace,
+    chunk_keys,
 )
-from ._pending import Pending, SessionField, new_lease_id
 from ._process import ServerProcess
 from ._server import (
     DEFAULT_MAX_CONNECTIONS,

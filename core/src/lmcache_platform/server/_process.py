@@ -147,7 +147,7 @@ class ServerProcess:
                 self.directory = None
 
     def _request_shutdown(self, timeout: float) -> None:
-        from ._client import ServerClient
+        from ..client._client import ServerClient
 
         try:
             with ServerClient(self.socket_path, timeout=timeout) as client:

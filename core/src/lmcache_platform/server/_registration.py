@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 from .. import wire
 from .._errors import DescriptorError, WireFormatError
-from . import _frames
+from ..protocol import _frames
 from ._log import log_event
 
 if TYPE_CHECKING:
     from .._kv.context import BaseCacheContext
-    from ._ops import RegisterRequest
+    from ..protocol._ops import RegisterRequest
     from ._transfers import Entry
 
 logger = logging.getLogger(__name__)

@@ -52,18 +52,18 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._errors import LMCachePlatformError, TransferError, WireFormatError
-from . import _frames, _ops, _protocol
+from ..protocol import _frames, _messages, _ops
+from ..protocol._ops import Json
 from ._index import ChunkIndex
 from ._leases import LeaseTable
 from ._listen import Listener
 from ._log import log_event
 from ._namespaces import Bindings, layout_of, plain, show_namespace
-from ._ops import Json
 from ._registration import open_context, prefault
 from ._transfers import (
     DeadlineExceeded,
@@ -197,20 +197,6 @@ class ReferenceServer:
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
         self._listener: Listener | None = None
-        # op -> its handler, which takes the op's request type and returns its result.
-        self._handlers: dict[str, Callable[[Any, _Connection], Any]] = {
-            "store": self._store,
-            "retrieve": self._retrieve,
-            "put": self._put,
-            "get": self._get,
-            "lookup": self._lookup,
-            "removals": self._removals,
-            "release": self._release,
-            "ping": self._ping,
-            "unregister": self._unregister,
-            "status": self._status,
-            "shutdown": self._shutdown,
-        }
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -268,7 +254,7 @@ class ReferenceServer:
             with contextlib.suppress(OSError):
                 _frames.send_frame(
                     client,
-                    _protocol.encode_error(
+                    _messages.encode_error(
                         0, "ServerError", f"too many connections (limit {self.max_connections})"
                     ),
                 )
@@ -326,7 +312,7 @@ class ReferenceServer:
                 except WireFormatError as exc:  # stream out of sync: answer, then hang up
                     _frames.close_fds(fds)
                     self._refused(conn, "frame", 0, exc)
-                    self._send(conn, _protocol.encode_error(0, type(exc).__name__, str(exc)))
+                    self._send(conn, _messages.encode_error(0, type(exc).__name__, str(exc)))
                     return
                 except OSError:
                     _frames.close_fds(fds)
@@ -364,7 +350,7 @@ class ReferenceServer:
         which owns them from then on; any other request closes them and is refused.
         """
         try:
-            req = _protocol.decode_request(payload)
+            req = _messages.decode_request(payload)
             if fds and not isinstance(req, _ops.RegisterRequest):
                 raise WireFormatError(
                     f"{req.op} request: {len(fds)} file descriptors came with it; only "
@@ -372,37 +358,63 @@ class ReferenceServer:
                 )
         except Exception as exc:
             _frames.close_fds(fds)
-            rid = _protocol.request_id_of(payload)
+            rid = _messages.request_id_of(payload)
             if not isinstance(exc, WireFormatError):  # a decoder bug must not cost the client its reply
                 logger.exception("decoding a request failed")
                 exc = WireFormatError(f"malformed request: {exc}")
             self._refused(conn, "request", rid, exc)
             self._count("invalid", error=True, refused="invalid")
-            return _protocol.encode_error(rid, type(exc).__name__, str(exc))
+            return _messages.encode_error(rid, type(exc).__name__, str(exc))
         self._count(req.op)
         try:
-            if req.op != "ping":  # ping takes no lock but its connection's
+            if not isinstance(req, _ops.PingRequest):  # ping takes no lock but its connection's
                 self._leases.sweep()
             check_deadline(req.deadline, "before the server read the request")
-            if isinstance(req, _ops.RegisterRequest):
-                result = self._register(req, conn, _take(fds))
-            else:
-                result = self._handlers[req.op](req, conn)
+            result = self._dispatch(req, conn, fds)
         except DeadlineExceeded as exc:  # counted, and logged at most once per period
             self._dropped(req, conn, exc)
-            return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
+            return _messages.encode_error(req.request_id, type(exc).__name__, str(exc))
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True, refused=req.op)
-            return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
+            return _messages.encode_error(req.request_id, type(exc).__name__, str(exc))
         except Exception as exc:  # a bug or a backend failure: report it, keep serving
             logger.exception("%s request %d failed", req.op, req.request_id)
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True, refused=req.op)
-            return _protocol.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
+            return _messages.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
         finally:
             _frames.close_fds(fds)  # what register did not take
-        return _protocol.encode_reply(req.request_id, req.encode_result(result))
+        return _messages.encode_reply(req.request_id, req.encode_result(result))
+
+    def _dispatch(self, req: _ops.Request[Any], conn: _Connection, fds: list[int]) -> Any:
+        """The handler of the request's type: each takes its own request type, typed."""
+        match req:
+            case _ops.RegisterRequest():
+                return self._register(req, conn, _take(fds))
+            case _ops.PutRequest():
+                return self._put(req, conn)
+            case _ops.GetRequest():
+                return self._get(req, conn)
+            case _ops.LookupRequest():
+                return self._lookup(req, conn)
+            case _ops.StoreRequest():
+                return self._store(req, conn)
+            case _ops.RetrieveRequest():
+                return self._retrieve(req, conn)
+            case _ops.RemovalsRequest():
+                return self._removals(req, conn)
+            case _ops.ReleaseRequest():
+                return self._release(req, conn)
+            case _ops.PingRequest():
+                return self._ping(req, conn)
+            case _ops.UnregisterRequest():
+                return self._unregister(req, conn)
+            case _ops.StatusRequest():
+                return self._status(req, conn)
+            case _ops.ShutdownRequest():
+                return self._shutdown(req, conn)
+        raise WireFormatError(f"{req.op} request: this server has no handler for it")
 
     def _count(self, op: str | None, *, error: bool = False, refused: str | None = None) -> None:
         with self._stats_lock:
@@ -653,7 +665,7 @@ class ReferenceServer:
         return max(min(n + m for n, m in zip(local, more, strict=True)) - hits, 0)
 
     def _removals(self, req: _ops.RemovalsRequest, conn: _Connection) -> _ops.RemovalsResult:
-        removed, cursor, missed = self._index.removed_since(req.namespaces, req.since, _protocol.MAX_CHUNKS)
+        removed, cursor, missed = self._index.removed_since(req.namespaces, req.since, _messages.MAX_CHUNKS)
         return _ops.RemovalsResult(
             removed=tuple((i, content_key(k)) for i, k in removed), cursor=cursor, missed=missed
         )

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._errors import LMCachePlatformError, TransferError
+from ..protocol._ops import Chunk
 from ..remote._entry import TensorSpec
 from ._index import ChunkIndex, Reservation, StoredChunk
 from ._namespaces import show_name
-from ._ops import Chunk
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ class DeadlineExceeded(LMCachePlatformError):
     """A request's deadline passed before (or while) the server did its work.
 
     It travels as an error reply of type ``"DeadlineExceeded"``
-    (:data:`~lmcache_platform.server._protocol.DEADLINE_EXCEEDED`); what was not done
+    (:data:`~lmcache_platform.server._messages.DEADLINE_EXCEEDED`); what was not done
     by then was not done at all: a late store commits nothing.
     """
 

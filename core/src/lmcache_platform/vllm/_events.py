@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from ..server import AsyncClient, Pending, RemovalsResult
+    from ..client import AsyncClient, Pending
+    from ..protocol import RemovalsResult
 
 _log = logging.getLogger(__name__)
 

@@ -196,7 +196,7 @@ def cache_namespace_for(
     rank's tensor- and pipeline-parallel place. Layer counts are left out: a
     pipeline stage owns a slice of the layers, and its rank already names it.
     """
-    from ..server import cache_namespace
+    from ..protocol import cache_namespace
 
     rank = rank or this_rank()
     model_config = vllm_config.model_config

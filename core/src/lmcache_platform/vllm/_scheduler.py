@@ -43,7 +43,8 @@ from ._settings import Settings
 from ._stats import Counters
 
 if TYPE_CHECKING:
-    from ..server import AsyncClient, LookupResult, Pending
+    from ..client import AsyncClient, Pending
+    from ..protocol import LookupResult
 
 _log = logging.getLogger(__name__)
 #: How long past a transfer's deadline an idle engine keeps stepping to hear how it ended.
@@ -177,7 +178,7 @@ class SchedulerSide:
             )
             self.off_reason = "no server socket configured"
             return
-        from ..server import AsyncClient
+        from ..client import AsyncClient
 
         self._client = AsyncClient(settings.socket, name="scheduler", deadline_ms=settings.lookup_ms)
 
@@ -266,7 +267,7 @@ class SchedulerSide:
     def _start_lookup(self, st: _Request) -> None:
         if not st.keys or self._client is None:
             return
-        from ..server import new_lease_id
+        from ..client import new_lease_id
 
         st.lease = new_lease_id()  # never from the global generator: vLLM seeds it alike in every engine
         st.hits, st.waited = None, False

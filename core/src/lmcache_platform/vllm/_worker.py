@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from .._env import CUDA_IPC_ENV
 from .._errors import LMCachePlatformError, ServerError
 from .._facade import wrap_kv_caches
-from ..server import UnregisterRequest
+from ..protocol import UnregisterRequest
 from . import _identity
 from ._messages import DOWN, OFF, READY, StepPlan, Transfer, WorkerReport
 from ._settings import Settings
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     import torch
 
     from .._ipc_wrapper import DeviceIPCWrapper
-    from ..server import AsyncClient, GetResult, Pending, PutResult
+    from ..client import AsyncClient, Pending
+    from ..protocol import GetResult, PutResult, Registration
 
 _log = logging.getLogger(__name__)
 #: How much longer than a transfer's deadline unregistering waits for it to resolve.
@@ -113,7 +114,7 @@ class WorkerSide:
             self.settings.model_id,
             self.rank,
         )
-        from ..server import AsyncClient
+        from ..client import AsyncClient
 
         self._client = AsyncClient(
             self.settings.socket,
@@ -122,7 +123,7 @@ class WorkerSide:
             on_connect=self._register,
         )
 
-    def _register(self, conn: Any) -> dict[str, Any]:
+    def _register(self, conn: Any) -> Registration:
         """On the client's thread, after each (re)connect: a restarted server has no context of ours."""
         config = _identity.registration_config(self.kv_cache_config, list(self.kv_caches))
         kwargs = {
@@ -133,7 +134,7 @@ class WorkerSide:
         try:
             # A namespace binds one layout, so its chunks keep the engine's own block order:
             # every move is whole blocks (docs/performance.md).
-            registration = conn.register(self.kv_caches, chunk_format="blocks", **kwargs)
+            registration: Registration = conn.register(self.kv_caches, chunk_format="blocks", **kwargs)
         except ServerError as exc:
             if exc.remote_type != "LayoutError":
                 raise
@@ -147,7 +148,7 @@ class WorkerSide:
             len(self.kv_caches),
             registration.context,
         )
-        return {"context": registration.context}
+        return registration
 
     @property
     def state(self) -> str:
@@ -171,7 +172,7 @@ class WorkerSide:
                 )
             else:
                 pending = self._client.get(
-                    self._client.SESSION_CONTEXT, transfer.chunks, transfer.lease or None, event=event
+                    self._client.SESSION_CONTEXT, transfer.chunks, lease=transfer.lease, event=event
                 )
             self._loads[transfer.ticket] = _InFlight(transfer, pending, started)
 
@@ -356,7 +357,8 @@ def _seconds(flight: _InFlight[Any]) -> float:
 
 def _refused(op: str, off_reason: str | None) -> Pending[Any]:
     """A request that was never sent: failed, and resolved (the server never saw it)."""
-    from ..server import Pending, ServerUnavailable
+    from .._errors import ServerUnavailable
+    from ..client import Pending
 
     pending: Pending[Any] = Pending(op, 0, 0, control=False)
     pending.set_exception(ServerUnavailable(f"{op}: not sent: the connector is off here ({off_reason})"))

@@ -1,6 +1,5 @@
-"""What a caller of :class:`~lmcache_platform.server.AsyncClient` holds: futures of typed
-results (:class:`Pending`), placeholders for the session's values (:class:`SessionField`),
-and fresh lease ids.
+"""What a caller of :class:`~lmcache_platform.client.AsyncClient` holds: futures of typed
+results (:class:`Pending`) and fresh lease ids.
 """
 
 from __future__ import annotations
@@ -8,18 +7,13 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .._errors import ServerError
-from ._ops import Json, Request
+from ..protocol._ops import Json
 
 R = TypeVar("R")
-#: What :meth:`AsyncClient.execute <lmcache_platform.server.AsyncClient.execute>` takes: a
-#: request, or a function of the session (what ``on_connect`` returned) that makes it when sent.
-RequestLike = Request[R] | Callable[[Mapping[str, Any]], Request[R]]
 
 
 def new_lease_id() -> int:
@@ -68,16 +62,6 @@ class Pending(Future[R], Generic[R]):
         )
 
 
-@dataclass(frozen=True, eq=False)
-class SessionField:
-    """A placeholder for ``session[name]`` in :meth:`AsyncClient.submit`'s fields."""
-
-    name: str
-
-    def __repr__(self) -> str:
-        return f"<session {self.name}>"
-
-
 def settle(pending: Pending[Any], outcome: Any) -> None:
     """Set the future's result or exception once; later outcomes are dropped."""
     if pending.done():
@@ -87,12 +71,3 @@ def settle(pending: Pending[Any], outcome: Any) -> None:
         pending.set_exception(outcome)
     else:
         pending.set_result(outcome)
-
-
-def from_session(session: Mapping[str, Any], op: str, name: str, value: Any) -> Any:
-    """``value``, or the session's value it stands for (a :class:`SessionField`)."""
-    if not isinstance(value, SessionField):
-        return value
-    if value.name not in session:
-        raise ServerError(f"{op}: {name} names session[{value.name!r}], which on_connect did not set")
-    return session[value.name]

@@ -5,7 +5,7 @@ the wire); the type parameter is its result, so both clients are typed end to en
 :meth:`ServerClient.execute(GetRequest(...)) <lmcache_platform.server.ServerClient.execute>`
 returns a :class:`GetResult`, and :meth:`AsyncClient.execute
 <lmcache_platform.server.AsyncClient.execute>` a ``Pending[GetResult]``. The server
-decodes frames into these types (``_protocol.decode_request``) and answers each with
+decodes frames into these types (``_messages.decode_request``) and answers each with
 its result. A protocol change is a change here, and a type error wherever it matters.
 
 Fields added after version 1 shipped are optional, and a result carries its newer
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from .. import _checks
-from .._errors import WireFormatError
+from .._errors import ServerError, WireFormatError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -67,6 +67,44 @@ def as_chunks(specs: Iterable[ChunkLike]) -> tuple[Chunk, ...]:
             name, groups = spec
             out.append(Chunk(name, tuple(tuple(map(operator.index, g)) for g in groups)))
     return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class SessionField:
+    """A value the sending client fills in from its session (what its ``on_connect`` returned).
+
+    ``AsyncClient.SESSION_CONTEXT`` stands for the context the connection registered: an
+    engine that reconnects to a restarted server registers anew, and requests queued
+    before that carry the new id.
+    """
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<session {self.name}>"
+
+
+def bind(request: Request[R], session: object) -> Request[R]:
+    """``request`` with every :class:`SessionField` replaced by the session's attribute of that name.
+
+    Raises :class:`~lmcache_platform.ServerError` naming the op and field when the
+    session lacks it (no ``on_connect``, or one that returned nothing).
+    """
+
+    def value(name: str, v: Any) -> Any:
+        if not isinstance(v, SessionField):
+            return v
+        if session is None or not hasattr(session, v.name):
+            op = request.wire()[0] if isinstance(request, RawRequest) else request.op
+            raise ServerError(f"{op}: {name} names the session's {v.name!r}, which on_connect did not set")
+        return getattr(session, v.name)
+
+    if isinstance(request, RawRequest):
+        changed: Json = {"raw_fields": {k: value(k, v) for k, v in request.raw_fields.items()}}
+    else:
+        changed = {f.name: value(f.name, getattr(request, f.name)) for f in fields(request)}
+    changed = {k: v for k, v in changed.items() if v != getattr(request, k)}
+    return dataclasses.replace(request, **changed) if changed else request
 
 
 # -- results -----------------------------------------------------------------------------
@@ -322,10 +360,26 @@ class RegisterRequest(Request[Registration]):
 class _Transfer(Request[R]):
     """A transfer between an engine's blocks and server memory."""
 
-    context: int
+    #: Whether its chunks are named by content keys (``bytes``) rather than chunk ids.
+    keyed: ClassVar[bool] = False
+    #: The context's id, or a :class:`SessionField` the sending client fills in.
+    context: int | SessionField
     chunks: tuple[Chunk, ...]
     #: The handle of an engine's device event to order the copies after (empty: none).
     event: bytes = b""
+
+    @classmethod
+    def of(
+        cls,
+        context: int | SessionField,
+        chunks: Iterable[ChunkLike],
+        *,
+        event: bytes | None = None,
+        **more: Any,
+    ) -> Self:
+        """The request from what callers hold: chunks as pairs or :class:`Chunk` values, no event
+        as ``None``. Both clients' per-op methods are this and ``execute``."""
+        return cls(context=context, chunks=as_chunks(chunks), event=event or b"", **more)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,6 +407,7 @@ class PutRequest(_Transfer[PutResult]):
     """Keyed store: copy the chunks the server does not have into it."""
 
     op: ClassVar[str] = "put"
+    keyed: ClassVar[bool] = True
 
     def decode_result(self, result: Json) -> PutResult:
         return PutResult.from_wire(result, self.op)
@@ -363,8 +418,21 @@ class GetRequest(_Transfer[GetResult]):
     """Keyed retrieve: write the leading chunks the server has into the given blocks."""
 
     op: ClassVar[str] = "get"
+    keyed: ClassVar[bool] = True
     #: The lease whose pins this get releases once done; 0 for none.
     lease: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        context: int | SessionField,
+        chunks: Iterable[ChunkLike],
+        *,
+        event: bytes | None = None,
+        lease: int | None = None,
+        **more: Any,
+    ) -> Self:
+        return super().of(context, chunks, event=event, lease=lease or 0, **more)
 
     @property
     def extended(self) -> bool:
@@ -386,6 +454,21 @@ class LookupRequest(Request[LookupResult]):
     #: A fresh id pinning the hits until a get reads them, 0 for no lease; ``lease_ms`` is its life.
     lease: int = 0
     lease_ms: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        namespaces: bytes | Sequence[bytes],
+        keys: Sequence[bytes],
+        *,
+        lease: int | None = None,
+        lease_ms: int | None = None,
+    ) -> LookupRequest:
+        """A lookup in one namespace (``bytes``) or in every one of several; ``None`` for no lease."""
+        where: Json = (
+            {"namespace": namespaces} if isinstance(namespaces, bytes) else {"namespaces": tuple(namespaces)}
+        )
+        return cls(keys=tuple(keys), lease=lease or 0, lease_ms=lease_ms or 0, **where)
 
     @property
     def lookup_namespaces(self) -> tuple[bytes, ...]:
@@ -487,6 +570,9 @@ class RawRequest(Request[Json]):
 
     raw_op: str
     raw_fields: Json = field(default_factory=dict)
+    #: Which of :class:`~lmcache_platform.server.AsyncClient`'s connections carries it
+    #: (``None``: the op's own, the control connection for control ops).
+    control_link: bool | None = None
 
     def wire(self) -> tuple[str, Json]:
         return self.raw_op, {k: v for k, v in self.raw_fields.items() if v is not None}

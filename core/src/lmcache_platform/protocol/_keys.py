@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 
 from .._types import EngineGroupInfo
-from ._protocol import MAX_KEY_LEN
+from ._messages import MAX_KEY_LEN
 
 #: Length of every namespace and key these helpers make.
 KEY_BYTES = 32

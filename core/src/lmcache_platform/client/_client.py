@@ -3,7 +3,7 @@
 One blocking request at a time per client, over the server's UNIX socket (for an
 engine's hot path, :class:`~lmcache_platform.server.AsyncClient` never blocks). Wrappers
 travel as :mod:`lmcache_platform.wire` messages; everything else as the typed
-requests of ``lmcache_platform.server._protocol``. A server-side failure raises
+requests of ``lmcache_platform.protocol._messages``. A server-side failure raises
 :class:`ServerError` carrying the server's exception type and message.
 
 Two ways to name chunks: :meth:`ServerClient.store` / :meth:`~ServerClient.retrieve`
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import wire
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _frames, _ops, _protocol
-from ._ops import Json, as_chunks
+from ..protocol import _frames, _messages, _ops
+from ..protocol._ops import Json
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -98,13 +98,11 @@ class ServerClient:
         ``event``: a device event's handle (:func:`lmcache_platform.record_event`) the
         server's reads wait for on the device; likewise for the other transfers.
         """
-        request = _ops.StoreRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
-        return self.execute(request).bytes
+        return self.execute(_ops.StoreRequest.of(context, chunks, event=event)).bytes
 
     def retrieve(self, context: int, chunks: Sequence[ChunkSpec], *, event: bytes | None = None) -> int:
         """Copy stored chunks back into the given blocks; return the bytes written."""
-        request = _ops.RetrieveRequest(context=context, chunks=as_chunks(chunks), event=event or b"")
-        return self.execute(request).bytes
+        return self.execute(_ops.RetrieveRequest.of(context, chunks, event=event)).bytes
 
     def put(
         self, context: int, chunks: Sequence[KeyedChunkSpec], *, event: bytes | None = None
@@ -116,7 +114,7 @@ class ServerClient:
         chunk is being read), the rest of the request is dropped, not refused. With
         ``event``, the server's reads wait on the device for that engine event.
         """
-        return self.execute(_ops.PutRequest(context=context, chunks=as_chunks(chunks), event=event or b""))
+        return self.execute(_ops.PutRequest.of(context, chunks, event=event))
 
     def get(
         self,
@@ -134,28 +132,26 @@ class ServerClient:
         pins in this context's namespace are released once the get is done. With
         ``event``, the server's writes wait on the device for that engine event.
         """
-        request = _ops.GetRequest(
-            context=context, chunks=as_chunks(chunks), lease=lease or 0, event=event or b""
-        )
-        return self.execute(request)
+        return self.execute(_ops.GetRequest.of(context, chunks, lease=lease, event=event))
 
     def lookup(
         self,
-        namespace: bytes | Sequence[bytes],
+        namespaces: bytes | Sequence[bytes],
         keys: Sequence[bytes],
         *,
         lease: int | None = None,
         lease_ms: int | None = None,
     ) -> int:
-        """How many leading ``keys`` the server holds in ``namespace`` (no context needed).
+        """How many leading ``keys`` the server holds in ``namespaces`` (no context needed).
 
-        With a list of namespaces: how many it holds in every one of them. With
-        ``lease`` (a fresh id, see :func:`~lmcache_platform.server.new_lease_id`) and
-        ``lease_ms``, those chunks stay pinned against eviction, in every namespace,
+        One namespace (``bytes``), or a list: how many it holds in every one of them.
+        With ``lease`` (a fresh id, see :func:`~lmcache_platform.server.new_lease_id`)
+        and ``lease_ms``, those chunks stay pinned against eviction, in every namespace,
         until the lease expires, :meth:`release` ends it, or a :meth:`get` naming it
-        has read them (each namespace's share separately).
+        has read them (each namespace's share separately). The blocking sugar for
+        ``execute(LookupRequest.of(...)).hits``.
         """
-        return self.execute(lookup_request(namespace, keys, lease, lease_ms)).hits
+        return self.execute(_ops.LookupRequest.of(namespaces, keys, lease=lease, lease_ms=lease_ms)).hits
 
     def removals(self, namespaces: Sequence[bytes], since: int = 0) -> _ops.RemovalsResult:
         """Shared chunks of ``namespaces`` the server evicted after cursor ``since`` (oldest first)."""
@@ -165,16 +161,15 @@ class ServerClient:
         """End a lease now (a no-op if it already ended)."""
         self.execute(_ops.ReleaseRequest(lease=lease))
 
-    def ping(self) -> dict[str, Any]:
-        """``{"now": server monotonic ns, "pid": ...}``, answered without waiting on any transfer."""
-        result = self.execute(_ops.PingRequest())
-        return {"now": result.now, "pid": result.pid}
+    def ping(self) -> _ops.PingResult:
+        """The server's monotonic clock (``now``, ns) and ``pid``; answered without waiting on a transfer."""
+        return self.execute(_ops.PingRequest())
 
     def unregister(self, context: int) -> None:
         """Close the context; its keyed chunks stay in the server, its chunk ids go."""
         self.execute(_ops.UnregisterRequest(context=context))
 
-    def status(self, context: int | None = None) -> dict[str, Any]:
+    def status(self, context: int | None = None) -> Json:
         """The server's counters under ``"server"`` (see the wire-format page); with a
         ``context`` of this connection, its ``report_status()`` under ``"context"``."""
         return self.execute(_ops.StatusRequest(context=context or 0))
@@ -197,7 +192,7 @@ class ServerClient:
             wait_until = time.monotonic_ns() + int(self.deadline_ms * 1e6)
             request = replace(request, deadline=wait_until)
         request = replace(request, request_id=rid)
-        _frames.send_frame(self._sock, _protocol.encode(request), fds)
+        _frames.send_frame(self._sock, _messages.encode(request), fds)
         op = request.wire()[0]
         try:
             reply = self.recv_reply(deadline_ns=wait_until)
@@ -234,11 +229,11 @@ class ServerClient:
         """Send one frame as is (tests use it to send malformed requests)."""
         _frames.send_frame(self._sock, payload)
 
-    def recv_reply(self, *, deadline_ns: int | None = None) -> _protocol.Reply:
+    def recv_reply(self, *, deadline_ns: int | None = None) -> _messages.Reply:
         payload = _frames.recv_frame(self._sock, deadline_ns=deadline_ns)
         if payload is None:
             raise ServerError("the server closed the connection")
-        return _protocol.decode_reply(payload)
+        return _messages.decode_reply(payload)
 
     def close(self) -> None:
         self._sock.close()
@@ -248,17 +243,3 @@ class ServerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def lookup_request(
-    namespace: bytes | Sequence[bytes],
-    keys: Sequence[bytes],
-    lease: int | None = None,
-    lease_ms: int | None = None,
-) -> _ops.LookupRequest:
-    """A lookup in one namespace (``bytes``) or in every one of several."""
-    if isinstance(namespace, bytes):
-        where: dict[str, Any] = {"namespace": namespace}
-    else:
-        where = {"namespaces": tuple(namespace)}
-    return _ops.LookupRequest(keys=tuple(keys), lease=lease or 0, lease_ms=lease_ms or 0, **where)

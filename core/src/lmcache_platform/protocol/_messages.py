@@ -18,7 +18,7 @@ which must be the server's): work still undone when it passes is dropped. Transf
 (``store``, ``retrieve``, ``put``, ``get``) may carry ``event``, a device event's handle
 (:func:`lmcache_platform.record_event`): the server's copies wait on it. Fields
 added after version 1 shipped are optional, and replies gain keys only for requests
-that use one of them (see :attr:`~lmcache_platform.server._ops.Request.extended`), so
+that use one of them (see :attr:`~lmcache_platform.protocol._ops.Request.extended`), so
 older clients keep working.
 """
 
@@ -197,7 +197,7 @@ def _key(value: object, where: str) -> bytes:
 
 
 def _decode_chunks(value: object, op: str) -> tuple[Chunk, ...]:
-    keyed = op in ("put", "get")
+    keyed = getattr(REQUEST_TYPES[op], "keyed", False)
     chunks = []
     for i, item in enumerate(expect_list(value, f"{op} chunks", max_len=MAX_CHUNKS)):
         where = f"{op} chunk {i}"

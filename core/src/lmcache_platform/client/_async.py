@@ -12,9 +12,9 @@ server answers them in order) and **control** (``ping``, ``lookup``, ``release``
 ``status``), so a slow transfer does not delay a health check or a lookup. The
 ``on_connect`` hook runs on the I/O thread after each (re)connect, before any request
 is sent, with a blocking, deadline-bounded :class:`~lmcache_platform.server.ServerClient`
-over the data connection (to register KV caches); what it returns becomes
-:attr:`AsyncClient.session`, and :data:`AsyncClient.SESSION_CONTEXT` in a request's
-fields stands for ``session["context"]`` when the request is sent.
+over the data connection (to register KV caches); the :class:`~lmcache_platform.protocol.Registration`
+it returns becomes :attr:`AsyncClient.session`, and :data:`AsyncClient.SESSION_CONTEXT` in
+a request's fields stands for ``session.context`` when the request is sent.
 
 Deadlines: every request carries ``deadline = monotonic_ns() + deadline_ms`` (the
 server drops it once late). When it passes with no reply, the future fails locally
@@ -50,7 +50,7 @@ marked resolved (logged). Requests on the control connection (``ping``, ``lookup
 ``release``, ``status``) never write into an engine: they are resolved when it is given up.
 
 One log line per change of :attr:`AsyncClient.state`, never one per request (logger
-``lmcache_platform.server._async``).
+``lmcache_platform.client._async``).
 """
 
 from __future__ import annotations
@@ -64,17 +64,17 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Final, TypeVar
 
 from .._env import SOCKET_ENV
 from .._errors import ServerError, ServerUnavailable, WireFormatError
-from . import _frames, _ops, _protocol
-from ._client import ServerClient, lookup_request
+from ..protocol import _frames, _messages, _ops
+from ..protocol._ops import REQUEST_TYPES, ChunkLike, Json, Registration, Request, SessionField, as_chunks
+from ._client import ServerClient
 from ._link import Link, SessionClient, socket_identity, why
-from ._ops import REQUEST_TYPES, ChunkLike, Json, as_chunks
-from ._pending import Pending, RequestLike, SessionField, from_session, settle
+from ._pending import Pending, settle
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -97,7 +97,7 @@ class AsyncClient:
     lines. Every request gets ``deadline_ms`` unless its submit says otherwise; health
     pings get ``ping_deadline_ms`` (default: ``deadline_ms`` capped at 1 s). After a
     failure the client reconnects after ``retry_first_s``, doubling up to ``retry_max_s``.
-    ``on_connect(client) -> dict | None`` runs on the I/O thread after each connect,
+    ``on_connect(client) -> Registration | None`` runs on the I/O thread after each connect,
     before any request is sent (see the module docstring); if it raises, the server is
     unavailable and the connect is retried.
 
@@ -105,7 +105,7 @@ class AsyncClient:
     ``"healthy"``, ``"unavailable"`` or ``"closed"``; read it without locks.
     """
 
-    #: A field value that stands for ``session["context"]``, filled in when the request is sent.
+    #: A field value that stands for ``session.context``, filled in when the request is sent.
     SESSION_CONTEXT: Final = SessionField("context")
 
     def __init__(
@@ -115,7 +115,7 @@ class AsyncClient:
         name: str,
         deadline_ms: float = 2000.0,
         ping_deadline_ms: float | None = None,
-        on_connect: Callable[[ServerClient], dict[str, Any] | None] | None = None,
+        on_connect: Callable[[ServerClient], Registration | None] | None = None,
         retry_first_s: float = 1.0,
         retry_max_s: float = 30.0,
         max_zombies: int = 8,
@@ -137,12 +137,12 @@ class AsyncClient:
         self.state = "connecting"
         #: Why the server is unavailable (empty while healthy).
         self.reason = ""
-        #: What ``on_connect`` returned after the latest connect.
-        self.session: dict[str, Any] = {}
+        #: What ``on_connect`` returned after the latest connect (its :class:`Registration`).
+        self.session: Registration | None = None
         self._counts: collections.Counter[str] = collections.Counter()
         self._counts_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._submitted: collections.deque[tuple[Pending[Any], RequestLike[Any]]] = collections.deque()
+        self._submitted: collections.deque[tuple[Pending[Any], Request[Any]]] = collections.deque()
         self._submit_lock = threading.Lock()  # held for an append: orders submit against close
         self._closed = False
         self._links: dict[str, Link] = {}
@@ -168,8 +168,8 @@ class AsyncClient:
 
     # -- the caller's side -------------------------------------------------------------
 
-    def execute(self, request: RequestLike[R], *, deadline_ms: float | None = None) -> Pending[R]:
-        """Queue ``request`` (or a function of :attr:`session` that makes it when sent).
+    def execute(self, request: Request[R], *, deadline_ms: float | None = None) -> Pending[R]:
+        """Queue ``request``; its :class:`SessionField` values are filled in when it is sent.
 
         Never blocks and never raises for the server's sake: when the client is not
         :attr:`accepting`, the returned :class:`Pending` has already failed (and is resolved). The
@@ -177,16 +177,18 @@ class AsyncClient:
         and deadline (``deadline_ms``, default the client's ``deadline_ms``) are the client's.
         """
         ms = self.deadline_ms if deadline_ms is None else deadline_ms
-        kind = request if isinstance(request, _ops.Request) else None
-        on_control = kind is not None and type(kind).control
-        if isinstance(kind, _ops.RawRequest):
-            on_control = kind.raw_op in CONTROL_OPS
-        return self._queue_request(request, ms, on_control, kind.wire()[0] if kind is not None else "")
+        op, _ = request.wire()
+        on_control = type(request).control
+        if isinstance(request, _ops.RawRequest):
+            on_control = (
+                request.raw_op in CONTROL_OPS if request.control_link is None else request.control_link
+            )
+        return self._queue_request(request, ms, on_control, op)
 
     def submit(
         self, op: str, *, control: bool | None = None, deadline_ms: float | None = None, **fields: Any
     ) -> Pending[Json]:
-        """Queue op ``op`` with raw wire ``fields``; the result is the reply's map, unchecked.
+        """``execute(RawRequest(...))``: op ``op`` with raw wire ``fields``, the reply's map unchecked.
 
         For tools and tests (typed callers use :meth:`execute` and the methods below).
         ``control`` picks the connection (by default the ops in ``CONTROL_OPS`` go on
@@ -195,18 +197,12 @@ class AsyncClient:
         :data:`SESSION_CONTEXT` (or another :class:`SessionField`) is replaced when
         sent; ``None`` fields are left out.
         """
-        ms = self.deadline_ms if deadline_ms is None else deadline_ms
-        on_control = op in CONTROL_OPS if control is None else control
+        if fields.get("chunks") is not None:
+            fields["chunks"] = as_chunks(fields["chunks"])
+        raw = _ops.RawRequest(raw_op=op, raw_fields=fields, control_link=control)
+        return self.execute(raw, deadline_ms=deadline_ms)
 
-        def build(session: Mapping[str, Any]) -> _ops.Request[Json]:
-            values = {k: from_session(session, op, k, v) for k, v in fields.items()}
-            if values.get("chunks") is not None:
-                values["chunks"] = as_chunks(values["chunks"])
-            return _ops.RawRequest(raw_op=op, raw_fields=values)
-
-        return self._queue_request(build, ms, on_control, op)
-
-    def _queue_request(self, request: RequestLike[R], ms: float, control: bool, op: str) -> Pending[R]:
+    def _queue_request(self, request: Request[R], ms: float, control: bool, op: str) -> Pending[R]:
         pending: Pending[R] = Pending(
             op, next(self._ids), time.monotonic_ns() + int(ms * 1e6), control=control
         )
@@ -224,25 +220,28 @@ class AsyncClient:
         self._wake()
         return pending
 
+    # The per-op sugar: the signatures of ServerClient's, each a one-liner over a request's ``of``.
+
     def lookup(
         self,
         namespaces: bytes | Sequence[bytes],
         keys: Sequence[bytes],
+        *,
         lease: int | None = None,
         lease_ms: int | None = None,
-        *,
         deadline_ms: float | None = None,
     ) -> Pending[_ops.LookupResult]:
         """Leading ``keys`` held in every namespace (``hits``); see ``ServerClient.lookup``."""
-        return self.execute(lookup_request(namespaces, keys, lease, lease_ms), deadline_ms=deadline_ms)
+        request = _ops.LookupRequest.of(namespaces, keys, lease=lease, lease_ms=lease_ms)
+        return self.execute(request, deadline_ms=deadline_ms)
 
     def put(
         self,
         context: int | SessionField,
         chunks: Sequence[ChunkLike],
         *,
-        deadline_ms: float | None = None,
         event: bytes | None = None,
+        deadline_ms: float | None = None,
     ) -> Pending[_ops.PutResult]:
         """Keyed store (``stored``, ``present``, ``dropped``, ``evicted``, ``bytes``).
 
@@ -251,42 +250,30 @@ class AsyncClient:
         event's handle (:func:`lmcache_platform.record_event`) the server's reads wait
         for on the device.
         """
-        moved = as_chunks(chunks)
-
-        def build(session: Mapping[str, Any]) -> _ops.PutRequest:
-            ctx = from_session(session, "put", "context", context)
-            return _ops.PutRequest(context=ctx, chunks=moved, event=event or b"")
-
-        return self.execute(build, deadline_ms=deadline_ms)
+        return self.execute(_ops.PutRequest.of(context, chunks, event=event), deadline_ms=deadline_ms)
 
     def get(
         self,
         context: int | SessionField,
         chunks: Sequence[ChunkLike],
-        lease: int | None = None,
         *,
-        deadline_ms: float | None = None,
+        lease: int | None = None,
         event: bytes | None = None,
+        deadline_ms: float | None = None,
     ) -> Pending[_ops.GetResult]:
         """Keyed retrieve (``retrieved``, ``bytes``); block id ``-1`` skips positions.
 
         ``event``: a device event's handle the server's writes wait for on the device.
         """
-        moved = as_chunks(chunks)
-
-        def build(session: Mapping[str, Any]) -> _ops.GetRequest:
-            ctx = from_session(session, "get", "context", context)
-            return _ops.GetRequest(context=ctx, chunks=moved, lease=lease or 0, event=event or b"")
-
-        return self.execute(build, deadline_ms=deadline_ms)
+        request = _ops.GetRequest.of(context, chunks, lease=lease, event=event)
+        return self.execute(request, deadline_ms=deadline_ms)
 
     def removals(
-        self, namespaces: Sequence[bytes], since: int, *, deadline_ms: float | None = None
+        self, namespaces: Sequence[bytes], since: int = 0, *, deadline_ms: float | None = None
     ) -> Pending[_ops.RemovalsResult]:
         """Shared chunks of ``namespaces`` the server evicted after cursor ``since``."""
-        return self.execute(
-            _ops.RemovalsRequest(namespaces=tuple(namespaces), since=since), deadline_ms=deadline_ms
-        )
+        request = _ops.RemovalsRequest(namespaces=tuple(namespaces), since=since)
+        return self.execute(request, deadline_ms=deadline_ms)
 
     def release(self, lease: int, *, deadline_ms: float | None = None) -> Pending[None]:
         return self.execute(_ops.ReleaseRequest(lease=lease), deadline_ms=deadline_ms)
@@ -294,8 +281,8 @@ class AsyncClient:
     def ping(self, *, deadline_ms: float | None = None) -> Pending[_ops.PingResult]:
         return self.execute(_ops.PingRequest(), deadline_ms=deadline_ms)
 
-    def status(self, *, deadline_ms: float | None = None) -> Pending[Json]:
-        return self.execute(_ops.StatusRequest(), deadline_ms=deadline_ms)
+    def status(self, context: int | None = None, *, deadline_ms: float | None = None) -> Pending[Json]:
+        return self.execute(_ops.StatusRequest(context=context or 0), deadline_ms=deadline_ms)
 
     @property
     def accepting(self) -> bool:
@@ -395,17 +382,17 @@ class AsyncClient:
             for kind in ("data", "control"):
                 links[kind] = Link(kind, self._dial())
             ping = SessionClient(links["control"].sock, self.ping_deadline_ms, self._ids)
-            skew = ping.ping()["now"] - time.monotonic_ns()
+            skew = ping.ping().now - time.monotonic_ns()
             if not isinstance(skew, int) or abs(skew) > MAX_CLOCK_SKEW_NS:
                 raise ServerError(
                     f"the server's monotonic clock differs from ours by {skew / 1e9:.1f} s: another host "
                     "or time namespace, where deadlines cannot work"
                 )
-            session: dict[str, Any] = {}
+            session: Registration | None = None
             if self.on_connect is not None:
                 hook = SessionClient(links["data"].sock, self.deadline_ms, self._ids)
                 try:
-                    session = dict(self.on_connect(hook) or {})
+                    session = self.on_connect(hook)
                 except Exception as exc:
                     raise ServerError(f"on_connect failed: {type(exc).__name__}: {exc}") from exc
                 finally:
@@ -570,14 +557,16 @@ class AsyncClient:
         pending._frame_end = link.queued
         link.pending[pending.request_id] = pending
 
-    def _encode(self, pending: Pending[R], request: RequestLike[R]) -> bytes:
-        """The request's frame payload, with the pending's id and deadline; sets how to read its reply."""
-        made = request if isinstance(request, _ops.Request) else request(self.session)
-        made = replace(made, request_id=pending.request_id, deadline=pending.deadline_ns)
+    def _encode(self, pending: Pending[R], request: Request[R]) -> bytes:
+        """The request's frame payload, with the session's values, the pending's id and deadline;
+        sets how to read its reply."""
+        made = replace(
+            _ops.bind(request, self.session), request_id=pending.request_id, deadline=pending.deadline_ns
+        )
         pending._decode = made.decode_result
         if not pending.op:
             pending.op = made.wire()[0]
-        return _protocol.encode(made)
+        return _messages.encode(made)
 
     def _flush(self, link: Link) -> None:
         try:
@@ -638,7 +627,7 @@ class AsyncClient:
             link.inbuf += data
             try:
                 for payload in _frames.split_frames(link.inbuf):
-                    self._reply(link, _protocol.decode_reply(payload))
+                    self._reply(link, _messages.decode_reply(payload))
             except WireFormatError as exc:
                 self._link_failed(link, f"malformed reply: {exc}", dead=True)
                 return
@@ -649,7 +638,7 @@ class AsyncClient:
             if len(data) < _READ_BYTES:
                 return
 
-    def _reply(self, link: Link, reply: _protocol.Reply) -> None:
+    def _reply(self, link: Link, reply: _messages.Reply) -> None:
         pending = link.pending.pop(reply.request_id, None)
         if pending is None:
             if reply.request_id == 0 and not reply.ok:  # e.g. "too many connections"
