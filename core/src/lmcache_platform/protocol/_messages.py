@@ -1,13 +1,13 @@
 """The reference server's protocol: typed messages in length-prefixed frames.
 
-Frames (``server._frames``) hold one envelope each (see :mod:`lmcache_platform._codec`)
+Frames (``protocol._frames``) hold one envelope each (see :mod:`lmcache_platform._codec`)
 with magic ``LMCP``: a request map from the engine, or a reply map from the server.
-Requests are the types of ``server._ops`` (one per op, with its result type); this
+Requests are the types of ``protocol._ops`` (one per op, with its result type); this
 module turns them into bytes and back, checking every field of a request against its
 op's type (required fields are those without a default) and refusing anything else.
 Registration embeds the wrapper list as a :mod:`lmcache_platform.wire` message, which
 the server decodes with its own allow-list; fds the wrappers name travel beside the
-frame (``server._frames``).
+frame (``protocol._frames``).
 
 Two ways to name a chunk: ``store``/``retrieve`` take chunk ids (``str``) private to
 one context; ``put``/``get``/``lookup`` take content keys (``bytes``) in the
