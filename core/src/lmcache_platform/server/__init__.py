@@ -1,46 +1,20 @@
-"""The reference KV-cache server, its engine-side client and the cache's content keys.
+"""The reference KV-cache server; with it, every name of the client and the protocol.
 
 :class:`ReferenceServer` serves the platform API end to end over one UNIX socket
 (``lmcache-platform serve`` runs it in the foreground, :class:`ServerProcess` in a
-spawned process); :class:`ServerClient` is a blocking client, :class:`AsyncClient` the
-one an engine's hot path uses (it never blocks: requests in, :class:`Pending` futures out).
-Both send the same typed requests (one type per op, with its result type: :class:`GetRequest`
-answers with a :class:`GetResult`) through ``execute``.
-:func:`cache_namespace` and :func:`chunk_keys` compute the keys under which engines
-share chunks. The request format is in ``docs/wire-format.md``. Importing this
-package imports neither torch nor a backend.
+spawned process). The engine side lives beside it and imports none of it:
+``lmcache_platform.client`` (:class:`ServerClient`, blocking; :class:`AsyncClient`,
+the one an engine's hot path uses: requests in, :class:`Pending` futures out) and
+``lmcache_platform.protocol`` (one typed request and result per op, a
+:class:`GetRequest` answered with a :class:`GetResult`; :func:`cache_namespace` and
+:func:`chunk_keys`, the keys under which engines share chunks), both re-exported here.
+The request format is in ``docs/wire-format.md``. Importing this package imports neither
+torch nor a backend.
 """
 
-from .._errors import ServerError, ServerUnavailable
-from ..client import AsyncClient, ChunkSpec, KeyedChunkSpec, Pending, ServerClient, SessionField, new_lease_id
-from ..protocol import (
-    KEY_BYTES,
-    Chunk,
-    GetRequest,
-    GetResult,
-    LookupRequest,
-    LookupResult,
-    PingRequest,
-    PingResult,
-    PutRequest,
-    PutResult,
-    RawRequest,
-    RegisterRequest,
-    Registration,
-    ReleaseRequest,
-    RemovalsRequest,
-    RemovalsResult,
-    Request,
-    RetrieveRequest,
-    RetrieveResult,
-    ShutdownRequest,
-    StatusRequest,
-    StoreRequest,
-    StoreResult,
-    UnregisterRequest,
-    cache_namespace,
-    chunk_keys,
-)
+from .. import client, protocol
+from ..client import *  # noqa: F403 - the engine side, re-exported (see lmcache_platform.client)
+from ..protocol import *  # noqa: F403 - what both sides speak (see lmcache_platform.protocol)
 from ._process import ServerProcess
 from ._server import (
     DEFAULT_MAX_CONNECTIONS,
@@ -54,42 +28,9 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_HOST_BYTES",
     "DEFAULT_TORCH_THREADS",
-    "KEY_BYTES",
     "SOCKET_NAME",
-    "AsyncClient",
-    "Chunk",
-    "ChunkSpec",
-    "GetRequest",
-    "GetResult",
-    "KeyedChunkSpec",
-    "LookupRequest",
-    "LookupResult",
-    "Pending",
-    "PingRequest",
-    "PingResult",
-    "PutRequest",
-    "PutResult",
-    "RawRequest",
     "ReferenceServer",
-    "RegisterRequest",
-    "Registration",
-    "ReleaseRequest",
-    "RemovalsRequest",
-    "RemovalsResult",
-    "Request",
-    "RetrieveRequest",
-    "RetrieveResult",
-    "ServerClient",
-    "ServerError",
     "ServerProcess",
-    "ServerUnavailable",
-    "SessionField",
-    "ShutdownRequest",
-    "StatusRequest",
-    "StoreRequest",
-    "StoreResult",
-    "UnregisterRequest",
-    "cache_namespace",
-    "chunk_keys",
-    "new_lease_id",
 ]
+__all__ += client.__all__
+__all__ += protocol.__all__
