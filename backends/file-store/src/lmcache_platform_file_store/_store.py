@@ -19,7 +19,13 @@
 * **A private directory.** It must be a real directory owned by this user and writable
   by nobody else (a missing one is created 0700); entries are created 0600. Nothing
   read is unpickled or evaluated: a file is a header (:data:`MAGIC`, an expiry) and
-  bytes.
+  bytes. A directory this process cannot write into (a read-only file system) is refused
+  at open, by a real write: a disk tier that persists nothing must not start.
+* **The disk's speed.** A batch's files are read and written by :data:`IO_THREADS`
+  threads at once (the system calls release the GIL), each file with one ``preadv``
+  into the buffer handed back (no intermediate ``bytes``) or one ``writev`` of the
+  header and the caller's buffer (no copy). Errors are logged once per kind per
+  :data:`LOG_PERIOD_S`, not per file.
 
 Each file starts with :data:`MAGIC` and the entry's expiry (Unix time in ns, 0: none),
 so ``ttl`` works without a clock of the store's own; an expired or foreign file is a miss.
@@ -27,7 +33,6 @@ so ``ttl`` works without a clock of the store's own; an expired or foreign file 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import logging
@@ -38,9 +43,11 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from lmcache_platform import parse_bytes
 from lmcache_platform.remote import (
@@ -64,6 +71,12 @@ STALE_TMP_S: Final = 600.0
 LOW_WATER: Final = 0.9
 _KEY_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,400}$")
 _ENTRY_PREFIXES = ("e.", "h.")
+#: Threads reading or writing one batch's files at once.
+IO_THREADS: Final = 8
+#: At most one log line per kind of I/O error (an errno, per read or write) in this period.
+LOG_PERIOD_S: Final = 60.0
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,10 @@ class FileStore:
             self.max_bytes = vfs.f_blocks * vfs.f_frsize // 2
         self._lock = threading.Lock()
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._last_log: dict[str, float] = {}
+        self._log_lock = threading.Lock()  # not _lock: eviction logs under it
+        self._probe_writable()
         self._remove_stale_tmp()
         self._used = sum(size for _, size, _ in self._entries())
         self.evicted = 0
@@ -120,18 +137,19 @@ class FileStore:
 
     def get_many(self, keys: Sequence[bytes], *, timeout: float) -> list[Buffer | None]:
         end = self._start(timeout)
-        out: list[Buffer | None] = []
-        failed: list[int] = []
+        names = [_name(key) for key in keys]
         now = time.time_ns()
-        for i, key in enumerate(keys):
-            self._check_time(end, "get")
-            name = _name(key)
+
+        def read(name: str) -> Buffer | OSError | None:
             try:
-                out.append(self._read(name, now))
+                return self._read(name, now)
             except OSError as exc:
-                logger.warning("file store %s: cannot read %s: %s", self.directory, name, exc)
-                out.append(None)
-                failed.append(i)
+                self._warn("read", exc, f"cannot read {name}")
+                return exc
+
+        got = self._each(read, names, end, "get")
+        out = [None if isinstance(g, OSError) else g for g in got]
+        failed = [i for i, g in enumerate(got) if isinstance(g, OSError)]
         if failed:
             raise RemotePartialError(
                 f"{self.config.url}: {len(failed)} of {len(keys)} reads failed", results=out, failed=failed
@@ -152,11 +170,8 @@ class FileStore:
     ) -> list[bool]:
         end = self._start(timeout)
         expires = time.time_ns() + int(ttl * 1e9) if ttl else 0
-        out = []
-        for key, value in items:
-            self._check_time(end, "put")
-            out.append(self._write(_name(key), value, expires))
-        return out
+        named = [(_name(key), value) for key, value in items]
+        return self._each(lambda item: self._write(item[0], item[1], expires), named, end, "put")
 
     def delete_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
         """Remove each entry (a damaged one, refused by the server's tier); ``True`` where removed."""
@@ -181,7 +196,53 @@ class FileStore:
             if self._closed:
                 return
             self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         os.close(self._dir_fd)
+
+    def _each(self, fn: Callable[[_T], _R], items: Sequence[_T], end: float, what: str) -> list[_R]:
+        """``fn`` of each item, on the I/O threads when there are several, by ``end``."""
+        if len(items) <= 1:
+            self._check_time(end, what)
+            return [fn(item) for item in items]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="lmcache-file-store")
+            pool = self._pool
+        futures = [pool.submit(fn, item) for item in items]
+        try:
+            return [f.result(timeout=max(end - time.monotonic(), 0.0)) for f in futures]
+        except FutureTimeout:
+            for f in futures:
+                f.cancel()
+            raise RemoteTimeout(f"{self.config.url}: {what} timed out") from None
+
+    def _warn(self, kind: str, exc: OSError, what: str) -> None:
+        """One WARNING per kind of error (``kind`` and errno) per :data:`LOG_PERIOD_S`."""
+        tag = f"{kind}:{exc.errno}"
+        now = time.monotonic()
+        with self._log_lock:
+            if now - self._last_log.get(tag, -LOG_PERIOD_S) < LOG_PERIOD_S:
+                return
+            self._last_log[tag] = now
+        logger.warning(
+            "file store %s: %s: %s (more such errors in the next %g s are not logged)",
+            self.directory, what, exc.strerror or exc, LOG_PERIOD_S,
+        )  # fmt: skip
+
+    def _probe_writable(self) -> None:
+        """Write, and remove, a small file: a directory nothing can be written to is refused."""
+        tmp = f".tmp.{os.getpid()}.probe.{secrets.token_hex(4)}"
+        try:
+            self._write_file(tmp, _HEADER.pack(MAGIC, 0), memoryview(b""))
+        except OSError as exc:
+            os.close(self._dir_fd)
+            raise RemoteConfigError(
+                f"file store directory {self.directory} is not writable ({exc.strerror or exc}): "
+                "give a directory on a read-write file system this user can write"
+            ) from None
+        self._unlink(tmp)
 
     # -- entries ---------------------------------------------------------------------------
 
@@ -192,10 +253,10 @@ class FileStore:
             return None
         try:
             size = os.fstat(fd).st_size
-            data = bytearray(size)
+            data = bytearray(size)  # calloc: fresh zero pages, no fill pass
             view, got = memoryview(data), 0
             while got < size:
-                n = os.readv(fd, [view[got:]])
+                n = os.preadv(fd, [view[got:]], got)
                 if n == 0:
                     break  # truncated under us: core's checksum refuses what is left
                 got += n
@@ -208,10 +269,12 @@ class FileStore:
         if head and head <= now:
             self._unlink(name)
             return None
-        with contextlib.suppress(
-            FileNotFoundError
-        ):  # evicted by another server meanwhile: what was read is whole
+        try:
             os.utime(name, dir_fd=self._dir_fd)  # least recently used goes first
+        except FileNotFoundError:  # evicted by another server meanwhile: what was read is whole
+            pass
+        except OSError as exc:  # a read-only file system: the entry is still good to read
+            self._warn("touch", exc, f"cannot mark {name} as recently used")
         return view[_HEADER.size : got]  # no copy: the buffer is this call's own
 
     def _live(self, name: str, now: int) -> bool:
@@ -242,14 +305,19 @@ class FileStore:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 0:
                     self._evict(self._used)  # the file system is fuller than the bound: make room
                     continue
-                logger.warning("file store %s: cannot write %s: %s", self.directory, name, exc)
+                self._warn("write", exc, f"cannot write {name}")
                 return False
         size = _HEADER.size + len(data)
         try:
             old = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
         except FileNotFoundError:
             old = 0
-        os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        try:
+            os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except OSError as exc:
+            self._unlink(tmp)
+            self._warn("write", exc, f"cannot write {name}")
+            return False
         with self._lock:
             self._used += size - old
             over = self._used > self.max_bytes
@@ -261,8 +329,9 @@ class FileStore:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600, dir_fd=self._dir_fd)
         try:
-            os.write(fd, head)
-            done = 0
+            done = os.writev(fd, [head, data]) - len(head)  # one call, from the caller's buffer
+            if done < 0:
+                raise OSError(errno.EIO, f"short write of an entry header ({done + len(head)} bytes)")
             while done < len(data):
                 done += os.write(fd, data[done : done + (64 << 20)])
         finally:
@@ -273,6 +342,9 @@ class FileStore:
             os.unlink(name, dir_fd=self._dir_fd)
             return True
         except FileNotFoundError:
+            return False
+        except OSError as exc:  # a read-only file system: the entry stays, the caller goes on
+            self._warn("unlink", exc, f"cannot remove {name}")
             return False
 
     def _entries(self) -> list[tuple[int, int, str]]:

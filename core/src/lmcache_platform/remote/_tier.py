@@ -18,8 +18,13 @@ Failures never reach the engine: every store call has a deadline; a call that ti
 or fails in every item (a batch that asked only a dead cluster node), makes the writer
 thread ping the store, and a store that fails or does not answer is *down*: no call goes
 to it (lookups find nothing, fetches return misses, writes are dropped) until a probe,
-retried with exponential backoff, finds it again. Each state change is one log line. So a
-remote that is down, slow or flushed leaves local serving as it was.
+retried with exponential backoff, finds it again. A store that answers but refuses
+every write (a full or read-only disk, a Valkey at ``maxmemory`` with ``noeviction``) is
+*degraded* after :data:`DEGRADE_AFTER` refused chunks in a row: it still serves lookups
+and fetches, writes are dropped and counted (``dropped_degraded``) but for one trial
+write per backoff period, and the first write it takes makes it healthy again. Each state
+change is one log line. So a remote that is down, full, slow or flushed leaves local
+serving as it was.
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ _PARALLEL_DECODE_BYTES = 16 << 20
 _LOG_PERIOD_S = 10.0  # at most one line per kind of trouble (refusals, partial failures) per 10 s
 _PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
-HEALTHY, DOWN, CONNECTING, CLOSED = "healthy", "down", "connecting", "closed"
+HEALTHY, DEGRADED, DOWN, CONNECTING, CLOSED = "healthy", "degraded", "down", "connecting", "closed"
+#: Chunks the store refused in a row (no write taken between) that make a tier degraded.
+DEGRADE_AFTER = 3
 
 
 def log_event(level: int, event: str, message: str, **fields: Any) -> None:
@@ -151,6 +158,9 @@ class RemoteTier:
         self._next_probe = 0.0
         self._suspect = ""  # why the writer pings to tell slow (or one node down) from down
         self._suspect_slow = False  # the suspicion is a timeout: a ping that answers means slow
+        self._refused_run = 0  # chunks the store refused in a row (degraded at DEGRADE_AFTER)
+        self._trial = False  # a degraded tier's trial write is queued or in flight
+        self._check_codec()
         self._counts: collections.Counter[str] = collections.Counter()
         self._last_log: dict[str, float] = {}
         self._writer = threading.Thread(target=self._run, name="lmcache-remote-writer", daemon=True)
@@ -172,11 +182,30 @@ class RemoteTier:
             store.close()
             raise
 
+    def _check_codec(self) -> None:
+        """Refuse to start a tier that cannot write entries (a missing checksum package...),
+        rather than lose every chunk later, one logged failure at a time."""
+        try:
+            import torch
+
+            sample = torch.arange(8, dtype=torch.uint8)
+            who = EntryIdentity(self.prefix, b"n", b"k")
+            back = _entry.decode(_entry.encode([sample], who, self._secret), who, self._secret)
+            ok = torch.equal(back.tensors[0], sample)
+        except Exception as exc:
+            raise RemoteConfigError(
+                f"remote {self.name}: this server cannot write remote entries "
+                f"({type(exc).__name__}: {exc}); install lmcache-platform's dependencies "
+                "(pip install torch blake3) in the server's environment"
+            ) from None
+        if not ok:
+            raise RemoteConfigError(f"remote {self.name}: an entry did not read back as written")
+
     # -- what the server calls -----------------------------------------------------------
 
     @property
     def state(self) -> str:
-        """``connecting``, ``healthy``, ``down`` or ``closed``."""
+        """``connecting``, ``healthy``, ``degraded`` (reads only), ``down`` or ``closed``."""
         return self._state
 
     @property
@@ -295,7 +324,7 @@ class RemoteTier:
                 reason=exc.reason, key=key.hex()[:16],
             )  # fmt: skip
             return None
-        self._add(fetched=1, bytes_fetched=chunk.nbytes)
+        self._add(fetched=1, bytes_fetched=chunk.nbytes, fetched_v1=int(chunk.version == 1))
         return chunk
 
     def _decoders(self) -> ThreadPoolExecutor:
@@ -310,7 +339,8 @@ class RemoteTier:
         """Queue one chunk (host tensors, not modified afterwards) for the store; never blocks.
 
         ``False`` (and counted) when it was dropped: the queue is full (``dropped_full``),
-        the store is down (``dropped_down``) or the tier is closed.
+        the store is down (``dropped_down``), refuses writes (``dropped_degraded``; one
+        chunk per backoff period goes as a trial) or the tier is closed.
         """
         nbytes = sum(int(t.nbytes) for t in tensors)
         with self._lock:
@@ -319,6 +349,11 @@ class RemoteTier:
             if self._state == DOWN:
                 self._counts["dropped_down"] += 1
                 return False
+            if self._state == DEGRADED:
+                if self._trial or time.monotonic() < self._next_probe:
+                    self._counts["dropped_degraded"] += 1
+                    return False
+                self._trial = True
             if self._queued_bytes + nbytes > self.queue_bytes:
                 self._counts["dropped_full"] += 1
                 return False
@@ -400,7 +435,7 @@ class RemoteTier:
         ``None`` when the store was not asked (down, deadline passed) or the call failed;
         every such case is counted, and a failure or a timeout feeds the state machine.
         """
-        if self._state != HEALTHY:
+        if self._state not in (HEALTHY, DEGRADED):
             self._add(skipped=1)
             return None
         if deadline is None:
@@ -454,7 +489,7 @@ class RemoteTier:
                     if self._suspect:
                         job = "suspect"
                         break
-                    if self._state == HEALTHY and self._queue:
+                    if self._state in (HEALTHY, DEGRADED) and self._queue:
                         job = "write"
                         break
                     wait = self._next_probe - now if self._state in (CONNECTING, DOWN) else None
@@ -492,11 +527,12 @@ class RemoteTier:
                 entry = _entry.encode(
                     item.tensors, EntryIdentity(self.prefix, item.namespace, item.key), self._secret
                 )
-            except (ValueError, TypeError) as exc:
-                self._add(errors=1)
+            except Exception as exc:  # counted as lost writes; the tier checked its codec at start
+                self._add(write_errors=1, encode_errors=1)
                 self._log_limited(
-                    "encode", logging.WARNING, f"remote {self.name}: cannot encode a chunk: {exc}"
-                )
+                    "encode", logging.WARNING,
+                    f"remote {self.name}: cannot encode a chunk: {type(exc).__name__}: {exc}",
+                )  # fmt: skip
                 continue
             items.append((self.store_key(item.namespace, item.key), entry))
         stored: list[bool] = []
@@ -534,7 +570,28 @@ class RemoteTier:
             self._counts["bytes_written"] += written_bytes
             self._counts["write_errors"] += len(stored) - ok
             self._writing = 0
+            self._trial = False
+            if ok:
+                self._refused_run = 0
+                if self._state == DEGRADED:
+                    self._set_state(HEALTHY, "took a write")
+            elif stored:  # answered, and every chunk refused: full, read-only, out of memory
+                self._refused_run += len(stored)
+                if self._state == HEALTHY and self._refused_run >= DEGRADE_AFTER:
+                    self._degrade(f"it refused {self._refused_run} chunks in a row (see its log for why)")
+                elif self._state == DEGRADED:
+                    self._retry_s = min(self._retry_s * 2, self.retry_max_s)
+                    self._next_probe = time.monotonic() + self._retry_s
             self._wake.notify_all()
+
+    def _degrade(self, why: str) -> None:
+        """Under the lock: reads go on, the queue is dropped, one trial write per backoff period."""
+        self._retry_s = self.retry_first_s
+        self._set_state(DEGRADED, why)
+        self._next_probe = time.monotonic() + self._retry_s
+        self._counts["dropped_degraded"] += len(self._queue)
+        self._queue.clear()
+        self._queued_bytes = 0
 
     def _probe(self) -> None:
         try:
@@ -549,7 +606,8 @@ class RemoteTier:
     def _partial(self, what: str, exc: RemotePartialError, n: int) -> None:
         """Some items failed (a cluster node down): logged; if every one did, is it the whole store?"""
         message = f"remote {self.name}: {what}: {exc}"
-        self._log_limited("partial", logging.WARNING, message, failed=len(exc.failed))
+        if self._state != DEGRADED:  # a degraded tier's refused trials: its state line said so
+            self._log_limited("partial", logging.WARNING, message, failed=len(exc.failed))
         if len(exc.failed) >= n:
             self._suspect_now(f"every item of a {what} failed ({exc})", slow=False)
 
@@ -604,8 +662,16 @@ class RemoteTier:
         self._suspect = ""
         if state == HEALTHY:
             self._retry_s = self.retry_first_s
-            after = f" after {self._since - since:.1f} s {old}" if old == DOWN else ""
+            self._refused_run = 0
+            after = f" after {self._since - since:.1f} s {old}" if old in (DOWN, DEGRADED) else ""
             log_event(logging.INFO, "remote_up", f"remote {self.name}: healthy{after}", store=self.name)
+        elif state == DEGRADED:
+            log_event(
+                logging.WARNING, "remote_degraded",
+                f"remote {self.name}: degraded ({why}); serving its entries, dropping writes but one "
+                f"trial every {self._retry_s:g} s or more",
+                store=self.name, reason=why,
+            )  # fmt: skip
         elif state == DOWN:
             log_event(
                 logging.WARNING, "remote_down",
@@ -642,8 +708,11 @@ _COUNTERS = (
     "written",
     "bytes_written",
     "write_errors",
+    "encode_errors",
+    "fetched_v1",
     "dropped_full",
     "dropped_down",
+    "dropped_degraded",
     "errors",
     "timeouts",
     "slow",
