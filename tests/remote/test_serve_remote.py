@@ -57,7 +57,8 @@ def written(srv: Serve, n: int) -> None:
 def settled(since: Since) -> int:
     """Chunks the tier wrote, saw refused or dropped since ``since`` began."""
     d = since()
-    return sum(d[f"remote.{k}"] for k in ("written", "write_errors", "dropped_full", "dropped_down"))
+    kinds = ("written", "write_errors", "dropped_full", "dropped_down", "dropped_degraded")
+    return sum(d[f"remote.{k}"] for k in kinds)
 
 
 def events(srv: Serve, name: str) -> list[dict[str, Any]]:
@@ -479,16 +480,18 @@ def test_a_remote_at_its_memory_limit_refuses_or_evicts(tmp_path: Path) -> None:
 
         def fill(round: int, policy: str) -> None:
             node.client().config_set("maxmemory-policy", policy)
+            if policy != "noeviction":  # the tier degraded in the first round: a trial write heals it
+                trial = iter(bytes([i, 200 + round]) * 16 for i in range(1, 200))
+                assert until(lambda: a.put([next(trial)]).stored == 1 and remote(a.srv)["state"] == "healthy")
             sa, sb = Since(a.srv), Since(b.srv)
             keys = [bytes([i % 250 + 1, i // 250 + 1 + 10 * round]) * 16 for i in range(1600)]  # 2 KiB each
             for i in range(0, len(keys), 16):
                 assert a.put(keys[i : i + 16]).stored == 16
             assert until(lambda: settled(sa) == 1600), sa()
             da, evicted = sa(), int(node.client().info()["evicted_keys"])
-            if policy == "noeviction":  # the store refuses what does not fit: counted, not retried
-                assert (
-                    da["remote.write_errors"] > 0 and da["remote.written"] + da["remote.write_errors"] == 1600
-                )
+            if policy == "noeviction":  # the store refuses what does not fit: counted, then degraded
+                assert da["remote.write_errors"] > 0 and remote(a.srv)["state"] == "degraded"
+                assert settled(sa) == 1600 and da["remote.dropped_degraded"] > 0
             else:  # the store makes room: old entries go whole
                 assert evicted > 0 and da["remote.write_errors"] == 0 and da["remote.written"] == 1600
             got = [b.get(keys[i : i + 16]) for i in range(0, len(keys), 16)]  # every get answers

@@ -8,12 +8,17 @@ engines. In process: :class:`RemoteTier` and :class:`RemoteChain` over file stor
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from lmcache_platform.remote._chain import RemoteChain
@@ -226,3 +231,114 @@ def test_two_servers_sharing_a_directory_share_kv(tmp_path: Path) -> None:
         a.close()
         b.close()
         assert a_srv.stop() == 0 and b_srv.stop() == 0
+
+
+# -- a disk tier's faults: a small real file system (tmpfs, mounted as root) --------------------
+
+
+@contextlib.contextmanager
+def small_fs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``path``: a real file system that fills up and turns read-only."""
+    path.mkdir()
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if out.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (root and CAP_SYS_ADMIN needed): {out.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def remount(path: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
+
+
+_fresh = itertools.count(1)
+
+
+def heals(node: Node) -> bool:
+    """Put one new chunk (a degraded tier's next trial write), then whether the tier is healthy."""
+    key = next(_fresh).to_bytes(2, "big") + b"heal" + bytes(26)
+    assert node.put([key]) == 1  # served from memory whatever the tier does
+    time.sleep(0.1)
+    return bool(node.remote()["state"] == "healthy")
+
+
+def lines_with(srv: Serve, text: str) -> int:
+    return sum(text in line for line in srv.log().splitlines())
+
+
+def test_serve_refuses_a_disk_tier_it_cannot_write_with_one_line(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "mnt", "1m") as mnt:
+        (mnt / "kv").mkdir(mode=0o700)
+        remount(mnt, "ro")
+        srv = Serve(private_dir(tmp_path, "ro") / "kv.sock", "--remote", f"file://{mnt / 'kv'}")
+        assert srv.wait_exit() == 2
+        lines = srv.log().strip().splitlines()
+        assert len(lines) == 1, lines
+        assert "cannot start: remote tier: file store directory" in lines[0]
+        assert "is not writable (Read-only file system)" in lines[0] and "read-write file system" in lines[0]
+
+
+def test_a_full_disk_degrades_the_tier_and_serving_goes_on_until_it_has_room(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "mnt", "2m") as mnt:
+        filler = mnt / "filler"
+        filler.write_bytes(bytes(2 << 20))  # ENOSPC at its end: the rest of the file system is full
+        with serve(
+            tmp_path, "full", f"file://{mnt / 'kv'}?max_bytes=64M", flags=("--metrics-port", "0")
+        ) as srv:
+            node = Node(srv)
+            try:
+                for i in range(0, 12, 2):  # every put and get answers from memory
+                    assert node.put(KEYS[i : i + 2]) == 2
+                    assert node.get(KEYS[i : i + 2]) == 2 and node.holds(KEYS[i : i + 2])
+                assert until(lambda: node.remote()["state"] == "degraded"), node.remote()
+                r = node.remote()
+                assert r["write_errors"] >= 3 and r["written"] == 0, r
+                port = next(e["port"] for e in srv.events() if e["event"] == "metrics")
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+                (up,) = [
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("lmcache_platform_server_remote_up{")
+                ]
+                assert (
+                    up.endswith(" 0")
+                    and 'lmcache_platform_server_remote_dropped_total{reason="degraded"}' in text
+                )
+                filler.unlink()  # room again: a trial write heals the tier
+                assert until(lambda: heals(node), 60), node.remote()
+                written = node.remote()["written"]
+                assert written >= 1 and len(entry_files(mnt / "kv")) == written
+                assert len([e for e in srv.events() if e["event"] == "remote_degraded"]) == 1
+                assert len([e for e in srv.events() if e["event"] == "remote_up"]) == 2  # start, recovery
+                assert lines_with(srv, "No space left") == 1, srv.log()  # once, not per chunk
+            finally:
+                node.close()
+
+
+def test_a_disk_turned_read_only_still_serves_its_entries_and_recovers(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "mnt", "8m") as mnt:
+        url = f"file://{mnt / 'kv'}"
+        writer_srv, reader_srv = serve(tmp_path, "w", url), serve(tmp_path, "r", url)
+        writer, reader = Node(writer_srv), Node(reader_srv)
+        try:
+            assert writer.put(KEYS[:4]) == 4
+            assert until(lambda: writer.remote()["written"] == 4)
+            remount(mnt, "ro")
+            assert reader.get(KEYS[:4]) == 4 and reader.holds(KEYS[:4])  # read from the disk tier
+            for i in range(10, 16):
+                assert writer.put([KEYS[i]]) == 1  # served from memory, never failed
+            assert until(lambda: writer.remote()["state"] == "degraded"), writer.remote()
+            assert reader.get(KEYS[10:12]) == 0  # not written: misses, not errors
+            remount(mnt, "rw")
+            assert until(lambda: heals(writer), 60), writer.remote()
+            assert lines_with(writer_srv, "Read-only file system") <= 2, writer_srv.log()  # write, touch
+            assert reader.remote()["state"] == "healthy"
+        finally:
+            writer.close()
+            reader.close()
+            assert writer_srv.stop() == 0 and reader_srv.stop() == 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmcache_platform.remote._entry import EntryIdentity, TensorSpec, encode
-from lmcache_platform.remote._tier import RemoteTier, check_prefix, load_key_file
+from lmcache_platform.remote._tier import DEGRADE_AFTER, RemoteTier, check_prefix, load_key_file
 from support.valkey import ValkeyNode
 from support.waits import until
 
@@ -272,18 +272,26 @@ def test_maxmemory_with_lru_evicts_old_entries_whole(tmp_path: Path) -> None:
             tier.close()
 
 
-def test_maxmemory_without_eviction_counts_write_errors(tmp_path: Path) -> None:
+def test_maxmemory_without_eviction_degrades_the_tier_until_it_takes_writes_again(tmp_path: Path) -> None:
+    """A Valkey at ``maxmemory`` with ``noeviction`` refuses writes: counted, the tier degraded
+    (its entries still served, writes dropped but a trial), healthy again once it takes one."""
     with ValkeyNode(tmp_path / "full", config=["maxmemory 4mb", "maxmemory-policy noeviction"]) as node:
         tier = make_tier(node)
         try:
-            for key in KEYS[:20]:
+            assert tier.write_behind(NS, KEYS[0], chunk(0, 0.05)) and tier.flush(30)
+            for key in KEYS[1:20]:
                 tier.write_behind(NS, key, chunk(0, 0.5))
             assert tier.flush(30)
             s = tier.stats()
-            print(f"\nmaxmemory 4mb noeviction: written {s['written']}, write_errors {s['write_errors']}")
-            assert (
-                s["write_errors"] > 0 and s["written"] + s["write_errors"] == 20 and s["state"] == "healthy"
-            )
+            print(f"\nmaxmemory 4mb noeviction: {s}")
+            assert s["write_errors"] >= DEGRADE_AFTER and s["state"] == "degraded"
+            assert s["written"] + s["write_errors"] + s["dropped_degraded"] == 20
+            assert tier.fetch(NS, [KEYS[0]])[0] is not None  # what it holds is still served
+            node.client().config_set("maxmemory", "0")
+            key = iter(KEYS[20:])
+            assert until(lambda: tier.write_behind(NS, next(key), chunk(0, 0.05)) and tier.flush(5) and
+                         tier.state == "healthy", 20), tier.stats()  # fmt: skip
+            assert tier.stats()["state_changes"] == s["state_changes"] + 1
         finally:
             tier.close()
 

@@ -237,6 +237,9 @@ class FileStore:
         try:
             self._write_file(tmp, _HEADER.pack(MAGIC, 0), memoryview(b""))
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # writable, only full: the tier copes
+                self._unlink(tmp)
+                return
             os.close(self._dir_fd)
             raise RemoteConfigError(
                 f"file store directory {self.directory} is not writable ({exc.strerror or exc}): "

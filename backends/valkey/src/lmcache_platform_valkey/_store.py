@@ -84,6 +84,10 @@ class ValkeyStore:
             _stored,
         )
 
+    def delete_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
+        """Remove each key (an entry the server's tier refused as damaged); ``True`` where removed."""
+        return self._batch("delete", keys, [None] * len(keys), lambda p, k, _: p.delete(k), timeout, _removed)
+
     def ping(self, *, timeout: float) -> None:
         if self.config.cluster:
             self._ping_cluster(timeout)
@@ -323,6 +327,11 @@ def _value(reply: Any) -> bytes | None:
 def _stored(reply: Any) -> bool:
     """A ``SET`` reply as ``put_many`` answers it: ``True`` only for the server's OK."""
     return reply is True
+
+
+def _removed(reply: Any) -> bool:
+    """A ``DEL`` reply as ``delete_many`` answers it: ``True`` where a key was removed."""
+    return isinstance(reply, int) and reply > 0
 
 
 def _as_arg(value: Buffer) -> bytes | memoryview:
