@@ -173,6 +173,9 @@ def test_a_keyed_deployment_refuses_unkeyed_and_forged_entries(
         assert keyed.fetch(NS, KEYS[:1]) == [None] and keyed.stats()["refused_auth"] == 1
         fill(forger, 1)
         assert keyed.fetch(NS, KEYS[:1]) == [None] and keyed.stats()["refused_checksum"] == 1
+        assert keyed.stats()["removed_refused"] == 2  # deleted (delete_many): never read twice
+        assert valkey_node.client().exists(keyed.store_key(NS, KEYS[0])) == 0
+        fill(forger, 1)
         assert plain.fetch(NS, KEYS[:1]) == [None] and plain.stats()["refused_auth"] == 1
         fill(keyed, 2)
         assert [c is not None for c in keyed.fetch(NS, KEYS[:2])] == [True, True]

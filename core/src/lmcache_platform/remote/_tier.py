@@ -536,11 +536,13 @@ class RemoteTier:
                 continue
             items.append((self.store_key(item.namespace, item.key), entry))
         stored: list[bool] = []
+        failed: frozenset[int] = frozenset()  # items that failed (a node down), not refused
         try:
             if items:
                 stored = self.store.put_many(items, ttl=self.ttl_s, timeout=self.write_timeout_s)
         except RemotePartialError as exc:
             stored = [bool(s) for s in exc.results]
+            failed = frozenset(exc.failed)
             self._partial("write", exc, len(items))
         except RemoteTimeout as exc:  # slow or hung: the ping tells which; these chunks are lost
             self._add(timeouts=1, write_errors=len(items))
@@ -575,8 +577,8 @@ class RemoteTier:
                 self._refused_run = 0
                 if self._state == DEGRADED:
                     self._set_state(HEALTHY, "took a write")
-            elif stored:  # answered, and every chunk refused: full, read-only, out of memory
-                self._refused_run += len(stored)
+            elif len(stored) > len(failed):  # the store answered and refused: full, read-only...
+                self._refused_run += len(stored) - len(failed)
                 if self._state == HEALTHY and self._refused_run >= DEGRADE_AFTER:
                     self._degrade(f"it refused {self._refused_run} chunks in a row (see its log for why)")
                 elif self._state == DEGRADED:
