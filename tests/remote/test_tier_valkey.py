@@ -6,6 +6,7 @@ tier did (its answers and counters) and that no call raised.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import time
@@ -291,9 +292,13 @@ def test_maxmemory_without_eviction_degrades_the_tier_until_it_takes_writes_agai
             assert s["written"] + s["write_errors"] + s["dropped_degraded"] == 20
             assert tier.fetch(NS, [KEYS[0]])[0] is not None  # what it holds is still served
             node.client().config_set("maxmemory", "0")
-            key = iter(KEYS[20:])
-            assert until(lambda: tier.write_behind(NS, next(key), chunk(0, 0.05)) and tier.flush(5) and
-                         tier.state == "healthy", 20), tier.stats()  # fmt: skip
+            trials = (i.to_bytes(4, "big") * 8 for i in itertools.count(1 << 24))
+
+            def heals() -> bool:
+                tier.write_behind(NS, next(trials), chunk(0, 0.05))  # taken when a trial is due
+                return tier.flush(5) and tier.state == "healthy"
+
+            assert until(heals, 20, interval=0.2), tier.stats()
             assert tier.stats()["state_changes"] == s["state_changes"] + 1
         finally:
             tier.close()
