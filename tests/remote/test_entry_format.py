@@ -19,6 +19,7 @@ from lmcache_platform.remote._entry import (
     decode,
     derive_secret,
     encode,
+    encode_parts,
     spec_of,
 )
 
@@ -91,6 +92,15 @@ def test_a_version_is_checked_with_its_own_checksum_never_the_other(secret: byte
         data = bytearray(encode(chunk(), WHO, secret, version=version))
         data[4] = 3 - version
         refused(data, "checksum", secret=secret)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_entry_in_parts_is_the_same_bytes_without_copying_the_tensors(version: int) -> None:
+    tensors = [*chunk(), torch.randn(6, 4).t()]  # a non-contiguous one too
+    parts = encode_parts(tensors, WHO, SECRET, version=version)
+    assert b"".join(parts) == bytes(encode(tensors, WHO, SECRET, version=version))
+    first = int(tensors[0].data_ptr())
+    assert any(int(torch.frombuffer(p, dtype=torch.uint8).data_ptr()) == first for p in parts if len(p))
 
 
 def test_new_entries_are_the_new_version() -> None:

@@ -76,6 +76,7 @@ IO_THREADS: Final = 8
 #: At most one log line per kind of I/O error (an errno, per read or write) in this period.
 LOG_PERIOD_S: Final = 60.0
 _T = TypeVar("_T")
+_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 _R = TypeVar("_R")
 
 
@@ -113,6 +114,10 @@ class FileStoreConfig:
 
 class FileStore:
     """A :class:`~lmcache_platform.remote.RemoteStore` in one directory (see the module docstring)."""
+
+    #: Items of a batch are independent local files: the tier may read them one by one from
+    #: several threads and check each entry while the next one is read.
+    parallel_items: Final = True
 
     def __init__(self, config: FileStoreConfig) -> None:
         self.config = config
@@ -168,9 +173,16 @@ class FileStore:
     def put_many(
         self, items: Sequence[tuple[bytes, Buffer]], *, ttl: float | None, timeout: float
     ) -> list[bool]:
+        return self.put_many_gather([(key, [value]) for key, value in items], ttl=ttl, timeout=timeout)
+
+    def put_many_gather(
+        self, items: Sequence[tuple[bytes, Sequence[Buffer]]], *, ttl: float | None, timeout: float
+    ) -> list[bool]:
+        """:meth:`put_many` with each value given as the buffers it is made of, in order: one
+        ``writev`` per file from the caller's memory (the tier's entries without a copy)."""
         end = self._start(timeout)
         expires = time.time_ns() + int(ttl * 1e9) if ttl else 0
-        named = [(_name(key), value) for key, value in items]
+        named = [(_name(key), [memoryview(p).cast("B") for p in parts]) for key, parts in items]
         return self._each(lambda item: self._write(item[0], item[1], expires), named, end, "put")
 
     def delete_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
@@ -235,7 +247,7 @@ class FileStore:
         """Write, and remove, a small file: a directory nothing can be written to is refused."""
         tmp = f".tmp.{os.getpid()}.probe.{secrets.token_hex(4)}"
         try:
-            self._write_file(tmp, _HEADER.pack(MAGIC, 0), memoryview(b""))
+            self._write_file(tmp, [memoryview(_HEADER.pack(MAGIC, 0))])
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # writable, only full: the tier copes
                 self._unlink(tmp)
@@ -296,12 +308,11 @@ class FileStore:
             return False
         return True
 
-    def _write(self, name: str, value: Buffer, expires: int) -> bool:
-        data = memoryview(value).cast("B")
+    def _write(self, name: str, parts: list[memoryview], expires: int) -> bool:
         tmp = f".tmp.{os.getpid()}.{secrets.token_hex(8)}"
         for attempt in (0, 1):
             try:
-                self._write_file(tmp, _HEADER.pack(MAGIC, expires), data)
+                self._write_file(tmp, [memoryview(_HEADER.pack(MAGIC, expires)), *parts])
                 break
             except OSError as exc:
                 self._unlink(tmp)
@@ -310,7 +321,7 @@ class FileStore:
                     continue
                 self._warn("write", exc, f"cannot write {name}")
                 return False
-        size = _HEADER.size + len(data)
+        size = _HEADER.size + sum(len(p) for p in parts)
         try:
             old = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
         except FileNotFoundError:
@@ -328,15 +339,18 @@ class FileStore:
             self._evict(int(self.max_bytes * LOW_WATER))
         return True
 
-    def _write_file(self, tmp: str, head: bytes, data: memoryview) -> None:
+    def _write_file(self, tmp: str, parts: list[memoryview]) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600, dir_fd=self._dir_fd)
         try:
-            done = os.writev(fd, [head, data]) - len(head)  # one call, from the caller's buffer
-            if done < 0:
-                raise OSError(errno.EIO, f"short write of an entry header ({done + len(head)} bytes)")
-            while done < len(data):
-                done += os.write(fd, data[done : done + (64 << 20)])
+            left = [p for p in parts if len(p)]
+            while left:  # one writev, from the caller's buffers; again for what a short write left
+                done = os.writev(fd, left[:_IOV_MAX])
+                while left and done >= len(left[0]):
+                    done -= len(left[0])
+                    left.pop(0)
+                if left and done:
+                    left[0] = left[0][done:]
         finally:
             os.close(fd)
 

@@ -177,10 +177,63 @@ def encode(
     ``version`` 1 writes what older servers wrote (for tests of a mixed deployment).
     No numpy: the entry's memory is a torch tensor seen through ``ctypes``.
     """
-    if version not in VERSIONS:
-        raise ValueError(f"entry format version {version}: this server writes {VERSIONS}")
     import torch
 
+    header, offsets, payload_len = _header(tensors, who, secret, version)
+    header_len = len(header)
+    entry = torch.empty(header_len + payload_len, dtype=torch.uint8)  # no zero fill: every byte is written
+    prev = 0
+    for t, off in zip(tensors, offsets, strict=True):
+        entry[header_len + prev : header_len + off].zero_()  # alignment padding
+        entry[header_len + off : header_len + off + t.nbytes].copy_(_flat_bytes(t))
+        prev = off + t.nbytes
+    view = byte_view(entry)
+    h = _hasher(secret, version)
+    h.update(header[: header_len - DIGEST_BYTES])
+    h.update(view[header_len:])
+    header[header_len - DIGEST_BYTES :] = h.digest()
+    view[:header_len] = header
+    return view
+
+
+def encode_parts(
+    tensors: Sequence[torch.Tensor],
+    who: EntryIdentity,
+    secret: bytes | None = None,
+    *,
+    version: int = VERSION,
+) -> list[memoryview]:
+    """:func:`encode`'s entry as the buffers it is made of, in order, without copying the tensors.
+
+    The header, then each tensor's bytes (a view of its memory; a non-contiguous tensor is
+    made contiguous first) after its alignment padding: for a store that writes a list of
+    buffers in one call (``put_many_gather``, a ``writev``). The tensors must stay as they
+    are until the parts are written.
+    """
+    header, offsets, _ = _header(tensors, who, secret, version)
+    header_len = len(header)
+    parts: list[memoryview] = []
+    prev = 0
+    for t, off in zip(tensors, offsets, strict=True):
+        if off > prev:
+            parts.append(memoryview(bytes(off - prev)))
+        if t.nbytes:
+            parts.append(byte_view(_flat_bytes(t)))
+        prev = off + t.nbytes
+    h = _hasher(secret, version)
+    h.update(header[: header_len - DIGEST_BYTES])
+    for part in parts:
+        h.update(part)
+    header[header_len - DIGEST_BYTES :] = h.digest()
+    return [memoryview(header), *parts]
+
+
+def _header(
+    tensors: Sequence[torch.Tensor], who: EntryIdentity, secret: bytes | None, version: int
+) -> tuple[bytearray, list[int], int]:
+    """An entry's header (its checksum left zero), each tensor's payload offset, the payload length."""
+    if version not in VERSIONS:
+        raise ValueError(f"entry format version {version}: this server writes {VERSIONS}")
     specs = [spec_of(t) for t in tensors]
     _check_identity(who)
     if not 1 <= len(specs) <= MAX_TENSORS:
@@ -200,27 +253,14 @@ def encode(
         start = _align(end)
         offsets.append(start)
         end = start + t.nbytes
-    payload_len = end
     header = bytearray(header_len)
     flags = FLAG_KEYED if secret else 0
     _FIXED.pack_into(
         header, 0, MAGIC, version, flags, header_len, len(who.prefix), len(who.namespace), len(who.key),
-        len(specs), 0, payload_len,
+        len(specs), 0, end,
     )  # fmt: skip
     header[_FIXED.size : _FIXED.size + len(variable)] = variable
-    entry = torch.empty(header_len + payload_len, dtype=torch.uint8)  # no zero fill: every byte is written
-    prev = 0
-    for t, off in zip(tensors, offsets, strict=True):
-        entry[header_len + prev : header_len + off].zero_()  # alignment padding
-        entry[header_len + off : header_len + off + t.nbytes].copy_(_flat_bytes(t))
-        prev = off + t.nbytes
-    view = byte_view(entry)
-    h = _hasher(secret, version)
-    h.update(header[: header_len - DIGEST_BYTES])
-    h.update(view[header_len:])
-    header[header_len - DIGEST_BYTES :] = h.digest()
-    view[:header_len] = header
-    return view
+    return header, offsets, end
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

@@ -56,7 +56,8 @@ T = TypeVar("T")
 DEFAULT_QUEUE_BYTES = 1 << 30
 #: Default deadline of a call made without one (seconds).
 DEFAULT_CALL_TIMEOUT_S = 1.0
-#: A fetch of at least this many bytes in several entries checks them on decoder threads.
+#: A fetch (or a write) of at least this many bytes in several entries checks (or encodes)
+#: them on decoder threads.
 _PARALLEL_DECODE_BYTES = 16 << 20
 _LOG_PERIOD_S = 10.0  # at most one line per kind of trouble (refusals, partial failures) per 10 s
 _PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -159,6 +160,8 @@ class RemoteTier:
         self._suspect = ""  # why the writer pings to tell slow (or one node down) from down
         self._suspect_slow = False  # the suspicion is a timeout: a ping that answers means slow
         self._refused_run = 0  # chunks the store refused in a row (degraded at DEGRADE_AFTER)
+        #: The store's optional gather write (values as lists of buffers: entries without a copy).
+        self._gather: Callable[..., list[bool]] | None = getattr(store, "put_many_gather", None)
         self._trial = False  # a degraded tier's trial write is queued or in flight
         self._check_codec()
         self._counts: collections.Counter[str] = collections.Counter()
@@ -271,6 +274,8 @@ class RemoteTier:
         """
         if not keys:
             return []
+        if len(keys) > 1 and getattr(self.store, "parallel_items", False):
+            return self._fetch_each(namespace, keys, deadline, expect)
         answer = self._call(
             "fetch",
             deadline,
@@ -295,6 +300,36 @@ class RemoteTier:
         if refused:
             self._remove(namespace, refused, deadline)
         return out
+
+    def _fetch_each(
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        deadline: int | None,
+        expect: Sequence[TensorSpec] | None,
+    ) -> list[Decoded | None]:
+        """:meth:`fetch` from a store whose items are independent (``parallel_items``: a local
+        disk): each entry read and checked on its own decoder thread, so one entry's checksum
+        runs while the next one is read."""
+
+        def one(key: bytes) -> tuple[bool, Decoded | None]:
+            answer = self._call(
+                "fetch",
+                deadline,
+                lambda t: self.store.get_many([self.store_key(namespace, key)], timeout=t),
+                1,
+            )
+            if answer is None or answer[0][0] is None:
+                if answer is not None and not answer[1]:
+                    self._add(fetch_misses=1)
+                return False, None
+            return True, self._decode(namespace, key, answer[0][0], expect)
+
+        got = list(self._decoders().map(one, keys))
+        refused = [k for k, (found, d) in zip(keys, got, strict=True) if found and d is None]
+        if refused:
+            self._remove(namespace, refused, deadline)
+        return [d for _, d in got]
 
     def _remove(self, namespace: bytes, keys: Sequence[bytes], deadline: int | None) -> None:
         """Delete refused entries where the store can (``delete_many``): damage is never read twice."""
@@ -520,26 +555,33 @@ class RemoteTier:
         self._writing = len(batch)
         return batch
 
+    def _encode(self, item: _Item) -> tuple[bytes, Any] | None:
+        """One chunk's store key and entry (its parts, for a store that gathers them: no copy);
+        ``None`` (a lost write, counted) when it cannot be encoded."""
+        encode = _entry.encode_parts if self._gather is not None else _entry.encode
+        try:
+            entry = encode(item.tensors, EntryIdentity(self.prefix, item.namespace, item.key), self._secret)
+        except Exception as exc:  # counted as lost writes; the tier checked its codec at start
+            self._add(write_errors=1, encode_errors=1)
+            self._log_limited(
+                "encode", logging.WARNING,
+                f"remote {self.name}: cannot encode a chunk: {type(exc).__name__}: {exc}",
+            )  # fmt: skip
+            return None
+        return self.store_key(item.namespace, item.key), entry
+
     def _write(self, batch: list[_Item]) -> None:
-        items = []
-        for item in batch:
-            try:
-                entry = _entry.encode(
-                    item.tensors, EntryIdentity(self.prefix, item.namespace, item.key), self._secret
-                )
-            except Exception as exc:  # counted as lost writes; the tier checked its codec at start
-                self._add(write_errors=1, encode_errors=1)
-                self._log_limited(
-                    "encode", logging.WARNING,
-                    f"remote {self.name}: cannot encode a chunk: {type(exc).__name__}: {exc}",
-                )  # fmt: skip
-                continue
-            items.append((self.store_key(item.namespace, item.key), entry))
+        if len(batch) > 1 and sum(item.nbytes for item in batch) >= _PARALLEL_DECODE_BYTES:
+            encoded = list(self._decoders().map(self._encode, batch))  # copies and hashing drop the GIL
+        else:
+            encoded = [self._encode(item) for item in batch]
+        items = [e for e in encoded if e is not None]
         stored: list[bool] = []
         failed: frozenset[int] = frozenset()  # items that failed (a node down), not refused
         try:
             if items:
-                stored = self.store.put_many(items, ttl=self.ttl_s, timeout=self.write_timeout_s)
+                put = self._gather or self.store.put_many
+                stored = put(items, ttl=self.ttl_s, timeout=self.write_timeout_s)
         except RemotePartialError as exc:
             stored = [bool(s) for s in exc.results]
             failed = frozenset(exc.failed)
@@ -566,7 +608,7 @@ class RemoteTier:
                 stored = []
         ok = sum(1 for s in stored if s)
         answered = zip(items, stored, strict=True) if stored else ()  # none when the call failed
-        written_bytes = sum(len(entry) for (_, entry), s in answered if s)
+        written_bytes = sum(_size(entry) for (_, entry), s in answered if s)
         with self._lock:
             self._counts["written"] += ok
             self._counts["bytes_written"] += written_bytes
@@ -696,6 +738,13 @@ class RemoteTier:
                 return
             self._last_log[kind] = now
         log_event(level, f"remote_{kind}", message, store=self.name, **fields)
+
+
+def _size(entry: Buffer | Sequence[Buffer]) -> int:
+    """An entry's bytes, whole or in parts."""
+    if isinstance(entry, (bytes, bytearray, memoryview)):
+        return len(entry)
+    return sum(len(p) for p in entry)
 
 
 #: The counters :meth:`RemoteTier.stats` reports (besides state, the queue and refusals).
