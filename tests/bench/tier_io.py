@@ -14,6 +14,7 @@ Run with the project's Python (``make bench-tiers``)::
   reads' bytes held until the batch is read, as a fetch returns them), warm
   (page cache) and cold (the files' pages dropped with ``posix_fadvise(DONTNEED)`` after
   an ``fsync``, and the whole page cache where this process may, as root).
+  ``fetch_direct``: the same fetch with ``?direct=1`` (``O_DIRECT``: every read from the disk).
 * ``valkey``: the same entries through the tier over a local ``valkey-server`` against a
   raw pipelined ``SET``/``GET`` of the same bytes through the same client library.
 
@@ -163,8 +164,20 @@ def disk(args: argparse.Namespace) -> dict[str, Any]:
         out["cold"] = how
         out["fetch_cold_gbps"] = nbytes / best(fetch, args.runs, lambda: drop_cache(entry_files)) / 1e9
         out["plain_read_cold_gbps"] = nbytes / best(read_plain, args.runs, lambda: drop_cache(plain)) / 1e9
+        direct = RemoteTier.open(f"file://{base / 'kv'}?direct=1", prefix=PREFIX, call_timeout_s=120)
+        try:
+            assert direct.wait_ready(10)
+
+            def fetch_direct() -> None:
+                assert all(g is not None for g in direct.fetch(NS, ks)), direct.stats()
+
+            out["fetch_direct_gbps"] = nbytes / best(fetch_direct, args.runs) / 1e9
+            out["direct_taken"] = direct.store._direct  # type: ignore[attr-defined]
+        finally:
+            direct.close()
         for kind in ("warm", "cold"):
             out[f"fetch_{kind}_ratio"] = out[f"fetch_{kind}_gbps"] / out[f"plain_read_{kind}_gbps"]
+        out["fetch_direct_cold_ratio"] = out["fetch_direct_gbps"] / out["plain_read_cold_gbps"]
         out["store_ratio"] = out["store_gbps"] / out["plain_write_gbps"]
     finally:
         tier.close()

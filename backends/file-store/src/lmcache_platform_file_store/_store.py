@@ -1,6 +1,6 @@
 """One file per entry in a directory: a remote store that outlives every server process.
 
-``file:///absolute/dir[?max_bytes=64G]``. What makes it safe to share and to crash:
+``file:///absolute/dir[?max_bytes=64G][&direct=1]``. What makes it safe to share and to crash:
 
 * **Atomic entries.** A value is written to a temporary file in the same directory and
   renamed over the entry's name: a reader sees the old entry or the new one, never a
@@ -24,8 +24,12 @@
 * **The disk's speed.** A batch's files are read and written by :data:`IO_THREADS`
   threads at once (the system calls release the GIL), each file with one ``preadv``
   into the buffer handed back (no intermediate ``bytes``) or one ``writev`` of the
-  header and the caller's buffer (no copy). Errors are logged once per kind per
-  :data:`LOG_PERIOD_S`, not per file.
+  header and the caller's buffers (:meth:`FileStore.put_many_gather`: the tier's entry
+  as its header and views of the chunk's tensors, no copy). ``direct=1`` reads with
+  ``O_DIRECT`` into page-aligned memory (past the page cache: the disk's speed for cold
+  entries, without evicting the engine host's other pages; a warm page cache is not
+  used), falling back to buffered reads where the file system refuses it. Errors are
+  logged once per kind per :data:`LOG_PERIOD_S`, not per file.
 
 Each file starts with :data:`MAGIC` and the entry's expiry (Unix time in ns, 0: none),
 so ``ttl`` works without a clock of the store's own; an expired or foreign file is a miss.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -77,6 +82,9 @@ IO_THREADS: Final = 8
 LOG_PERIOD_S: Final = 60.0
 _T = TypeVar("_T")
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PAGE = mmap.PAGESIZE if mmap.PAGESIZE >= 4096 else 4096  # O_DIRECT's alignment, at least a block
 _R = TypeVar("_R")
 
 
@@ -87,6 +95,9 @@ class FileStoreConfig:
     directory: str
     max_bytes: int | None
     url: str
+    #: ``direct=1``: read entries with ``O_DIRECT`` (past the page cache) where the file system
+    #: takes it, buffered where it does not.
+    direct: bool = False
 
     @classmethod
     def from_url(cls, url: RemoteURL, options: RemoteOptions | None = None) -> FileStoreConfig:
@@ -97,10 +108,15 @@ class FileStoreConfig:
             )
         if not url.path:
             raise RemoteConfigError(f"remote URL {url.text}: name a directory: file:///absolute/dir")
-        unknown = sorted(set(url.query) - {"max_bytes"})
+        unknown = sorted(set(url.query) - {"max_bytes", "direct"})
         if unknown or (options is not None and options.settings):
             names = ", ".join(unknown or sorted(options.settings if options else ()))
-            raise RemoteConfigError(f"remote URL {url.text}: the file store knows max_bytes, not {names}")
+            raise RemoteConfigError(
+                f"remote URL {url.text}: the file store knows direct and max_bytes, not {names}"
+            )
+        direct = url.query.get("direct", "0")
+        if direct not in ("0", "1"):
+            raise RemoteConfigError(f"remote URL {url.text}: direct is 0 or 1, not {direct!r}")
         max_bytes = None
         if "max_bytes" in url.query:
             try:
@@ -109,7 +125,7 @@ class FileStoreConfig:
                 raise RemoteConfigError(f"remote URL {url.text}: max_bytes: {exc}") from None
             if max_bytes <= 0:
                 raise RemoteConfigError(f"remote URL {url.text}: max_bytes must be positive")
-        return cls("/" + url.path.lstrip("/"), max_bytes, url.text)
+        return cls("/" + url.path.lstrip("/"), max_bytes, url.text, direct == "1")
 
 
 class FileStore:
@@ -131,6 +147,7 @@ class FileStore:
         self._lock = threading.Lock()
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
+        self._direct = config.direct and _O_DIRECT != 0
         self._last_log: dict[str, float] = {}
         self._log_lock = threading.Lock()  # not _lock: eviction logs under it
         self._probe_writable()
@@ -262,22 +279,40 @@ class FileStore:
     # -- entries ---------------------------------------------------------------------------
 
     def _read(self, name: str, now: int) -> Buffer | None:
+        direct = self._direct
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            fd = os.open(name, _READ_FLAGS | (_O_DIRECT if direct else 0), dir_fd=self._dir_fd)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self._no_direct(exc)
+            return self._read(name, now)
         try:
             size = os.fstat(fd).st_size
-            data = bytearray(size)  # calloc: fresh zero pages, no fill pass
-            view, got = memoryview(data), 0
+            if direct:  # page-aligned memory, whole pages asked for from offset 0
+                view = memoryview(mmap.mmap(-1, max(-(-size // _PAGE) * _PAGE, _PAGE)))
+            else:
+                view = memoryview(bytearray(size))  # calloc: fresh zero pages, no fill pass
+            got = 0
             while got < size:
-                n = os.preadv(fd, [view[got:]], got)
+                try:
+                    n = os.preadv(fd, [view[got:]], got)
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    self._no_direct(exc)  # opened, then refused: this file system reads buffered
+                    return self._read(name, now)
                 if n == 0:
                     break  # truncated under us: core's checksum refuses what is left
                 got += n
+                if direct and got % _PAGE:
+                    break  # a direct read ends short only at the end of the file
         finally:
             os.close(fd)
-        head = _header(data)
+        got = min(got, size)
+        head = _header(view[:got])
         if head is None:
             logger.warning("file store %s: %s is not an entry of this store; ignored", self.directory, name)
             return None
@@ -291,6 +326,15 @@ class FileStore:
         except OSError as exc:  # a read-only file system: the entry is still good to read
             self._warn("touch", exc, f"cannot mark {name} as recently used")
         return view[_HEADER.size : got]  # no copy: the buffer is this call's own
+
+    def _no_direct(self, exc: OSError) -> None:
+        """The file system refuses ``O_DIRECT``: buffered reads from now on, said once."""
+        if self._direct:
+            self._direct = False
+            logger.info(
+                "file store %s: the file system does not take O_DIRECT (%s); reading through the page cache",
+                self.directory, exc.strerror or exc,
+            )  # fmt: skip
 
     def _live(self, name: str, now: int) -> bool:
         try:
@@ -433,7 +477,7 @@ def _name(key: bytes) -> str:
     return "h." + hashlib.sha256(key).hexdigest()
 
 
-def _header(data: bytes | bytearray) -> int | None:
+def _header(data: Buffer) -> int | None:
     """The expiry in an entry's first bytes (0: none), or ``None`` when they are not ours."""
     if len(data) < _HEADER.size:
         return None
