@@ -4,6 +4,7 @@ Run with the project's Python (``make bench-tiers``)::
 
     .venv/bin/python tests/bench/tier_io.py [--entries 8] [--entry-mib 8] [--runs 5] [--json]
         [--section checksum --section disk --section valkey]
+    .venv-vllm/bin/python tests/bench/tier_io.py --section disk --section vllm-fs
 
 * ``checksum``: GB/s of the entry checksum on one core, version 1 (keyed BLAKE2b) against
   version 2 (keyed BLAKE3), over one entry-sized buffer; and a whole ``encode`` + ``decode``
@@ -15,6 +16,8 @@ Run with the project's Python (``make bench-tiers``)::
   (page cache) and cold (the files' pages dropped with ``posix_fadvise(DONTNEED)`` after
   an ``fsync``, and the whole page cache where this process may, as root).
   ``fetch_direct``: the same fetch with ``?direct=1`` (``O_DIRECT``: every read from the disk).
+* ``vllm-fs`` (with the vLLM venv's Python): vLLM's own ``fs`` tier's I/O on the same
+  bytes, as its manager runs it; run it with ``disk`` in one command to compare.
 * ``valkey``: the same entries through the tier over a local ``valkey-server`` against a
   raw pipelined ``SET``/``GET`` of the same bytes through the same client library.
 
@@ -240,10 +243,77 @@ def valkey(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# -- vLLM's own fs tier ---------------------------------------------------------------------
+
+
+def vllm_fs(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's ``fs`` secondary tier's I/O on the same bytes, as its manager runs it: one job of
+    the batch's chunks (``batch_store_block``/``batch_load_block``, ``O_DIRECT`` where
+    ``probe_o_direct`` says so) on its ``DualQueueThreadPool`` (16 read, 16 write threads),
+    from and into a page-aligned primary region (vLLM's is an mmap'd file in /dev/shm)."""
+    import mmap
+
+    from vllm.v1.kv_offload.tiering.fs.io import (  # type: ignore[import-not-found]
+        batch_load_block,
+        batch_store_block,
+        probe_o_direct,
+    )
+    from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool  # type: ignore[import-not-found]
+
+    from lmcache_platform.remote._entry import byte_view
+
+    data = chunks(args.entries, args.entry_mib)
+    block = int(data[0][0].nbytes)
+    region = mmap.mmap(-1, block * args.entries)
+    view = memoryview(region)
+    for i, c in enumerate(data):
+        view[i * block : (i + 1) * block] = byte_view(c[0])
+    base = Path(tempfile.mkdtemp(prefix="lmcp-bench-vllmfs-", dir=args.dir))
+    paths = [str(base / f"k{i}.bin") for i in range(args.entries)]
+    offsets = [i * block for i in range(args.entries)]
+    direct = probe_o_direct(str(base))
+    pool = DualQueueThreadPool(16, 16)
+    jobs = iter(range(1 << 30))
+    nbytes = block * args.entries
+    out: dict[str, Any] = {"entries": args.entries, "bytes": nbytes, "o_direct": direct}
+
+    def run(enqueue: Callable[..., None], fn: Callable[[], None]) -> None:
+        enqueue(next(jobs), 1, [fn])
+        pool.wait_idle()
+        for _, ok, _ in pool.get_finished():
+            assert ok
+
+    def clear() -> None:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+    try:
+
+        def store() -> None:
+            run(pool.enqueue_store, lambda: batch_store_block(paths, view, offsets, block, direct))
+
+        def load() -> None:
+            run(pool.enqueue_load, lambda: batch_load_block(paths, view, offsets, block, direct))
+
+        out["store_gbps"] = nbytes / best(store, args.runs, clear) / 1e9
+        files = [Path(p) for p in paths]
+        out["load_warm_gbps"] = nbytes / best(load, args.runs) / 1e9
+        out["load_cold_gbps"] = nbytes / best(load, args.runs, lambda: drop_cache(files)) / 1e9
+    finally:
+        pool.shutdown()
+        clear()
+        base.rmdir()
+        view.release()
+        region.close()
+    return out
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "checksum": checksum,
     "disk": disk,
     "valkey": valkey,
+    "vllm-fs": vllm_fs,
 }
 
 
@@ -259,7 +329,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     report = {"cpus": os.cpu_count(), "loadavg": os.getloadavg()[0]}
-    results = {name: SECTIONS[name](args) for name in args.section or SECTIONS}
+    default = [n for n in SECTIONS if n != "vllm-fs"]  # that one needs vLLM (.venv-vllm)
+    results = {name: SECTIONS[name](args) for name in args.section or default}
     if args.json:
         print(json.dumps({**report, **results}, indent=1))
         return
