@@ -571,6 +571,21 @@ class RemoteTier:
         return self.store_key(item.namespace, item.key), entry
 
     def _write(self, batch: list[_Item]) -> None:
+        """Write one batch; for a store of independent items (``parallel_items``: a local disk),
+        each chunk is encoded and written on its own decoder thread, so one's checksum runs
+        while another is written."""
+        try:
+            if len(batch) > 1 and getattr(self.store, "parallel_items", False):
+                list(self._decoders().map(lambda item: self._write_some([item]), batch))
+            else:
+                self._write_some(batch)
+        finally:
+            with self._lock:
+                self._writing = 0
+                self._trial = False
+                self._wake.notify_all()
+
+    def _write_some(self, batch: list[_Item]) -> None:
         if len(batch) > 1 and sum(item.nbytes for item in batch) >= _PARALLEL_DECODE_BYTES:
             encoded = list(self._decoders().map(self._encode, batch))  # copies and hashing drop the GIL
         else:
@@ -613,8 +628,6 @@ class RemoteTier:
             self._counts["written"] += ok
             self._counts["bytes_written"] += written_bytes
             self._counts["write_errors"] += len(stored) - ok
-            self._writing = 0
-            self._trial = False
             if ok:
                 self._refused_run = 0
                 if self._state == DEGRADED:
@@ -626,7 +639,6 @@ class RemoteTier:
                 elif self._state == DEGRADED:
                     self._retry_s = min(self._retry_s * 2, self.retry_max_s)
                     self._next_probe = time.monotonic() + self._retry_s
-            self._wake.notify_all()
 
     def _degrade(self, why: str) -> None:
         """Under the lock: reads go on, the queue is dropped, one trial write per backoff period."""
