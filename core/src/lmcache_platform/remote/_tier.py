@@ -59,6 +59,8 @@ DEFAULT_CALL_TIMEOUT_S = 1.0
 #: A fetch (or a write) of at least this many bytes in several entries checks (or encodes)
 #: them on decoder threads.
 _PARALLEL_DECODE_BYTES = 16 << 20
+#: Entries in flight at once from a store of independent items (``parallel_items``).
+_ITEM_THREADS = 4
 _LOG_PERIOD_S = 10.0  # at most one line per kind of trouble (refusals, partial failures) per 10 s
 _PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -147,6 +149,7 @@ class RemoteTier:
         self.retry_max_s = retry_max_s
         self.decode_threads = decode_threads
         self._decode_pool: ThreadPoolExecutor | None = None
+        self._items: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Item] = collections.deque()
@@ -325,7 +328,7 @@ class RemoteTier:
                 return False, None
             return True, self._decode(namespace, key, answer[0][0], expect)
 
-        got = list(self._decoders().map(one, keys))
+        got = list(self._item_pool().map(one, keys))
         refused = [k for k, (found, d) in zip(keys, got, strict=True) if found and d is None]
         if refused:
             self._remove(namespace, refused, deadline)
@@ -361,6 +364,17 @@ class RemoteTier:
             return None
         self._add(fetched=1, bytes_fetched=chunk.nbytes, fetched_v1=int(chunk.version == 1))
         return chunk
+
+    def _item_pool(self) -> ThreadPoolExecutor:
+        """Threads for a store of independent items: each reads or writes one entry and checks
+        or encodes it (several in flight: a disk's queue; the checksums share the cores)."""
+        with self._lock:
+            if self._items is None:
+                self._items = ThreadPoolExecutor(
+                    max_workers=max(self.decode_threads, _ITEM_THREADS),
+                    thread_name_prefix="lmcache-remote-item",
+                )
+            return self._items
 
     def _decoders(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -453,8 +467,9 @@ class RemoteTier:
                 bytes=dropped_bytes,
             )  # fmt: skip
         self._writer.join(timeout)
-        if self._decode_pool is not None:
-            self._decode_pool.shutdown(wait=False)
+        for pool in (self._decode_pool, self._items):
+            if pool is not None:
+                pool.shutdown(wait=False)
         try:
             self.store.close()
         except Exception:
@@ -576,7 +591,7 @@ class RemoteTier:
         while another is written."""
         try:
             if len(batch) > 1 and getattr(self.store, "parallel_items", False):
-                list(self._decoders().map(lambda item: self._write_some([item]), batch))
+                list(self._item_pool().map(lambda item: self._write_some([item]), batch))
             else:
                 self._write_some(batch)
         finally:
