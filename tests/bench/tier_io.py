@@ -147,8 +147,13 @@ def disk(args: argparse.Namespace) -> dict[str, Any]:
                 with open(p, "wb") as f:
                     f.write(r)
 
-        out["store_gbps"] = nbytes / best(store, args.runs) / 1e9
-        out["plain_write_gbps"] = nbytes / best(write_plain, args.runs) / 1e9
+        def clear(directory: Path, pattern: str) -> None:
+            for p in directory.glob(pattern):
+                p.unlink()
+
+        # New files each time, as vllm-fs's store (its files removed untimed before each run)
+        out["store_gbps"] = nbytes / best(store, args.runs, lambda: clear(base / "kv", "e.*")) / 1e9
+        out["plain_write_gbps"] = nbytes / best(write_plain, args.runs, lambda: clear(plain_dir, "f*")) / 1e9
         entry_files = sorted((base / "kv").glob("e.*"))
 
         def fetch() -> None:
