@@ -81,6 +81,18 @@ def test_damaged_truncated_and_foreign_entries_are_refused_counted_and_removed(t
         t.close()
 
 
+def test_a_chunk_that_cannot_be_encoded_is_a_counted_write_error(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv")
+    try:
+        assert t.write_behind(NS, KEYS[0], [torch.zeros(4, dtype=torch.complex64)])  # no entry dtype
+        assert t.write_behind(NS, KEYS[1], chunk(1))
+        assert t.flush(10)
+        s = t.stats()
+        assert (s["write_errors"], s["encode_errors"], s["written"], s["state"]) == (1, 1, 1, "healthy"), s
+    finally:
+        t.close()
+
+
 def test_a_chain_looks_through_its_tiers_in_order_and_brings_chunks_nearer(tmp_path: Path) -> None:
     near, far = tier(tmp_path / "near"), tier(tmp_path / "far")
     chain = RemoteChain([near, far])
