@@ -15,7 +15,9 @@ Run with the project's Python (``make bench-tiers``)::
   reads' bytes held until the batch is read, as a fetch returns them), warm
   (page cache) and cold (the files' pages dropped with ``posix_fadvise(DONTNEED)`` after
   an ``fsync``, and the whole page cache where this process may, as root).
-  ``fetch_direct``: the same fetch with ``?direct=1`` (``O_DIRECT``: every read from the disk).
+  ``fetch_direct``: the same fetch with ``?direct=1`` (``O_DIRECT``: every read from the disk);
+  ``fetch_placed``: the server's fetch, read straight into chunk memory prepared ahead
+  (``fetch(into=...)``, the file store's ``get_many_into``).
 * ``vllm-fs`` (with the vLLM venv's Python): vLLM's own ``fs`` tier's I/O on the same
   bytes, as its manager runs it; run it with ``disk`` in one command to compare.
 * ``valkey``: the same entries through the tier over a local ``valkey-server`` against a
@@ -166,11 +168,27 @@ def disk(args: argparse.Namespace) -> dict[str, Any]:
                 with open(p, "rb") as f:
                     held.append(f.read())
 
+        import torch
+
+        from lmcache_platform.remote._entry import spec_of
+
+        expect = [spec_of(t) for t in data[0]]
+        pool = [[torch.empty_like(t).fill_(0) for t in data[0]] for _ in ks]  # faulted in, as serve's
+        free = iter(range(1 << 30))
+
+        def fetch_placed() -> None:  # the server's path: straight into its prepared chunk memory
+            got = tier.fetch(NS, ks, expect=expect, into=lambda: pool[next(free) % len(pool)])
+            assert all(g is not None and g.placed for g in got), tier.stats()
+
         out["fetch_warm_gbps"] = nbytes / best(fetch, args.runs) / 1e9
+        out["fetch_placed_warm_gbps"] = nbytes / best(fetch_placed, args.runs) / 1e9
         out["plain_read_warm_gbps"] = nbytes / best(read_plain, args.runs) / 1e9
         how = drop_cache(entry_files)
         out["cold"] = how
         out["fetch_cold_gbps"] = nbytes / best(fetch, args.runs, lambda: drop_cache(entry_files)) / 1e9
+        out["fetch_placed_cold_gbps"] = (
+            nbytes / best(fetch_placed, args.runs, lambda: drop_cache(entry_files)) / 1e9
+        )
         out["plain_read_cold_gbps"] = nbytes / best(read_plain, args.runs, lambda: drop_cache(plain)) / 1e9
         direct = RemoteTier.open(f"file://{base / 'kv'}?direct=1", prefix=PREFIX, call_timeout_s=120)
         try:

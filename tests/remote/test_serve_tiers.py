@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from lmcache_platform.remote._chain import RemoteChain
+from lmcache_platform.remote._entry import TensorSpec
 from lmcache_platform.remote._tier import RemoteTier
 from lmcache_platform.server import ServerClient
 from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir
@@ -89,6 +90,40 @@ def test_a_chunk_that_cannot_be_encoded_is_a_counted_write_error(tmp_path: Path)
         assert t.flush(10)
         s = t.stats()
         assert (s["write_errors"], s["encode_errors"], s["written"], s["state"]) == (1, 1, 1, "healthy"), s
+    finally:
+        t.close()
+
+
+def test_a_fetch_reads_straight_into_the_callers_memory_with_every_check(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv")
+    try:
+        for i in range(4):
+            assert t.write_behind(NS, KEYS[i], chunk(i))
+        assert t.flush(10)
+        expect = [TensorSpec("uint8", (CHUNK_BYTES,))]
+        made: list[torch.Tensor] = []
+
+        def into() -> list[torch.Tensor]:
+            made.append(torch.empty(CHUNK_BYTES, dtype=torch.uint8))
+            return made[-1:]
+
+        got = t.fetch(NS, KEYS[:5], expect=expect, into=into)
+        for i in range(4):
+            d = got[i]
+            assert d is not None and d.placed and any(d.tensors[0] is m for m in made)  # made on threads
+            assert torch.equal(d.tensors[0], chunk(i)[0])
+        assert got[4] is None and t.stats()["fetch_misses"] == 1
+        files = entry_files(tmp_path / "kv")
+        damaged = bytearray(files[0].read_bytes())
+        damaged[-1] ^= 1
+        files[0].write_bytes(bytes(damaged))  # same length: read in place, then refused
+        assert t.fetch(NS, KEYS[:1], expect=expect, into=into) == [None]
+        other = [TensorSpec("uint8", (CHUNK_BYTES // 2,))]  # another layout: read whole, refused
+        assert t.fetch(
+            NS, KEYS[1:2], expect=other, into=lambda: [torch.empty(CHUNK_BYTES // 2, dtype=torch.uint8)]
+        ) == [None]
+        s = t.stats()
+        assert (s["refused_checksum"], s["refused_layout"], s["removed_refused"]) == (1, 1, 2), s
     finally:
         t.close()
 

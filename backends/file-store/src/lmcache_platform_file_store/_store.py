@@ -178,6 +178,36 @@ class FileStore:
             )
         return out
 
+    def get_many_into(
+        self, keys: Sequence[bytes], into: Sequence[Sequence[Buffer]], *, timeout: float
+    ) -> list[int | None]:
+        """Read each key's value into its buffers (``into[i]``, filled in order): the length of
+        each value, ``None`` where absent. A value whose length is not the buffers' total is
+        not read (its length says so): the caller reads it with :meth:`get_many`. One
+        ``preadv`` per file, into the caller's memory (the server's chunk memory)."""
+        end = self._start(timeout)
+        now = time.time_ns()
+        jobs = [
+            (_name(key), [memoryview(b).cast("B") for b in bufs])
+            for key, bufs in zip(keys, into, strict=True)
+        ]
+
+        def read(job: tuple[str, list[memoryview]]) -> int | OSError | None:
+            try:
+                return self._read_into(job[0], job[1], now)
+            except OSError as exc:
+                self._warn("read", exc, f"cannot read {job[0]}")
+                return exc
+
+        got = self._each(read, jobs, end, "get")
+        out = [None if isinstance(g, OSError) else g for g in got]
+        failed = [i for i, g in enumerate(got) if isinstance(g, OSError)]
+        if failed:
+            raise RemotePartialError(
+                f"{self.config.url}: {len(failed)} of {len(keys)} reads failed", results=out, failed=failed
+            )
+        return out
+
     def exists_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
         end = self._start(timeout)
         now = time.time_ns()
@@ -319,13 +349,54 @@ class FileStore:
         if head and head <= now:
             self._unlink(name)
             return None
+        self._touch(name)
+        return view[_HEADER.size : got]  # no copy: the buffer is this call's own
+
+    def _read_into(self, name: str, bufs: list[memoryview], now: int) -> int | None:
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size - _HEADER.size
+            head = bytearray(_HEADER.size)
+            want = sum(len(b) for b in bufs)
+            if size != want:  # not the layout asked for: only the header, for its checks
+                os.preadv(fd, [head], 0)
+            else:
+                left, offset = [memoryview(head), *[b for b in bufs if len(b)]], 0
+                while left:
+                    n = os.preadv(fd, left[:_IOV_MAX], offset)
+                    if n == 0:
+                        size = offset - _HEADER.size  # truncated under us: a short value
+                        break
+                    offset += n
+                    while left and n >= len(left[0]):
+                        n -= len(left[0])
+                        left.pop(0)
+                    if left and n:
+                        left[0] = left[0][n:]
+        finally:
+            os.close(fd)
+        expires = _header(head)
+        if expires is None or (expires and expires <= now):
+            if expires:
+                self._unlink(name)
+            else:
+                logger.warning(
+                    "file store %s: %s is not an entry of this store; ignored", self.directory, name
+                )
+            return None
+        self._touch(name)
+        return max(size, 0)
+
+    def _touch(self, name: str) -> None:
         try:
             os.utime(name, dir_fd=self._dir_fd)  # least recently used goes first
         except FileNotFoundError:  # evicted by another server meanwhile: what was read is whole
             pass
         except OSError as exc:  # a read-only file system: the entry is still good to read
             self._warn("touch", exc, f"cannot mark {name} as recently used")
-        return view[_HEADER.size : got]  # no copy: the buffer is this call's own
 
     def _no_direct(self, exc: OSError) -> None:
         """The file system refuses ``O_DIRECT``: buffered reads from now on, said once."""

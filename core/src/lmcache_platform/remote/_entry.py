@@ -111,6 +111,8 @@ class Decoded(NamedTuple):
     tensors: list[torch.Tensor]
     nbytes: int
     version: int = VERSION
+    #: The tensors are the caller's own, read in place (``RemoteTier.fetch(into=...)``).
+    placed: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,14 +234,23 @@ def _header(
     tensors: Sequence[torch.Tensor], who: EntryIdentity, secret: bytes | None, version: int
 ) -> tuple[bytearray, list[int], int]:
     """An entry's header (its checksum left zero), each tensor's payload offset, the payload length."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"remote entries are written from host memory, got a tensor on {t.device}")
+    return _header_of([(spec_of(t), int(t.nbytes)) for t in tensors], who, secret, version)
+
+
+def _header_of(
+    tensors: Sequence[tuple[TensorSpec, int]], who: EntryIdentity, secret: bytes | None, version: int
+) -> tuple[bytearray, list[int], int]:
+    """:func:`_header` from each tensor's spec and byte count."""
     if version not in VERSIONS:
         raise ValueError(f"entry format version {version}: this server writes {VERSIONS}")
-    specs = [spec_of(t) for t in tensors]
     _check_identity(who)
-    if not 1 <= len(specs) <= MAX_TENSORS:
-        raise ValueError(f"a chunk has 1 to {MAX_TENSORS} tensors, got {len(specs)}")
+    if not 1 <= len(tensors) <= MAX_TENSORS:
+        raise ValueError(f"a chunk has 1 to {MAX_TENSORS} tensors, got {len(tensors)}")
     descr = bytearray()
-    for s in specs:
+    for s, _ in tensors:
         if s.dtype not in ALLOWED_DTYPES or len(s.shape) > MAX_NDIM:
             raise ValueError(f"cannot store a tensor of {s.dtype} with {len(s.shape)} dims remotely")
         name = s.dtype.encode()
@@ -247,17 +258,15 @@ def _header(
     variable = who.prefix + who.namespace + who.key + bytes(descr)
     header_len = _align(_FIXED.size + len(variable) + DIGEST_BYTES)
     offsets, end = [], 0
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(f"remote entries are written from host memory, got a tensor on {t.device}")
+    for _, nbytes in tensors:
         start = _align(end)
         offsets.append(start)
-        end = start + t.nbytes
+        end = start + nbytes
     header = bytearray(header_len)
     flags = FLAG_KEYED if secret else 0
     _FIXED.pack_into(
         header, 0, MAGIC, version, flags, header_len, len(who.prefix), len(who.namespace), len(who.key),
-        len(specs), 0, end,
+        len(tensors), 0, end,
     )  # fmt: skip
     header[_FIXED.size : _FIXED.size + len(variable)] = variable
     return header, offsets, end
@@ -302,8 +311,64 @@ def decode(
     header fields, identity, layout) run before the checksum, which reads every byte.
     """
     view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
-    if len(view) < _FIXED.size:
-        raise Refused("truncated", f"{len(view)} bytes is shorter than an entry header")
+    version, header_len, specs, sizes, offsets = _check_header(view, len(view), who, secret, expect)
+    h = _hasher(secret, version)
+    h.update(view[: header_len - DIGEST_BYTES])
+    h.update(view[header_len:])
+    if h.digest() != view[header_len - DIGEST_BYTES : header_len]:
+        raise Refused("checksum", "checksum mismatch: the entry was corrupted or forged")
+    return Decoded(_tensors(view, specs, sizes, [header_len + o for o in offsets]), sum(sizes), version)
+
+
+def plan(
+    who: EntryIdentity, expect: Sequence[TensorSpec], secret: bytes | None = None
+) -> tuple[int, list[int], int]:
+    """Where an entry of ``who`` with tensors ``expect`` puts things: its header length, each
+    tensor's offset in the payload, the payload length (for reading one into place)."""
+    header, offsets, payload_len = _header_of([(s, _nbytes(s)) for s in expect], who, secret, VERSION)
+    return len(header), offsets, payload_len
+
+
+def decode_placed(
+    header: Buffer,
+    payload: Sequence[Buffer],
+    tensors: Sequence[torch.Tensor],
+    who: EntryIdentity,
+    secret: bytes | None = None,
+    expect: Sequence[TensorSpec] | None = None,
+) -> Decoded:
+    """:func:`decode` of an entry read in place (see :func:`plan`): ``header`` its header,
+    ``payload`` its payload's pieces in order (padding and the ``tensors``' own bytes).
+
+    The same checks, the same refusals; the tensors returned are ``tensors`` themselves.
+    """
+    view = memoryview(header).cast("B")
+    total = len(view) + sum(len(memoryview(p).cast("B")) for p in payload)
+    version, header_len, specs, _sizes, _offsets = _check_header(view, total, who, secret, expect)
+    if header_len != len(view) or [spec_of(t) for t in tensors] != specs:
+        raise Refused(
+            "layout", f"entry holds {_show(specs)}, read into {_show([spec_of(t) for t in tensors])}"
+        )
+    h = _hasher(secret, version)
+    h.update(view[: header_len - DIGEST_BYTES])
+    for piece in payload:
+        h.update(piece)
+    if h.digest() != view[header_len - DIGEST_BYTES : header_len]:
+        raise Refused("checksum", "checksum mismatch: the entry was corrupted or forged")
+    return Decoded(list(tensors), sum(int(t.nbytes) for t in tensors), version)
+
+
+def _check_header(
+    view: memoryview,
+    total: int,
+    who: EntryIdentity,
+    secret: bytes | None,
+    expect: Sequence[TensorSpec] | None,
+) -> tuple[int, int, list[TensorSpec], list[int], list[int]]:
+    """Every check but the checksum of an entry of ``total`` bytes whose header ``view`` starts:
+    its version, header length, tensor specs, their sizes and payload offsets."""
+    if total < _FIXED.size or len(view) < _FIXED.size:
+        raise Refused("truncated", f"{total} bytes is shorter than an entry header")
     magic, version, flags, header_len, np_, nn, nk, nt, reserved, payload_len = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise Refused("magic", f"not an lmcache-platform entry (starts with {bytes(magic)!r})")
@@ -321,8 +386,8 @@ def decode(
         or not 1 <= nt <= MAX_TENSORS
     ):
         raise Refused("header", "malformed entry header fields")
-    if len(view) != header_len + payload_len:
-        raise Refused("truncated", f"{len(view)} bytes where the header says {header_len + payload_len}")
+    if total != header_len + payload_len:
+        raise Refused("truncated", f"{total} bytes where the header says {header_len + payload_len}")
     specs = _specs(view, _FIXED.size + np_ + nn + nk, nt, header_len - DIGEST_BYTES)
     if bool(flags & FLAG_KEYED) != bool(secret):
         raise Refused(
@@ -350,12 +415,7 @@ def decode(
         raise Refused("header", f"tensors of {end} bytes in a payload of {payload_len}")
     if expect is not None and list(specs) != [TensorSpec(e.dtype, tuple(e.shape)) for e in expect]:
         raise Refused("layout", f"entry holds {_show(specs)}, expected {_show(expect)}")
-    h = _hasher(secret, version)
-    h.update(view[: header_len - DIGEST_BYTES])
-    h.update(view[header_len:])
-    if h.digest() != view[header_len - DIGEST_BYTES : header_len]:
-        raise Refused("checksum", "checksum mismatch: the entry was corrupted or forged")
-    return Decoded(_tensors(view, specs, sizes, [header_len + o for o in offsets]), sum(sizes), version)
+    return version, header_len, specs, sizes, offsets
 
 
 def _specs(view: memoryview, pos: int, count: int, limit: int) -> list[TensorSpec]:

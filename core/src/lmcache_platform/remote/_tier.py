@@ -267,18 +267,23 @@ class RemoteTier:
         keys: Sequence[bytes],
         deadline: int | None = None,
         expect: Sequence[TensorSpec] | None = None,
+        into: Callable[[], Sequence[torch.Tensor]] | None = None,
     ) -> list[Decoded | None]:
         """Each chunk of ``keys`` from the store, checked; ``None`` where absent, refused or failed.
 
         One pipelined round trip within ``deadline``. An entry is returned only when it is
         exactly this deployment's ``(namespace, key)``, its checksum holds, and (given
         ``expect``) its tensors have those dtypes and shapes; every refusal is counted by
-        reason (``refused_<reason>``). The tensors are read-only views of the fetched bytes.
+        reason (``refused_<reason>``). The tensors are read-only views of the fetched bytes;
+        or, given ``into`` (a maker of host tensors of the ``expect``-ed specs, such as a
+        context's ``allocate_chunk``) and a store that reads in place (``get_many_into``),
+        tensors ``into`` made, read straight into (``Decoded.placed``).
         """
         if not keys:
             return []
-        if len(keys) > 1 and getattr(self.store, "parallel_items", False):
-            return self._fetch_each(namespace, keys, deadline, expect)
+        placing = into is not None and expect is not None and hasattr(self.store, "get_many_into")
+        if (len(keys) > 1 or placing) and getattr(self.store, "parallel_items", False):
+            return self._fetch_each(namespace, keys, deadline, expect, into if placing else None)
         answer = self._call(
             "fetch",
             deadline,
@@ -310,12 +315,17 @@ class RemoteTier:
         keys: Sequence[bytes],
         deadline: int | None,
         expect: Sequence[TensorSpec] | None,
+        into: Callable[[], Sequence[torch.Tensor]] | None = None,
     ) -> list[Decoded | None]:
         """:meth:`fetch` from a store whose items are independent (``parallel_items``: a local
         disk): each entry read and checked on its own decoder thread, so one entry's checksum
-        runs while the next one is read."""
+        runs while the next one is read; with ``into``, read in place (:meth:`_fetch_placed`)."""
 
         def one(key: bytes) -> tuple[bool, Decoded | None]:
+            if into is not None and expect is not None:
+                placed = self._fetch_placed(namespace, key, deadline, expect, into)
+                if placed is not None:
+                    return placed
             answer = self._call(
                 "fetch",
                 deadline,
@@ -349,6 +359,49 @@ class RemoteTier:
             removed, _failed = answer
             self._add(removed_refused=sum(1 for r in removed if r))
 
+    def _fetch_placed(
+        self,
+        namespace: bytes,
+        key: bytes,
+        deadline: int | None,
+        expect: Sequence[TensorSpec],
+        into: Callable[[], Sequence[torch.Tensor]],
+    ) -> tuple[bool, Decoded | None] | None:
+        """One entry read straight into tensors ``into`` makes (the store's ``get_many_into``):
+        ``(found, decoded)``, or ``None`` when it is not of the planned layout (read it whole)."""
+        dests = list(into())
+        if [_entry.spec_of(t) for t in dests] != [TensorSpec(e.dtype, tuple(e.shape)) for e in expect]:
+            return None
+        who = EntryIdentity(self.prefix, namespace, key)
+        header_len, offsets, payload_len = _entry.plan(who, expect, self._secret)
+        header = bytearray(header_len)
+        pieces: list[memoryview] = []
+        prev = 0
+        for t, off in zip(dests, offsets, strict=True):
+            if off > prev:
+                pieces.append(memoryview(bytearray(off - prev)))  # the padding, read and checked too
+            if t.nbytes:
+                pieces.append(_entry.byte_view(t))
+            prev = off + int(t.nbytes)
+        store_key = self.store_key(namespace, key)
+        get_into = self.store.get_many_into  # type: ignore[attr-defined]
+        answer = self._call(
+            "fetch", deadline, lambda t: get_into([store_key], [[header, *pieces]], timeout=t), 1
+        )
+        if answer is None or answer[0][0] is None:
+            if answer is not None and not answer[1]:
+                self._add(fetch_misses=1)
+            return False, None
+        if answer[0][0] != header_len + payload_len:
+            return None
+        try:
+            chunk = _entry.decode_placed(header, pieces, dests, who, self._secret, expect)
+        except Refused as exc:
+            self._refused(exc, key)
+            return True, None
+        self._add(fetched=1, bytes_fetched=chunk.nbytes, fetched_v1=int(chunk.version == 1))
+        return True, chunk._replace(placed=True)
+
     def _decode(
         self, namespace: bytes, key: bytes, value: Buffer, expect: Sequence[TensorSpec] | None
     ) -> Decoded | None:
@@ -356,14 +409,17 @@ class RemoteTier:
         try:
             chunk = _entry.decode(value, EntryIdentity(self.prefix, namespace, key), self._secret, expect)
         except Refused as exc:
-            self._add(**{f"refused_{exc.reason}": 1})
-            self._log_limited(
-                "refused", logging.WARNING, f"remote {self.name}: refused an entry ({exc.reason}): {exc}",
-                reason=exc.reason, key=key.hex()[:16],
-            )  # fmt: skip
+            self._refused(exc, key)
             return None
         self._add(fetched=1, bytes_fetched=chunk.nbytes, fetched_v1=int(chunk.version == 1))
         return chunk
+
+    def _refused(self, exc: Refused, key: bytes) -> None:
+        self._add(**{f"refused_{exc.reason}": 1})
+        self._log_limited(
+            "refused", logging.WARNING, f"remote {self.name}: refused an entry ({exc.reason}): {exc}",
+            reason=exc.reason, key=key.hex()[:16],
+        )  # fmt: skip
 
     def _item_pool(self) -> ThreadPoolExecutor:
         """Threads for a store of independent items: each reads or writes one entry and checks
