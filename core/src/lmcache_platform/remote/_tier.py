@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import _entry
 from ._entry import Decoded, EntryIdentity, Refused, TensorSpec
 from ._errors import RemoteConfigError, RemoteError, RemotePartialError, RemoteTimeout
+from ._local import fetch_each
 from ._registry import open_remote
 from ._store import Buffer, RemoteOptions, RemoteStore, RemoteURL, read_secret_file
 
@@ -283,7 +284,7 @@ class RemoteTier:
             return []
         placing = into is not None and expect is not None and hasattr(self.store, "get_many_into")
         if (len(keys) > 1 or placing) and getattr(self.store, "parallel_items", False):
-            return self._fetch_each(namespace, keys, deadline, expect, into if placing else None)
+            return fetch_each(self, namespace, keys, deadline, expect, into if placing else None)
         answer = self._call(
             "fetch",
             deadline,
@@ -309,41 +310,6 @@ class RemoteTier:
             self._remove(namespace, refused, deadline)
         return out
 
-    def _fetch_each(
-        self,
-        namespace: bytes,
-        keys: Sequence[bytes],
-        deadline: int | None,
-        expect: Sequence[TensorSpec] | None,
-        into: Callable[[], Sequence[torch.Tensor]] | None = None,
-    ) -> list[Decoded | None]:
-        """:meth:`fetch` from a store whose items are independent (``parallel_items``: a local
-        disk): each entry read and checked on its own decoder thread, so one entry's checksum
-        runs while the next one is read; with ``into``, read in place (:meth:`_fetch_placed`)."""
-
-        def one(key: bytes) -> tuple[bool, Decoded | None]:
-            if into is not None and expect is not None:
-                placed = self._fetch_placed(namespace, key, deadline, expect, into)
-                if placed is not None:
-                    return placed
-            answer = self._call(
-                "fetch",
-                deadline,
-                lambda t: self.store.get_many([self.store_key(namespace, key)], timeout=t),
-                1,
-            )
-            if answer is None or answer[0][0] is None:
-                if answer is not None and not answer[1]:
-                    self._add(fetch_misses=1)
-                return False, None
-            return True, self._decode(namespace, key, answer[0][0], expect)
-
-        got = list(self._item_pool().map(one, keys))
-        refused = [k for k, (found, d) in zip(keys, got, strict=True) if found and d is None]
-        if refused:
-            self._remove(namespace, refused, deadline)
-        return [d for _, d in got]
-
     def _remove(self, namespace: bytes, keys: Sequence[bytes], deadline: int | None) -> None:
         """Delete refused entries where the store can (``delete_many``): damage is never read twice."""
         delete = getattr(self.store, "delete_many", None)
@@ -358,49 +324,6 @@ class RemoteTier:
         if answer is not None:
             removed, _failed = answer
             self._add(removed_refused=sum(1 for r in removed if r))
-
-    def _fetch_placed(
-        self,
-        namespace: bytes,
-        key: bytes,
-        deadline: int | None,
-        expect: Sequence[TensorSpec],
-        into: Callable[[], Sequence[torch.Tensor]],
-    ) -> tuple[bool, Decoded | None] | None:
-        """One entry read straight into tensors ``into`` makes (the store's ``get_many_into``):
-        ``(found, decoded)``, or ``None`` when it is not of the planned layout (read it whole)."""
-        dests = list(into())
-        if [_entry.spec_of(t) for t in dests] != [TensorSpec(e.dtype, tuple(e.shape)) for e in expect]:
-            return None
-        who = EntryIdentity(self.prefix, namespace, key)
-        header_len, offsets, payload_len = _entry.plan(who, expect, self._secret)
-        header = bytearray(header_len)
-        pieces: list[memoryview] = []
-        prev = 0
-        for t, off in zip(dests, offsets, strict=True):
-            if off > prev:
-                pieces.append(memoryview(bytearray(off - prev)))  # the padding, read and checked too
-            if t.nbytes:
-                pieces.append(_entry.byte_view(t))
-            prev = off + int(t.nbytes)
-        store_key = self.store_key(namespace, key)
-        get_into = self.store.get_many_into  # type: ignore[attr-defined]
-        answer = self._call(
-            "fetch", deadline, lambda t: get_into([store_key], [[header, *pieces]], timeout=t), 1
-        )
-        if answer is None or answer[0][0] is None:
-            if answer is not None and not answer[1]:
-                self._add(fetch_misses=1)
-            return False, None
-        if answer[0][0] != header_len + payload_len:
-            return None
-        try:
-            chunk = _entry.decode_placed(header, pieces, dests, who, self._secret, expect)
-        except Refused as exc:
-            self._refused(exc, key)
-            return True, None
-        self._add(fetched=1, bytes_fetched=chunk.nbytes, fetched_v1=int(chunk.version == 1))
-        return True, chunk._replace(placed=True)
 
     def _decode(
         self, namespace: bytes, key: bytes, value: Buffer, expect: Sequence[TensorSpec] | None
