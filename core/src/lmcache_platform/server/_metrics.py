@@ -140,7 +140,7 @@ REMOTE_METRICS: dict[str, tuple[str, str, str]] = {
     "write_errors_total": (
         "counter",
         "write_errors",
-        "Chunks the store refused to take (memory full, node down).",
+        "Chunks the store refused to take (memory or disk full, node down) or that could not be encoded.",
     ),
     "encode_errors_total": (
         "counter",
