@@ -630,7 +630,7 @@ class RemoteTier:
                 self._refused_run += len(stored) - len(failed)
                 if self._state == HEALTHY and self._refused_run >= DEGRADE_AFTER:
                     self._degrade(f"it refused {self._refused_run} chunks in a row (see its log for why)")
-                elif self._state == DEGRADED:
+                elif self._state == DEGRADED and self._trial:  # the trial failed: wait longer
                     self._retry_s = min(self._retry_s * 2, self.retry_max_s)
                     self._next_probe = time.monotonic() + self._retry_s
 
