@@ -18,7 +18,7 @@ endif
 # that fails and prints each stage's time.
 TEST_STAGES := bootstrap bootstrap-vllm lint format-check typecheck docs unit
 
-.PHONY: bootstrap bootstrap-vllm bench-vllm bench-remote bench-disk demo test lint format format-check typecheck docs unit \
+.PHONY: bootstrap bootstrap-vllm bench-vllm bench-remote bench-disk bench-tiers demo test lint format format-check typecheck docs unit \
 	bench soak gpu-check clean
 
 bootstrap:
@@ -72,6 +72,13 @@ bench-remote: bootstrap bootstrap-vllm
 # against a host-memory hit, and the file store's reads against plain reads (~5 min).
 bench-disk: bootstrap bootstrap-vllm
 	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/disk_ttft.py
+
+# The tiers against their medium (~2 min): the entry checksum (v1 against v2), the disk tier
+# against plain reads and writes (cold and warm) and vLLM's own fs tier, the Valkey tier
+# against raw SET/GET. Figures in docs/performance.md.
+bench-tiers: bootstrap bootstrap-vllm
+	$(BIN)/python tests/bench/tier_io.py
+	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/tier_io.py --section vllm-fs
 
 soak: bootstrap
 	scripts/soak

@@ -12,12 +12,14 @@ import torch
 from lmcache_platform.remote._entry import (
     MAGIC,
     REASONS,
+    VERSION,
     EntryIdentity,
     Refused,
     TensorSpec,
     decode,
     derive_secret,
     encode,
+    encode_parts,
     spec_of,
 )
 
@@ -42,13 +44,14 @@ def refused(data: bytes | bytearray | memoryview, reason: str, **kwargs: object)
     return info.value
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("secret", [None, SECRET])
-def test_round_trip_is_exact_and_copy_free(secret: bytes | None) -> None:
+def test_round_trip_is_exact_and_copy_free(secret: bytes | None, version: int) -> None:
     tensors = chunk()
-    data = bytes(encode(tensors, WHO, secret))
-    assert data[:4] == MAGIC
+    data = bytes(encode(tensors, WHO, secret, version=version))
+    assert data[:4] == MAGIC and data[4] == version
     out = decode(data, WHO, secret, expect=[spec_of(t) for t in tensors])
-    assert out.nbytes == sum(t.nbytes for t in tensors)
+    assert out.nbytes == sum(t.nbytes for t in tensors) and out.version == version
     for a, b in zip(tensors, out.tensors, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     base = memoryview(data)
@@ -72,12 +75,38 @@ def test_identity_mismatches_are_refused_by_name() -> None:
     refused(data, "layout", expect=[TensorSpec("float16", tuple(t.shape)) for t in chunk()])
 
 
-def test_keyed_entries_need_the_key_and_cannot_be_forged() -> None:
-    plain, keyed = bytes(encode(chunk(), WHO)), bytes(encode(chunk(), WHO, SECRET))
+@pytest.mark.parametrize("version", [1, 2])
+def test_keyed_entries_need_the_key_and_cannot_be_forged(version: int) -> None:
+    plain = bytes(encode(chunk(), WHO, version=version))
+    keyed = bytes(encode(chunk(), WHO, SECRET, version=version))
     refused(plain, "auth", secret=SECRET)  # an unkeyed writer cannot feed a keyed deployment
     refused(keyed, "auth")  # nor the other way round
-    forged = bytes(encode(chunk(), WHO, derive_secret(b"a guessed key, not the real one")))
+    forged = bytes(encode(chunk(), WHO, derive_secret(b"a guessed key, not the real one"), version=version))
     refused(forged, "checksum", secret=SECRET)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_version_is_checked_with_its_own_checksum_never_the_other(secret: bytes | None) -> None:
+    """Relabelling an entry's version makes its checksum wrong: no entry passes unchecked."""
+    for version in (1, 2):
+        data = bytearray(encode(chunk(), WHO, secret, version=version))
+        data[4] = 3 - version
+        refused(data, "checksum", secret=secret)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_entry_in_parts_is_the_same_bytes_without_copying_the_tensors(version: int) -> None:
+    tensors = [*chunk(), torch.randn(6, 4).t()]  # a non-contiguous one too
+    parts = encode_parts(tensors, WHO, SECRET, version=version)
+    assert b"".join(parts) == bytes(encode(tensors, WHO, SECRET, version=version))
+    first = int(tensors[0].data_ptr())
+    assert any(int(torch.frombuffer(p, dtype=torch.uint8).data_ptr()) == first for p in parts if len(p))
+
+
+def test_new_entries_are_the_new_version() -> None:
+    assert VERSION == 2 and bytes(encode(chunk(), WHO))[4] == 2
+    with pytest.raises(ValueError, match="version 3"):
+        encode(chunk(), WHO, version=3)
     with pytest.raises(ValueError, match="at least 16 bytes"):
         derive_secret(b"short")
 
@@ -91,7 +120,8 @@ def test_truncated_padded_and_foreign_bytes_are_refused() -> None:
     refused(b"", "truncated")
     refused(b"PK\x03\x04" + data[4:], "magic")
     refused(b"\x80\x04\x95" + data[3:], "magic")  # a pickle's first bytes: never unpickled
-    refused(data[:4] + bytes([2]) + data[5:], "version")
+    refused(data[:4] + bytes([3]) + data[5:], "version")
+    refused(data[:4] + bytes([0]) + data[5:], "version")
 
 
 def test_malformed_headers_are_refused() -> None:
@@ -111,9 +141,10 @@ def test_malformed_headers_are_refused() -> None:
     refused(bad_len + bytes(64), "header")
 
 
-def test_every_flipped_bit_is_refused() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_flipped_bit_is_refused(version: int) -> None:
     """No single-bit corruption anywhere in an entry is ever loaded."""
-    data = bytes(encode([torch.randn(3, 5)], WHO))
+    data = bytes(encode([torch.randn(3, 5)], WHO, version=version))
     rng = random.Random(7)
     seen = set()
     for pos in list(range(len(data))) + [rng.randrange(len(data)) for _ in range(200)]:

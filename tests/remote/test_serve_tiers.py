@@ -8,15 +8,21 @@ engines. In process: :class:`RemoteTier` and :class:`RemoteChain` over file stor
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from lmcache_platform.remote._chain import RemoteChain
+from lmcache_platform.remote._entry import TensorSpec
 from lmcache_platform.remote._tier import RemoteTier
 from lmcache_platform.server import ServerClient
 from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir
@@ -72,6 +78,52 @@ def test_damaged_truncated_and_foreign_entries_are_refused_counted_and_removed(t
         os.rename(entry, planted)
         assert t.fetch(NS, [KEYS[5]]) == [None]
         assert t.stats()["removed_refused"] == 3 and not planted.exists()
+    finally:
+        t.close()
+
+
+def test_a_chunk_that_cannot_be_encoded_is_a_counted_write_error(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv")
+    try:
+        assert t.write_behind(NS, KEYS[0], [torch.zeros(4, dtype=torch.complex64)])  # no entry dtype
+        assert t.write_behind(NS, KEYS[1], chunk(1))
+        assert t.flush(10)
+        s = t.stats()
+        assert (s["write_errors"], s["encode_errors"], s["written"], s["state"]) == (1, 1, 1, "healthy"), s
+    finally:
+        t.close()
+
+
+def test_a_fetch_reads_straight_into_the_callers_memory_with_every_check(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv")
+    try:
+        for i in range(4):
+            assert t.write_behind(NS, KEYS[i], chunk(i))
+        assert t.flush(10)
+        expect = [TensorSpec("uint8", (CHUNK_BYTES,))]
+        made: list[torch.Tensor] = []
+
+        def into() -> list[torch.Tensor]:
+            made.append(torch.empty(CHUNK_BYTES, dtype=torch.uint8))
+            return made[-1:]
+
+        got = t.fetch(NS, KEYS[:5], expect=expect, into=into)
+        for i in range(4):
+            d = got[i]
+            assert d is not None and d.placed and any(d.tensors[0] is m for m in made)  # made on threads
+            assert torch.equal(d.tensors[0], chunk(i)[0])
+        assert got[4] is None and t.stats()["fetch_misses"] == 1
+        files = entry_files(tmp_path / "kv")
+        damaged = bytearray(files[0].read_bytes())
+        damaged[-1] ^= 1
+        files[0].write_bytes(bytes(damaged))  # same length: read in place, then refused
+        assert t.fetch(NS, KEYS[:1], expect=expect, into=into) == [None]
+        other = [TensorSpec("uint8", (CHUNK_BYTES // 2,))]  # another layout: read whole, refused
+        assert t.fetch(
+            NS, KEYS[1:2], expect=other, into=lambda: [torch.empty(CHUNK_BYTES // 2, dtype=torch.uint8)]
+        ) == [None]
+        s = t.stats()
+        assert (s["refused_checksum"], s["refused_layout"], s["removed_refused"]) == (1, 1, 2), s
     finally:
         t.close()
 
@@ -226,3 +278,114 @@ def test_two_servers_sharing_a_directory_share_kv(tmp_path: Path) -> None:
         a.close()
         b.close()
         assert a_srv.stop() == 0 and b_srv.stop() == 0
+
+
+# -- a disk tier's faults: a small real file system (tmpfs, mounted as root) --------------------
+
+
+@contextlib.contextmanager
+def small_fs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``path``: a real file system that fills up and turns read-only."""
+    path.mkdir()
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if out.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (root and CAP_SYS_ADMIN needed): {out.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def remount(path: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
+
+
+_fresh = itertools.count(1)
+
+
+def heals(node: Node) -> bool:
+    """Put one new chunk (a degraded tier's next trial write), then whether the tier is healthy."""
+    key = next(_fresh).to_bytes(2, "big") + b"heal" + bytes(26)
+    assert node.put([key]) == 1  # served from memory whatever the tier does
+    time.sleep(0.1)
+    return bool(node.remote()["state"] == "healthy")
+
+
+def lines_with(srv: Serve, text: str) -> int:
+    return sum(text in line for line in srv.log().splitlines())
+
+
+def test_serve_refuses_a_disk_tier_it_cannot_write_with_one_line(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "mnt", "1m") as mnt:
+        (mnt / "kv").mkdir(mode=0o700)
+        remount(mnt, "ro")
+        srv = Serve(private_dir(tmp_path, "ro") / "kv.sock", "--remote", f"file://{mnt / 'kv'}")
+        assert srv.wait_exit() == 2
+        lines = srv.log().strip().splitlines()
+        assert len(lines) == 1, lines
+        assert "cannot start: remote tier: file store directory" in lines[0]
+        assert "is not writable (Read-only file system)" in lines[0] and "read-write file system" in lines[0]
+
+
+def test_a_full_disk_degrades_the_tier_and_serving_goes_on_until_it_has_room(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "mnt", "2m") as mnt:
+        filler = mnt / "filler"
+        filler.write_bytes(bytes(2 << 20))  # ENOSPC at its end: the rest of the file system is full
+        with serve(
+            tmp_path, "full", f"file://{mnt / 'kv'}?max_bytes=64M", flags=("--metrics-port", "0")
+        ) as srv:
+            node = Node(srv)
+            try:
+                for i in range(0, 12, 2):  # every put and get answers from memory
+                    assert node.put(KEYS[i : i + 2]) == 2
+                    assert node.get(KEYS[i : i + 2]) == 2 and node.holds(KEYS[i : i + 2])
+                assert until(lambda: node.remote()["state"] == "degraded"), node.remote()
+                r = node.remote()
+                assert r["write_errors"] >= 3 and r["written"] == 0, r
+                port = next(e["port"] for e in srv.events() if e["event"] == "metrics")
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+                (up,) = [
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("lmcache_platform_server_remote_up{")
+                ]
+                assert (
+                    up.endswith(" 0")
+                    and 'lmcache_platform_server_remote_dropped_total{reason="degraded"}' in text
+                )
+                filler.unlink()  # room again: a trial write heals the tier
+                assert until(lambda: heals(node), 60), node.remote()
+                written = node.remote()["written"]
+                assert written >= 1 and len(entry_files(mnt / "kv")) == written
+                assert len([e for e in srv.events() if e["event"] == "remote_degraded"]) == 1
+                assert len([e for e in srv.events() if e["event"] == "remote_up"]) == 2  # start, recovery
+                assert lines_with(srv, "No space left") == 1, srv.log()  # once, not per chunk
+            finally:
+                node.close()
+
+
+def test_a_disk_turned_read_only_still_serves_its_entries_and_recovers(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "mnt", "8m") as mnt:
+        url = f"file://{mnt / 'kv'}"
+        writer_srv, reader_srv = serve(tmp_path, "w", url), serve(tmp_path, "r", url)
+        writer, reader = Node(writer_srv), Node(reader_srv)
+        try:
+            assert writer.put(KEYS[:4]) == 4
+            assert until(lambda: writer.remote()["written"] == 4)
+            remount(mnt, "ro")
+            assert reader.get(KEYS[:4]) == 4 and reader.holds(KEYS[:4])  # read from the disk tier
+            for i in range(10, 16):
+                assert writer.put([KEYS[i]]) == 1  # served from memory, never failed
+            assert until(lambda: writer.remote()["state"] == "degraded"), writer.remote()
+            assert reader.get(KEYS[10:12]) == 0  # not written: misses, not errors
+            remount(mnt, "rw")
+            assert until(lambda: heals(writer), 60), writer.remote()
+            assert lines_with(writer_srv, "Read-only file system") <= 2, writer_srv.log()  # write, touch
+            assert reader.remote()["state"] == "healthy"
+        finally:
+            writer.close()
+            reader.close()
+            assert writer_srv.stop() == 0 and reader_srv.stop() == 0

@@ -6,6 +6,7 @@ tier did (its answers and counters) and that no call raised.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import time
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from lmcache_platform.remote._entry import EntryIdentity, TensorSpec, encode
-from lmcache_platform.remote._tier import RemoteTier, check_prefix, load_key_file
+from lmcache_platform.remote._tier import DEGRADE_AFTER, RemoteTier, check_prefix, load_key_file
 from support.valkey import ValkeyNode
 from support.waits import until
 
@@ -173,6 +174,9 @@ def test_a_keyed_deployment_refuses_unkeyed_and_forged_entries(
         assert keyed.fetch(NS, KEYS[:1]) == [None] and keyed.stats()["refused_auth"] == 1
         fill(forger, 1)
         assert keyed.fetch(NS, KEYS[:1]) == [None] and keyed.stats()["refused_checksum"] == 1
+        assert keyed.stats()["removed_refused"] == 2  # deleted (delete_many): never read twice
+        assert valkey_node.client().exists(keyed.store_key(NS, KEYS[0])) == 0
+        fill(forger, 1)
         assert plain.fetch(NS, KEYS[:1]) == [None] and plain.stats()["refused_auth"] == 1
         fill(keyed, 2)
         assert [c is not None for c in keyed.fetch(NS, KEYS[:2])] == [True, True]
@@ -272,18 +276,30 @@ def test_maxmemory_with_lru_evicts_old_entries_whole(tmp_path: Path) -> None:
             tier.close()
 
 
-def test_maxmemory_without_eviction_counts_write_errors(tmp_path: Path) -> None:
+def test_maxmemory_without_eviction_degrades_the_tier_until_it_takes_writes_again(tmp_path: Path) -> None:
+    """A Valkey at ``maxmemory`` with ``noeviction`` refuses writes: counted, the tier degraded
+    (its entries still served, writes dropped but a trial), healthy again once it takes one."""
     with ValkeyNode(tmp_path / "full", config=["maxmemory 4mb", "maxmemory-policy noeviction"]) as node:
         tier = make_tier(node)
         try:
-            for key in KEYS[:20]:
+            assert tier.write_behind(NS, KEYS[0], chunk(0, 0.05)) and tier.flush(30)
+            for key in KEYS[1:20]:
                 tier.write_behind(NS, key, chunk(0, 0.5))
             assert tier.flush(30)
             s = tier.stats()
-            print(f"\nmaxmemory 4mb noeviction: written {s['written']}, write_errors {s['write_errors']}")
-            assert (
-                s["write_errors"] > 0 and s["written"] + s["write_errors"] == 20 and s["state"] == "healthy"
-            )
+            print(f"\nmaxmemory 4mb noeviction: {s}")
+            assert s["write_errors"] >= DEGRADE_AFTER and s["state"] == "degraded"
+            assert s["written"] + s["write_errors"] + s["dropped_degraded"] == 20
+            assert tier.fetch(NS, [KEYS[0]])[0] is not None  # what it holds is still served
+            node.client().config_set("maxmemory", "0")
+            trials = (i.to_bytes(4, "big") * 8 for i in itertools.count(1 << 24))
+
+            def heals() -> bool:
+                tier.write_behind(NS, next(trials), chunk(0, 0.05))  # taken when a trial is due
+                return tier.flush(5) and tier.state == "healthy"
+
+            assert until(heals, 20, interval=0.2), tier.stats()
+            assert tier.stats()["state_changes"] == s["state_changes"] + 1
         finally:
             tier.close()
 

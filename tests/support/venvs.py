@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import textwrap
 import venv
+from collections.abc import Sequence
 from pathlib import Path
 
 from support.plugins import REQUIRED_HOOKS
@@ -51,21 +52,25 @@ def build_wheel(project: Path, out: Path) -> Path:
 PROJECT_DIST_PREFIX = "lmcache-platform"
 
 
-def make_venv(path: Path, *, inherit: bool = True, hide_project: bool = False) -> Path:
+def make_venv(
+    path: Path, *, inherit: bool = True, hide_project: bool = False, hide: Sequence[str] = ()
+) -> Path:
     """Create a venv at ``path``; return its python. ``inherit`` layers it over this env.
 
     With ``hide_project`` the venv sees this env's site-packages through a directory of
     symlinks that leaves out this repository's distributions (their dist-info, their
     ``__editable__`` path files and anything else their RECORD installed at top level),
     so wheels of them installed into the venv are the only copies it can import, while
-    torch, numpy, pluggy, msgpack, pytest... stay visible.
+    torch, numpy, pluggy, msgpack, pytest... stay visible. ``hide`` leaves out those
+    distributions too (``numpy``: a venv without it), and then the interpreter's own
+    site-packages, which may hold them, are not seen either.
     """
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(path)
+    venv.EnvBuilder(system_site_packages=not hide, with_pip=False).create(path)
     python = path / "bin" / "python"
     if inherit:
         parent = Path(sysconfig.get_path("purelib"))
-        if hide_project:
-            parent = _site_without_project(parent, path / "parent-site")
+        if hide_project or hide:
+            parent = _site_without(parent, path / "parent-site", project=hide_project, dists=hide)
         add_site(python, parent, "_inherit_test_env")
     return python
 
@@ -85,18 +90,21 @@ def add_site(python: Path, site_dir: Path, name: str) -> None:
     (Path(purelib) / f"{name}.pth").write_text(f"import site; site.addsitedir({str(site_dir)!r})\n")
 
 
-def _site_without_project(site: Path, mirror: Path) -> Path:
-    """``mirror``: symlinks to every top-level entry of ``site`` but this project's."""
+def _site_without(site: Path, mirror: Path, *, project: bool, dists: Sequence[str]) -> Path:
+    """``mirror``: symlinks to every top-level entry of ``site`` but this project's (``project``)
+    and those of the distributions ``dists``."""
     hidden: set[str] = set()
+    others = {re.sub(r"[-_.]+", "-", d).lower() for d in dists}
     for dist in importlib.metadata.distributions(path=[str(site)]):
         name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
-        if name.startswith(PROJECT_DIST_PREFIX):
+        if (project and name.startswith(PROJECT_DIST_PREFIX)) or name in others:
             hidden.update(Path(str(f)).parts[0] for f in dist.files or ())
-    ours = PROJECT_DIST_PREFIX.replace("-", "_")  # packages and dist-info dirs without a RECORD
+    # packages and dist-info dirs without a RECORD
+    ours = ("__editable__", PROJECT_DIST_PREFIX.replace("-", "_")) if project else ()
     mirror.mkdir(parents=True)
     for entry in site.iterdir():
         name = entry.name
-        if name in hidden or name.startswith(("__editable__", ours)) or name == "__pycache__":
+        if name in hidden or name.startswith(ours) or name == "__pycache__":
             continue
         (mirror / entry.name).symlink_to(entry)
     return mirror

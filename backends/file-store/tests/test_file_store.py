@@ -6,6 +6,8 @@ mid-write and for a second server sharing the directory.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import signal
 import subprocess
@@ -44,6 +46,68 @@ def test_the_conformance_suite_passes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     # No host to replace: the stalled/refused-server checks do not apply to a local file system.
     assert "failed" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["taken", "refused"])
+def test_direct_reads_round_trip_or_fall_back_once(
+    tmp_path: Path, refused: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``direct=1``: ``O_DIRECT`` reads where the file system takes them (pytest's temporary
+    directory); where it refuses them (EINVAL, injected at ``os.open``: this machine's file
+    systems, tmpfs included, all take it), buffered reads, said once."""
+    caplog.set_level(logging.INFO, logger="lmcache_platform_file_store")
+    store = opened(tmp_path / "kv", direct="1")
+    if refused:
+        real_open = os.open
+
+        def no_direct(path: str, flags: int, *args: object, **kwargs: object) -> int:
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "open", no_direct)
+    try:
+        values = [os.urandom(n) for n in (0, 1, 4096 - 16, 4096, 3 << 20)]
+        keys = [b"d%d" % i for i in range(len(values))]
+        assert store.put_many(list(zip(keys, values, strict=True)), ttl=None, timeout=T) == [True] * len(
+            values
+        )
+        for _ in range(2):
+            got = store.get_many([*keys, b"absent"], timeout=T)
+            assert [None if g is None else bytes(g) for g in got] == [*values, None]
+        bufs = [[bytearray(len(v) // 2), bytearray(len(v) - len(v) // 2)] for v in values]
+        lengths = store.get_many_into(keys, bufs, timeout=T)  # type: ignore[attr-defined]
+        assert lengths == [len(v) for v in values] and [bytes(a + b) for a, b in bufs] == values
+        said = [r for r in caplog.records if "does not take O_DIRECT" in r.getMessage()]
+        assert len(said) == int(refused)
+        assert store._direct is not refused  # type: ignore[attr-defined]
+    finally:
+        store.close()
+    with pytest.raises(RemoteConfigError, match="direct is 0 or 1"):
+        opened(tmp_path / "bad", direct="yes")
+
+
+def test_get_many_into_reads_in_place_or_says_the_length(tmp_path: Path) -> None:
+    store = opened(tmp_path / "kv")
+    try:
+        value = os.urandom(10_000)
+        assert (
+            store.put_many_gather(  # type: ignore[attr-defined]
+                [(b"k", [value[:7], memoryview(value)[7:]])], ttl=None, timeout=T
+            )
+            == [True]
+        )
+        assert store.put_many([(b"old", b"x")], ttl=0.05, timeout=T) == [True]
+        time.sleep(0.1)
+        head, rest = bytearray(100), bytearray(len(value) - 100)
+        short = [bytearray(10)]
+        got = store.get_many_into(  # type: ignore[attr-defined]
+            [b"k", b"absent", b"old", b"k"], [[head, rest], [bytearray(1)], [bytearray(1)], short], timeout=T
+        )
+        assert got == [len(value), None, None, len(value)]  # expired: a miss; wrong size: its length
+        assert bytes(head + rest) == value and short == [bytearray(10)]  # the short buffers untouched
+    finally:
+        store.close()
 
 
 def test_a_writer_killed_mid_write_leaves_no_entry(tmp_path: Path) -> None:

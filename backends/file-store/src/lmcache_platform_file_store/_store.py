@@ -1,6 +1,6 @@
 """One file per entry in a directory: a remote store that outlives every server process.
 
-``file:///absolute/dir[?max_bytes=64G]``. What makes it safe to share and to crash:
+``file:///absolute/dir[?max_bytes=64G][&direct=1]``. What makes it safe to share and to crash:
 
 * **Atomic entries.** A value is written to a temporary file in the same directory and
   renamed over the entry's name: a reader sees the old entry or the new one, never a
@@ -19,7 +19,17 @@
 * **A private directory.** It must be a real directory owned by this user and writable
   by nobody else (a missing one is created 0700); entries are created 0600. Nothing
   read is unpickled or evaluated: a file is a header (:data:`MAGIC`, an expiry) and
-  bytes.
+  bytes. A directory this process cannot write into (a read-only file system) is refused
+  at open, by a real write: a disk tier that persists nothing must not start.
+* **The disk's speed.** A batch's files are read and written by :data:`IO_THREADS`
+  threads at once (the system calls release the GIL), each file with one ``preadv``
+  into the buffer handed back (no intermediate ``bytes``) or one ``writev`` of the
+  header and the caller's buffers (:meth:`FileStore.put_many_gather`: the tier's entry
+  as its header and views of the chunk's tensors, no copy). ``direct=1`` reads with
+  ``O_DIRECT`` into page-aligned memory (past the page cache: the disk's speed for cold
+  entries, without evicting the engine host's other pages; a warm page cache is not
+  used), falling back to buffered reads where the file system refuses it. Errors are
+  logged once per kind per :data:`LOG_PERIOD_S`, not per file.
 
 Each file starts with :data:`MAGIC` and the entry's expiry (Unix time in ns, 0: none),
 so ``ttl`` works without a clock of the store's own; an expired or foreign file is a miss.
@@ -27,10 +37,10 @@ so ``ttl`` works without a clock of the store's own; an expired or foreign file 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -38,9 +48,11 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from lmcache_platform import parse_bytes
 from lmcache_platform.remote import (
@@ -64,6 +76,16 @@ STALE_TMP_S: Final = 600.0
 LOW_WATER: Final = 0.9
 _KEY_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,400}$")
 _ENTRY_PREFIXES = ("e.", "h.")
+#: Threads reading or writing one batch's files at once.
+IO_THREADS: Final = 8
+#: At most one log line per kind of I/O error (an errno, per read or write) in this period.
+LOG_PERIOD_S: Final = 60.0
+_T = TypeVar("_T")
+_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PAGE = mmap.PAGESIZE if mmap.PAGESIZE >= 4096 else 4096  # O_DIRECT's alignment, at least a block
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -73,6 +95,9 @@ class FileStoreConfig:
     directory: str
     max_bytes: int | None
     url: str
+    #: ``direct=1``: read entries with ``O_DIRECT`` (past the page cache) where the file system
+    #: takes it, buffered where it does not.
+    direct: bool = False
 
     @classmethod
     def from_url(cls, url: RemoteURL, options: RemoteOptions | None = None) -> FileStoreConfig:
@@ -88,10 +113,15 @@ class FileStoreConfig:
             )
         if not url.path:
             raise RemoteConfigError(f"remote URL {url.text}: name a directory: file:///absolute/dir")
-        unknown = sorted(set(url.query) - {"max_bytes"})
+        unknown = sorted(set(url.query) - {"max_bytes", "direct"})
         if unknown or (options is not None and options.settings):
             names = ", ".join(unknown or sorted(options.settings if options else ()))
-            raise RemoteConfigError(f"remote URL {url.text}: the file store knows max_bytes, not {names}")
+            raise RemoteConfigError(
+                f"remote URL {url.text}: the file store knows direct and max_bytes, not {names}"
+            )
+        direct = url.query.get("direct", "0")
+        if direct not in ("0", "1"):
+            raise RemoteConfigError(f"remote URL {url.text}: direct is 0 or 1, not {direct!r}")
         max_bytes = None
         if "max_bytes" in url.query:
             try:
@@ -100,11 +130,15 @@ class FileStoreConfig:
                 raise RemoteConfigError(f"remote URL {url.text}: max_bytes: {exc}") from None
             if max_bytes <= 0:
                 raise RemoteConfigError(f"remote URL {url.text}: max_bytes must be positive")
-        return cls("/" + url.path.lstrip("/"), max_bytes, url.text)
+        return cls("/" + url.path.lstrip("/"), max_bytes, url.text, direct == "1")
 
 
 class FileStore:
     """A :class:`~lmcache_platform.remote.RemoteStore` in one directory (see the module docstring)."""
+
+    #: Items of a batch are independent local files: the tier may read them one by one from
+    #: several threads and check each entry while the next one is read.
+    parallel_items: Final = True
 
     def __init__(self, config: FileStoreConfig) -> None:
         self.config = config
@@ -117,6 +151,11 @@ class FileStore:
             self.max_bytes = vfs.f_blocks * vfs.f_frsize // 2
         self._lock = threading.Lock()
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._direct = config.direct and _O_DIRECT != 0
+        self._last_log: dict[str, float] = {}
+        self._log_lock = threading.Lock()  # not _lock: eviction logs under it
+        self._probe_writable()
         self._remove_stale_tmp()
         self._used = sum(size for _, size, _ in self._entries())
         self.evicted = 0
@@ -125,18 +164,49 @@ class FileStore:
 
     def get_many(self, keys: Sequence[bytes], *, timeout: float) -> list[Buffer | None]:
         end = self._start(timeout)
-        out: list[Buffer | None] = []
-        failed: list[int] = []
+        names = [_name(key) for key in keys]
         now = time.time_ns()
-        for i, key in enumerate(keys):
-            self._check_time(end, "get")
-            name = _name(key)
+
+        def read(name: str) -> Buffer | OSError | None:
             try:
-                out.append(self._read(name, now))
+                return self._read(name, now)
             except OSError as exc:
-                logger.warning("file store %s: cannot read %s: %s", self.directory, name, exc)
-                out.append(None)
-                failed.append(i)
+                self._warn("read", exc, f"cannot read {name}")
+                return exc
+
+        got = self._each(read, names, end, "get")
+        out = [None if isinstance(g, OSError) else g for g in got]
+        failed = [i for i, g in enumerate(got) if isinstance(g, OSError)]
+        if failed:
+            raise RemotePartialError(
+                f"{self.config.url}: {len(failed)} of {len(keys)} reads failed", results=out, failed=failed
+            )
+        return out
+
+    def get_many_into(
+        self, keys: Sequence[bytes], into: Sequence[Sequence[Buffer]], *, timeout: float
+    ) -> list[int | None]:
+        """Read each key's value into its buffers (``into[i]``, filled in order): the length of
+        each value, ``None`` where absent. A value whose length is not the buffers' total is
+        not read (its length says so): the caller reads it with :meth:`get_many`. One
+        ``preadv`` per file, into the caller's memory (the server's chunk memory)."""
+        end = self._start(timeout)
+        now = time.time_ns()
+        jobs = [
+            (_name(key), [memoryview(b).cast("B") for b in bufs])
+            for key, bufs in zip(keys, into, strict=True)
+        ]
+
+        def read(job: tuple[str, list[memoryview]]) -> int | OSError | None:
+            try:
+                return self._read_into(job[0], job[1], now)
+            except OSError as exc:
+                self._warn("read", exc, f"cannot read {job[0]}")
+                return exc
+
+        got = self._each(read, jobs, end, "get")
+        out = [None if isinstance(g, OSError) else g for g in got]
+        failed = [i for i, g in enumerate(got) if isinstance(g, OSError)]
         if failed:
             raise RemotePartialError(
                 f"{self.config.url}: {len(failed)} of {len(keys)} reads failed", results=out, failed=failed
@@ -155,13 +225,17 @@ class FileStore:
     def put_many(
         self, items: Sequence[tuple[bytes, Buffer]], *, ttl: float | None, timeout: float
     ) -> list[bool]:
+        return self.put_many_gather([(key, [value]) for key, value in items], ttl=ttl, timeout=timeout)
+
+    def put_many_gather(
+        self, items: Sequence[tuple[bytes, Sequence[Buffer]]], *, ttl: float | None, timeout: float
+    ) -> list[bool]:
+        """:meth:`put_many` with each value given as the buffers it is made of, in order: one
+        ``writev`` per file from the caller's memory (the tier's entries without a copy)."""
         end = self._start(timeout)
         expires = time.time_ns() + int(ttl * 1e9) if ttl else 0
-        out = []
-        for key, value in items:
-            self._check_time(end, "put")
-            out.append(self._write(_name(key), value, expires))
-        return out
+        named = [(_name(key), [memoryview(p).cast("B") for p in parts]) for key, parts in items]
+        return self._each(lambda item: self._write(item[0], item[1], expires), named, end, "put")
 
     def delete_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
         """Remove each entry (a damaged one, refused by the server's tier); ``True`` where removed."""
@@ -186,38 +260,168 @@ class FileStore:
             if self._closed:
                 return
             self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         os.close(self._dir_fd)
+
+    def _each(self, fn: Callable[[_T], _R], items: Sequence[_T], end: float, what: str) -> list[_R]:
+        """``fn`` of each item, on the I/O threads when there are several, by ``end``."""
+        if len(items) <= 1:
+            self._check_time(end, what)
+            return [fn(item) for item in items]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="lmcache-file-store")
+            pool = self._pool
+        futures = [pool.submit(fn, item) for item in items]
+        try:
+            return [f.result(timeout=max(end - time.monotonic(), 0.0)) for f in futures]
+        except FutureTimeout:
+            for f in futures:
+                f.cancel()
+            raise RemoteTimeout(f"{self.config.url}: {what} timed out") from None
+
+    def _warn(self, kind: str, exc: OSError, what: str) -> None:
+        """One WARNING per kind of error (``kind`` and errno) per :data:`LOG_PERIOD_S`."""
+        tag = f"{kind}:{exc.errno}"
+        now = time.monotonic()
+        with self._log_lock:
+            if now - self._last_log.get(tag, -LOG_PERIOD_S) < LOG_PERIOD_S:
+                return
+            self._last_log[tag] = now
+        logger.warning(
+            "file store %s: %s: %s (more such errors in the next %g s are not logged)",
+            self.directory, what, exc.strerror or exc, LOG_PERIOD_S,
+        )  # fmt: skip
+
+    def _probe_writable(self) -> None:
+        """Write, and remove, a small file: a directory nothing can be written to is refused."""
+        tmp = f".tmp.{os.getpid()}.probe.{secrets.token_hex(4)}"
+        try:
+            self._write_file(tmp, [memoryview(_HEADER.pack(MAGIC, 0))])
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # writable, only full: the tier copes
+                self._unlink(tmp)
+                return
+            os.close(self._dir_fd)
+            raise RemoteConfigError(
+                f"file store directory {self.directory} is not writable ({exc.strerror or exc}): "
+                "give a directory on a read-write file system this user can write"
+            ) from None
+        self._unlink(tmp)
 
     # -- entries ---------------------------------------------------------------------------
 
     def _read(self, name: str, now: int) -> Buffer | None:
+        direct = self._direct
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            fd = os.open(name, _READ_FLAGS | (_O_DIRECT if direct else 0), dir_fd=self._dir_fd)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self._no_direct(exc)
+            return self._read(name, now)
         try:
             size = os.fstat(fd).st_size
-            data = bytearray(size)
-            view, got = memoryview(data), 0
+            if direct:  # page-aligned memory, whole pages asked for from offset 0
+                view = memoryview(mmap.mmap(-1, max(-(-size // _PAGE) * _PAGE, _PAGE)))
+            else:
+                view = memoryview(bytearray(size))  # calloc: fresh zero pages, no fill pass
+            got = 0
             while got < size:
-                n = os.readv(fd, [view[got:]])
+                try:
+                    n = os.preadv(fd, [view[got:]], got)
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    self._no_direct(exc)  # opened, then refused: this file system reads buffered
+                    return self._read(name, now)
                 if n == 0:
                     break  # truncated under us: core's checksum refuses what is left
                 got += n
+                if direct and got % _PAGE:
+                    break  # a direct read ends short only at the end of the file
         finally:
             os.close(fd)
-        head = _header(data)
+        got = min(got, size)
+        head = _header(view[:got])
         if head is None:
             logger.warning("file store %s: %s is not an entry of this store; ignored", self.directory, name)
             return None
         if head and head <= now:
             self._unlink(name)
             return None
-        with contextlib.suppress(
-            FileNotFoundError
-        ):  # evicted by another server meanwhile: what was read is whole
-            os.utime(name, dir_fd=self._dir_fd)  # least recently used goes first
+        self._touch(name)
         return view[_HEADER.size : got]  # no copy: the buffer is this call's own
+
+    def _read_into(self, name: str, bufs: list[memoryview], now: int) -> int | None:
+        if self._direct:  # O_DIRECT wants aligned memory: read it so, then one copy into place
+            value = self._read(name, now)
+            if value is None:
+                return None
+            data = memoryview(value).cast("B")
+            if len(data) == sum(len(b) for b in bufs):
+                at = 0
+                for b in bufs:
+                    b[:] = data[at : at + len(b)]
+                    at += len(b)
+            return len(data)
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size - _HEADER.size
+            head = bytearray(_HEADER.size)
+            want = sum(len(b) for b in bufs)
+            if size != want:  # not the layout asked for: only the header, for its checks
+                os.preadv(fd, [head], 0)
+            else:
+                left, offset = [memoryview(head), *[b for b in bufs if len(b)]], 0
+                while left:
+                    n = os.preadv(fd, left[:_IOV_MAX], offset)
+                    if n == 0:
+                        size = offset - _HEADER.size  # truncated under us: a short value
+                        break
+                    offset += n
+                    while left and n >= len(left[0]):
+                        n -= len(left[0])
+                        left.pop(0)
+                    if left and n:
+                        left[0] = left[0][n:]
+        finally:
+            os.close(fd)
+        expires = _header(head)
+        if expires is None or (expires and expires <= now):
+            if expires:
+                self._unlink(name)
+            else:
+                logger.warning(
+                    "file store %s: %s is not an entry of this store; ignored", self.directory, name
+                )
+            return None
+        self._touch(name)
+        return max(size, 0)
+
+    def _touch(self, name: str) -> None:
+        try:
+            os.utime(name, dir_fd=self._dir_fd)  # least recently used goes first
+        except FileNotFoundError:  # evicted by another server meanwhile: what was read is whole
+            pass
+        except OSError as exc:  # a read-only file system: the entry is still good to read
+            self._warn("touch", exc, f"cannot mark {name} as recently used")
+
+    def _no_direct(self, exc: OSError) -> None:
+        """The file system refuses ``O_DIRECT``: buffered reads from now on, said once."""
+        if self._direct:
+            self._direct = False
+            logger.info(
+                "file store %s: the file system does not take O_DIRECT (%s); reading through the page cache",
+                self.directory, exc.strerror or exc,
+            )  # fmt: skip
 
     def _live(self, name: str, now: int) -> bool:
         try:
@@ -235,26 +439,30 @@ class FileStore:
             return False
         return True
 
-    def _write(self, name: str, value: Buffer, expires: int) -> bool:
-        data = memoryview(value).cast("B")
+    def _write(self, name: str, parts: list[memoryview], expires: int) -> bool:
         tmp = f".tmp.{os.getpid()}.{secrets.token_hex(8)}"
         for attempt in (0, 1):
             try:
-                self._write_file(tmp, _HEADER.pack(MAGIC, expires), data)
+                self._write_file(tmp, [memoryview(_HEADER.pack(MAGIC, expires)), *parts])
                 break
             except OSError as exc:
                 self._unlink(tmp)
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 0:
                     self._evict(self._used)  # the file system is fuller than the bound: make room
                     continue
-                logger.warning("file store %s: cannot write %s: %s", self.directory, name, exc)
+                self._warn("write", exc, f"cannot write {name}")
                 return False
-        size = _HEADER.size + len(data)
+        size = _HEADER.size + sum(len(p) for p in parts)
         try:
             old = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
         except FileNotFoundError:
             old = 0
-        os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        try:
+            os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except OSError as exc:
+            self._unlink(tmp)
+            self._warn("write", exc, f"cannot write {name}")
+            return False
         with self._lock:
             self._used += size - old
             over = self._used > self.max_bytes
@@ -262,14 +470,18 @@ class FileStore:
             self._evict(int(self.max_bytes * LOW_WATER))
         return True
 
-    def _write_file(self, tmp: str, head: bytes, data: memoryview) -> None:
+    def _write_file(self, tmp: str, parts: list[memoryview]) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600, dir_fd=self._dir_fd)
         try:
-            os.write(fd, head)
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done : done + (64 << 20)])
+            left = [p for p in parts if len(p)]
+            while left:  # one writev, from the caller's buffers; again for what a short write left
+                done = os.writev(fd, left[:_IOV_MAX])
+                while left and done >= len(left[0]):
+                    done -= len(left[0])
+                    left.pop(0)
+                if left and done:
+                    left[0] = left[0][done:]
         finally:
             os.close(fd)
 
@@ -278,6 +490,9 @@ class FileStore:
             os.unlink(name, dir_fd=self._dir_fd)
             return True
         except FileNotFoundError:
+            return False
+        except OSError as exc:  # a read-only file system: the entry stays, the caller goes on
+            self._warn("unlink", exc, f"cannot remove {name}")
             return False
 
     def _entries(self) -> list[tuple[int, int, str]]:
@@ -349,7 +564,7 @@ def _name(key: bytes) -> str:
     return "h." + hashlib.sha256(key).hexdigest()
 
 
-def _header(data: bytes | bytearray) -> int | None:
+def _header(data: Buffer) -> int | None:
     """The expiry in an entry's first bytes (0: none), or ``None`` when they are not ours."""
     if len(data) < _HEADER.size:
         return None

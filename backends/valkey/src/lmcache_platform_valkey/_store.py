@@ -84,6 +84,10 @@ class ValkeyStore:
             _stored,
         )
 
+    def delete_many(self, keys: Sequence[bytes], *, timeout: float) -> list[bool]:
+        """Remove each key (an entry the server's tier refused as damaged); ``True`` where removed."""
+        return self._batch("delete", keys, [None] * len(keys), lambda p, k, _: p.delete(k), timeout, _removed)
+
     def ping(self, *, timeout: float) -> None:
         if self.config.cluster:
             self._ping_cluster(timeout)
@@ -134,16 +138,17 @@ class ValkeyStore:
         return list(pipe.execute(raise_on_error=False))
 
     def _items(self, what: str, results: list[Any], answer: Callable[[Any], _T]) -> list[_T]:
-        """Per-item errors (``OOM``, ``MOVED``...) become absent items (``answer(None)``) of a
-        :class:`RemotePartialError`, whose other items are answered as a whole call's are."""
-        failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
+        """Per-item errors (``MOVED``, a node down...) become absent items (``answer(None)``) of a
+        :class:`RemotePartialError`, whose other items are answered as a whole call's are. An
+        ``OOM`` reply (``maxmemory`` with ``noeviction``) is the store refusing the item, not
+        failing: a put answers ``False``, and the tier counts and degrades on refusals."""
+        clean = [answer(None if isinstance(r, Exception) else r) for r in results]
+        failed = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _refusal(r)]
         if not failed:
-            return [answer(r) for r in results]
+            return clean
         first = results[failed[0]]
         if any(_moved(results[i]) for i in failed):
             self._refresh_soon()
-        gone = set(failed)
-        clean = [answer(None if i in gone else r) for i, r in enumerate(results)]
         raise RemotePartialError(
             f"{self.name}: {what}: {len(failed)} of {len(results)} items failed "
             f"(first: {type(first).__name__}: {first})",
@@ -325,12 +330,22 @@ def _stored(reply: Any) -> bool:
     return reply is True
 
 
+def _removed(reply: Any) -> bool:
+    """A ``DEL`` reply as ``delete_many`` answers it: ``True`` where a key was removed."""
+    return isinstance(reply, int) and reply > 0
+
+
 def _as_arg(value: Buffer) -> bytes | memoryview:
     """A value the client sends as is (it takes ``bytes`` and byte ``memoryview``, not ``bytearray``)."""
     if isinstance(value, bytes):
         return value
     view = memoryview(value)
     return view if view.format == "B" and view.ndim == 1 and view.contiguous else view.cast("B")
+
+
+def _refusal(result: Any) -> bool:
+    """An item the server refused while answering (``OOM command not allowed``), not a failure."""
+    return type(result).__name__ == "OutOfMemoryError" or str(result).startswith("OOM ")
 
 
 def _moved(result: Any) -> bool:

@@ -18,7 +18,7 @@ A tier that is down answers nothing and takes nothing (its own policy): the othe
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,13 +77,14 @@ class RemoteChain:
         keys: Sequence[bytes],
         deadline: int | None = None,
         expect: Sequence[TensorSpec] | None = None,
+        into: Callable[[], Sequence[torch.Tensor]] | None = None,
     ) -> list[Decoded | None]:
         out: list[Decoded | None] = [None] * len(keys)
         for depth, tier in enumerate(self.tiers):
             missing = [i for i, d in enumerate(out) if d is None]
             if not missing or (deadline is not None and time.monotonic_ns() >= deadline):
                 break
-            got = tier.fetch(namespace, [keys[i] for i in missing], deadline, expect)
+            got = tier.fetch(namespace, [keys[i] for i in missing], deadline, expect, into)
             for i, decoded in zip(missing, got, strict=True):
                 if decoded is None:
                     continue

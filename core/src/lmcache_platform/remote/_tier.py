@@ -18,8 +18,13 @@ Failures never reach the engine: every store call has a deadline; a call that ti
 or fails in every item (a batch that asked only a dead cluster node), makes the writer
 thread ping the store, and a store that fails or does not answer is *down*: no call goes
 to it (lookups find nothing, fetches return misses, writes are dropped) until a probe,
-retried with exponential backoff, finds it again. Each state change is one log line. So a
-remote that is down, slow or flushed leaves local serving as it was.
+retried with exponential backoff, finds it again. A store that answers but refuses
+every write (a full or read-only disk, a Valkey at ``maxmemory`` with ``noeviction``) is
+*degraded* after :data:`DEGRADE_AFTER` refused chunks in a row: it still serves lookups
+and fetches, writes are dropped and counted (``dropped_degraded``) but for one trial
+write per backoff period, and the first write it takes makes it healthy again. Each state
+change is one log line. So a remote that is down, full, slow or flushed leaves local
+serving as it was.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import _entry
 from ._entry import Decoded, EntryIdentity, Refused, TensorSpec
 from ._errors import RemoteConfigError, RemoteError, RemotePartialError, RemoteTimeout
+from ._local import fetch_each
 from ._registry import open_remote
 from ._store import Buffer, RemoteOptions, RemoteStore, RemoteURL, read_secret_file
 
@@ -51,12 +57,17 @@ T = TypeVar("T")
 DEFAULT_QUEUE_BYTES = 1 << 30
 #: Default deadline of a call made without one (seconds).
 DEFAULT_CALL_TIMEOUT_S = 1.0
-#: A fetch of at least this many bytes in several entries checks them on decoder threads.
+#: A fetch (or a write) of at least this many bytes in several entries checks (or encodes)
+#: them on decoder threads.
 _PARALLEL_DECODE_BYTES = 16 << 20
+#: Entries in flight at once from a store of independent items (``parallel_items``).
+_ITEM_THREADS = 4
 _LOG_PERIOD_S = 10.0  # at most one line per kind of trouble (refusals, partial failures) per 10 s
 _PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
-HEALTHY, DOWN, CONNECTING, CLOSED = "healthy", "down", "connecting", "closed"
+HEALTHY, DEGRADED, DOWN, CONNECTING, CLOSED = "healthy", "degraded", "down", "connecting", "closed"
+#: Chunks the store refused in a row (no write taken between) that make a tier degraded.
+DEGRADE_AFTER = 3
 
 
 def log_event(level: int, event: str, message: str, **fields: Any) -> None:
@@ -139,6 +150,7 @@ class RemoteTier:
         self.retry_max_s = retry_max_s
         self.decode_threads = decode_threads
         self._decode_pool: ThreadPoolExecutor | None = None
+        self._items: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Item] = collections.deque()
@@ -151,6 +163,11 @@ class RemoteTier:
         self._next_probe = 0.0
         self._suspect = ""  # why the writer pings to tell slow (or one node down) from down
         self._suspect_slow = False  # the suspicion is a timeout: a ping that answers means slow
+        self._refused_run = 0  # chunks the store refused in a row (degraded at DEGRADE_AFTER)
+        #: The store's optional gather write (values as lists of buffers: entries without a copy).
+        self._gather: Callable[..., list[bool]] | None = getattr(store, "put_many_gather", None)
+        self._trial = False  # a degraded tier's trial write is queued or in flight
+        self._check_codec()
         self._counts: collections.Counter[str] = collections.Counter()
         self._last_log: dict[str, float] = {}
         self._writer = threading.Thread(target=self._run, name="lmcache-remote-writer", daemon=True)
@@ -172,11 +189,30 @@ class RemoteTier:
             store.close()
             raise
 
+    def _check_codec(self) -> None:
+        """Refuse to start a tier that cannot write entries (a missing checksum package...),
+        rather than lose every chunk later, one logged failure at a time."""
+        try:
+            import torch
+
+            sample = torch.arange(8, dtype=torch.uint8)
+            who = EntryIdentity(self.prefix, b"n", b"k")
+            back = _entry.decode(_entry.encode([sample], who, self._secret), who, self._secret)
+            ok = torch.equal(back.tensors[0], sample)
+        except Exception as exc:
+            raise RemoteConfigError(
+                f"remote {self.name}: this server cannot write remote entries "
+                f"({type(exc).__name__}: {exc}); install lmcache-platform's dependencies "
+                "(pip install torch blake3) in the server's environment"
+            ) from None
+        if not ok:
+            raise RemoteConfigError(f"remote {self.name}: an entry did not read back as written")
+
     # -- what the server calls -----------------------------------------------------------
 
     @property
     def state(self) -> str:
-        """``connecting``, ``healthy``, ``down`` or ``closed``."""
+        """``connecting``, ``healthy``, ``degraded`` (reads only), ``down`` or ``closed``."""
         return self._state
 
     @property
@@ -232,16 +268,23 @@ class RemoteTier:
         keys: Sequence[bytes],
         deadline: int | None = None,
         expect: Sequence[TensorSpec] | None = None,
+        into: Callable[[], Sequence[torch.Tensor]] | None = None,
     ) -> list[Decoded | None]:
         """Each chunk of ``keys`` from the store, checked; ``None`` where absent, refused or failed.
 
         One pipelined round trip within ``deadline``. An entry is returned only when it is
         exactly this deployment's ``(namespace, key)``, its checksum holds, and (given
         ``expect``) its tensors have those dtypes and shapes; every refusal is counted by
-        reason (``refused_<reason>``). The tensors are read-only views of the fetched bytes.
+        reason (``refused_<reason>``). The tensors are read-only views of the fetched bytes;
+        or, given ``into`` (a maker of host tensors of the ``expect``-ed specs, such as a
+        context's ``allocate_chunk``) and a store that reads in place (``get_many_into``),
+        tensors ``into`` made, read straight into (``Decoded.placed``).
         """
         if not keys:
             return []
+        placing = into is not None and expect is not None and hasattr(self.store, "get_many_into")
+        if (len(keys) > 1 or placing) and getattr(self.store, "parallel_items", False):
+            return fetch_each(self, namespace, keys, deadline, expect, into if placing else None)
         answer = self._call(
             "fetch",
             deadline,
@@ -289,14 +332,28 @@ class RemoteTier:
         try:
             chunk = _entry.decode(value, EntryIdentity(self.prefix, namespace, key), self._secret, expect)
         except Refused as exc:
-            self._add(**{f"refused_{exc.reason}": 1})
-            self._log_limited(
-                "refused", logging.WARNING, f"remote {self.name}: refused an entry ({exc.reason}): {exc}",
-                reason=exc.reason, key=key.hex()[:16],
-            )  # fmt: skip
+            self._refused(exc, key)
             return None
-        self._add(fetched=1, bytes_fetched=chunk.nbytes)
+        self._add(fetched=1, bytes_fetched=chunk.nbytes, fetched_v1=int(chunk.version == 1))
         return chunk
+
+    def _refused(self, exc: Refused, key: bytes) -> None:
+        self._add(**{f"refused_{exc.reason}": 1})
+        self._log_limited(
+            "refused", logging.WARNING, f"remote {self.name}: refused an entry ({exc.reason}): {exc}",
+            reason=exc.reason, key=key.hex()[:16],
+        )  # fmt: skip
+
+    def _item_pool(self) -> ThreadPoolExecutor:
+        """Threads for a store of independent items: each reads or writes one entry and checks
+        or encodes it (several in flight: a disk's queue; the checksums share the cores)."""
+        with self._lock:
+            if self._items is None:
+                self._items = ThreadPoolExecutor(
+                    max_workers=max(self.decode_threads, _ITEM_THREADS),
+                    thread_name_prefix="lmcache-remote-item",
+                )
+            return self._items
 
     def _decoders(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -310,7 +367,8 @@ class RemoteTier:
         """Queue one chunk (host tensors, not modified afterwards) for the store; never blocks.
 
         ``False`` (and counted) when it was dropped: the queue is full (``dropped_full``),
-        the store is down (``dropped_down``) or the tier is closed.
+        the store is down (``dropped_down``), refuses writes (``dropped_degraded``; one
+        chunk per backoff period goes as a trial) or the tier is closed.
         """
         nbytes = sum(int(t.nbytes) for t in tensors)
         with self._lock:
@@ -319,6 +377,11 @@ class RemoteTier:
             if self._state == DOWN:
                 self._counts["dropped_down"] += 1
                 return False
+            if self._state == DEGRADED:
+                if self._trial or time.monotonic() < self._next_probe:
+                    self._counts["dropped_degraded"] += 1
+                    return False
+                self._trial = True
             if self._queued_bytes + nbytes > self.queue_bytes:
                 self._counts["dropped_full"] += 1
                 return False
@@ -383,8 +446,9 @@ class RemoteTier:
                 bytes=dropped_bytes,
             )  # fmt: skip
         self._writer.join(timeout)
-        if self._decode_pool is not None:
-            self._decode_pool.shutdown(wait=False)
+        for pool in (self._decode_pool, self._items):
+            if pool is not None:
+                pool.shutdown(wait=False)
         try:
             self.store.close()
         except Exception:
@@ -400,7 +464,7 @@ class RemoteTier:
         ``None`` when the store was not asked (down, deadline passed) or the call failed;
         every such case is counted, and a failure or a timeout feeds the state machine.
         """
-        if self._state != HEALTHY:
+        if self._state not in (HEALTHY, DEGRADED):
             self._add(skipped=1)
             return None
         if deadline is None:
@@ -454,7 +518,7 @@ class RemoteTier:
                     if self._suspect:
                         job = "suspect"
                         break
-                    if self._state == HEALTHY and self._queue:
+                    if self._state in (HEALTHY, DEGRADED) and self._queue:
                         job = "write"
                         break
                     wait = self._next_probe - now if self._state in (CONNECTING, DOWN) else None
@@ -485,26 +549,51 @@ class RemoteTier:
         self._writing = len(batch)
         return batch
 
+    def _encode(self, item: _Item) -> tuple[bytes, Any] | None:
+        """One chunk's store key and entry (its parts, for a store that gathers them: no copy);
+        ``None`` (a lost write, counted) when it cannot be encoded."""
+        encode = _entry.encode_parts if self._gather is not None else _entry.encode
+        try:
+            entry = encode(item.tensors, EntryIdentity(self.prefix, item.namespace, item.key), self._secret)
+        except Exception as exc:  # counted as lost writes; the tier checked its codec at start
+            self._add(write_errors=1, encode_errors=1)
+            self._log_limited(
+                "encode", logging.WARNING,
+                f"remote {self.name}: cannot encode a chunk: {type(exc).__name__}: {exc}",
+            )  # fmt: skip
+            return None
+        return self.store_key(item.namespace, item.key), entry
+
     def _write(self, batch: list[_Item]) -> None:
-        items = []
-        for item in batch:
-            try:
-                entry = _entry.encode(
-                    item.tensors, EntryIdentity(self.prefix, item.namespace, item.key), self._secret
-                )
-            except (ValueError, TypeError) as exc:
-                self._add(errors=1)
-                self._log_limited(
-                    "encode", logging.WARNING, f"remote {self.name}: cannot encode a chunk: {exc}"
-                )
-                continue
-            items.append((self.store_key(item.namespace, item.key), entry))
+        """Write one batch; for a store of independent items (``parallel_items``: a local disk),
+        each chunk is encoded and written on its own decoder thread, so one's checksum runs
+        while another is written."""
+        try:
+            if len(batch) > 1 and getattr(self.store, "parallel_items", False):
+                list(self._item_pool().map(lambda item: self._write_some([item]), batch))
+            else:
+                self._write_some(batch)
+        finally:
+            with self._lock:
+                self._writing = 0
+                self._trial = False
+                self._wake.notify_all()
+
+    def _write_some(self, batch: list[_Item]) -> None:
+        if len(batch) > 1 and sum(item.nbytes for item in batch) >= _PARALLEL_DECODE_BYTES:
+            encoded = list(self._decoders().map(self._encode, batch))  # copies and hashing drop the GIL
+        else:
+            encoded = [self._encode(item) for item in batch]
+        items = [e for e in encoded if e is not None]
         stored: list[bool] = []
+        failed: frozenset[int] = frozenset()  # items that failed (a node down), not refused
         try:
             if items:
-                stored = self.store.put_many(items, ttl=self.ttl_s, timeout=self.write_timeout_s)
+                put = self._gather or self.store.put_many
+                stored = put(items, ttl=self.ttl_s, timeout=self.write_timeout_s)
         except RemotePartialError as exc:
             stored = [bool(s) for s in exc.results]
+            failed = frozenset(exc.failed)
             self._partial("write", exc, len(items))
         except RemoteTimeout as exc:  # slow or hung: the ping tells which; these chunks are lost
             self._add(timeouts=1, write_errors=len(items))
@@ -528,13 +617,31 @@ class RemoteTier:
                 stored = []
         ok = sum(1 for s in stored if s)
         answered = zip(items, stored, strict=True) if stored else ()  # none when the call failed
-        written_bytes = sum(len(entry) for (_, entry), s in answered if s)
+        written_bytes = sum(_size(entry) for (_, entry), s in answered if s)
         with self._lock:
             self._counts["written"] += ok
             self._counts["bytes_written"] += written_bytes
             self._counts["write_errors"] += len(stored) - ok
-            self._writing = 0
-            self._wake.notify_all()
+            if ok:
+                self._refused_run = 0
+                if self._state == DEGRADED:
+                    self._set_state(HEALTHY, "took a write")
+            elif len(stored) > len(failed):  # the store answered and refused: full, read-only...
+                self._refused_run += len(stored) - len(failed)
+                if self._state == HEALTHY and self._refused_run >= DEGRADE_AFTER:
+                    self._degrade(f"it refused {self._refused_run} chunks in a row (see its log for why)")
+                elif self._state == DEGRADED and self._trial:  # the trial failed: wait longer
+                    self._retry_s = min(self._retry_s * 2, self.retry_max_s)
+                    self._next_probe = time.monotonic() + self._retry_s
+
+    def _degrade(self, why: str) -> None:
+        """Under the lock: reads go on, the queue is dropped, one trial write per backoff period."""
+        self._retry_s = self.retry_first_s
+        self._set_state(DEGRADED, why)
+        self._next_probe = time.monotonic() + self._retry_s
+        self._counts["dropped_degraded"] += len(self._queue)
+        self._queue.clear()
+        self._queued_bytes = 0
 
     def _probe(self) -> None:
         try:
@@ -549,7 +656,8 @@ class RemoteTier:
     def _partial(self, what: str, exc: RemotePartialError, n: int) -> None:
         """Some items failed (a cluster node down): logged; if every one did, is it the whole store?"""
         message = f"remote {self.name}: {what}: {exc}"
-        self._log_limited("partial", logging.WARNING, message, failed=len(exc.failed))
+        if self._state != DEGRADED:  # a degraded tier's refused trials: its state line said so
+            self._log_limited("partial", logging.WARNING, message, failed=len(exc.failed))
         if len(exc.failed) >= n:
             self._suspect_now(f"every item of a {what} failed ({exc})", slow=False)
 
@@ -604,8 +712,16 @@ class RemoteTier:
         self._suspect = ""
         if state == HEALTHY:
             self._retry_s = self.retry_first_s
-            after = f" after {self._since - since:.1f} s {old}" if old == DOWN else ""
+            self._refused_run = 0
+            after = f" after {self._since - since:.1f} s {old}" if old in (DOWN, DEGRADED) else ""
             log_event(logging.INFO, "remote_up", f"remote {self.name}: healthy{after}", store=self.name)
+        elif state == DEGRADED:
+            log_event(
+                logging.WARNING, "remote_degraded",
+                f"remote {self.name}: degraded ({why}); serving its entries, dropping writes but one "
+                f"trial every {self._retry_s:g} s or more",
+                store=self.name, reason=why,
+            )  # fmt: skip
         elif state == DOWN:
             log_event(
                 logging.WARNING, "remote_down",
@@ -630,6 +746,13 @@ class RemoteTier:
         log_event(level, f"remote_{kind}", message, store=self.name, **fields)
 
 
+def _size(entry: Buffer | Sequence[Buffer]) -> int:
+    """An entry's bytes, whole or in parts."""
+    if isinstance(entry, (bytes, bytearray, memoryview)):
+        return len(entry)
+    return sum(len(p) for p in entry)
+
+
 #: The counters :meth:`RemoteTier.stats` reports (besides state, the queue and refusals).
 _COUNTERS = (
     "lookups",
@@ -642,8 +765,11 @@ _COUNTERS = (
     "written",
     "bytes_written",
     "write_errors",
+    "encode_errors",
+    "fetched_v1",
     "dropped_full",
     "dropped_down",
+    "dropped_degraded",
     "errors",
     "timeouts",
     "slow",

@@ -144,8 +144,14 @@ REMOTE_METRICS: dict[str, tuple[str, str, str]] = {
     "write_errors_total": (
         "counter",
         "write_errors",
-        "Chunks the store refused to take (memory full, node down).",
+        "Chunks the store refused to take (memory or disk full, node down) or that could not be encoded.",
     ),
+    "encode_errors_total": (
+        "counter",
+        "encode_errors",
+        "Chunks that could not be made entries (lost writes).",
+    ),
+    "fetched_v1_total": ("counter", "fetched_v1", "Chunks fetched in the previous entry format (BLAKE2b)."),
     "errors_total": ("counter", "errors", "Failed store calls, or failed items of a batch."),
     "timeouts_total": ("counter", "timeouts", "Store calls that passed their deadline."),
     "slow_total": ("counter", "slow", "Timeouts after which the store still answered a ping."),
@@ -157,7 +163,11 @@ REMOTE_METRICS: dict[str, tuple[str, str, str]] = {
 #: prefix of stats keys -> (metric, label, help): ``refused_<reason>``, ``dropped_<why>``.
 _REMOTE_LABELLED = {
     "refused_": ("refused_total", "reason", "Entries refused and never loaded, by reason."),
-    "dropped_": ("dropped_total", "reason", "Chunks not written: the queue was full, or the store down."),
+    "dropped_": (
+        "dropped_total",
+        "reason",
+        "Chunks not written: the queue was full, the store down or degraded.",
+    ),
 }
 
 
@@ -182,7 +192,9 @@ def prometheus_text(counters: Mapping[str, Any]) -> str:
 
 def _remote_lines(stats: Mapping[str, Any]) -> list[str]:
     full = PREFIX + "remote_up"
-    lines = _head(full, "1 while the remote store is healthy, else 0 (connecting, down, closed).", "gauge")
+    lines = _head(
+        full, "1 while the remote store is healthy, else 0 (connecting, degraded, down, closed).", "gauge"
+    )
     lines.append(f'{full}{{store="{_label(stats.get("store", ""))}"}} {int(stats.get("state") == "healthy")}')
     for name, (kind, key, help_text) in REMOTE_METRICS.items():
         if key in stats:

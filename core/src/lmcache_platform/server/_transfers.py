@@ -205,10 +205,13 @@ def fetch_remote(
     lacks, refuses or loses ends the run. Returns ``(key, tensors, nbytes)`` per chunk.
     """
     expect = [TensorSpec("uint8", (n,)) for n in entry.ctx.chunk_nbytes]
-    fetched = tier.fetch(entry.remote_ns, keys, remote_share(deadline), expect)
+    fetched = tier.fetch(entry.remote_ns, keys, remote_share(deadline), expect, into=entry.ctx.allocate_chunk)
     items: list[tuple[Hashable, Sequence[Any], int]] = []
     for key, decoded in zip(keys, itertools.takewhile(lambda d: d is not None, fetched), strict=False):
         assert decoded is not None
+        if decoded.placed:  # read straight into chunk memory (a disk tier)
+            items.append((key, decoded.tensors, decoded.nbytes))
+            continue
         tensors = entry.ctx.allocate_chunk()  # pool memory, like a put's: the fetched bytes go
         for dst, src in zip(tensors, decoded.tensors, strict=True):
             dst.copy_(src)

@@ -98,6 +98,19 @@ def test_pipelined_batch(remote_store: RemoteStore, remote_key: Key) -> None:
     print(f"\n{n} keys: put {put_s * 1e3:.1f} ms, exists {exists_s * 1e3:.1f} ms, get {get_s * 1e3:.1f} ms")
 
 
+def test_delete_many(remote_store: RemoteStore, remote_key: Key) -> None:
+    """The optional ``delete_many``, which the server calls to delete entries it refused as damaged."""
+    delete = getattr(remote_store, "delete_many", None)
+    if delete is None:
+        pytest.skip("this store has no delete_many: a damaged entry stays until the store forgets it")
+    gone, kept, absent = remote_key("del-gone"), remote_key("del-kept"), remote_key("del-absent")
+    assert put(remote_store, [(gone, b"damaged"), (kept, b"fine")]) == [True, True]
+    assert delete([gone, absent], timeout=T) == [True, False]
+    assert remote_store.exists_many([gone, kept, absent], timeout=T) == [False, True, False]
+    assert delete([], timeout=T) == []
+    assert delete([gone], timeout=T) == [False]
+
+
 def test_replace(remote_store: RemoteStore, remote_key: Key) -> None:
     key = remote_key("replaced")
     assert put(remote_store, [(key, b"first")]) == [True]
