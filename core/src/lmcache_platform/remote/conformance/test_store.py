@@ -118,22 +118,6 @@ def test_replace(remote_store: RemoteStore, remote_key: Key) -> None:
     assert [bytes(g) for g in remote_store.get_many([key], timeout=T) if g is not None] == [b"second, longer"]
 
 
-def test_delete_many(remote_store: RemoteStore, remote_key: Key) -> None:
-    """The optional ``delete_many``: the server deletes entries it refused as damaged."""
-    delete = getattr(remote_store, "delete_many", None)
-    if delete is None:
-        pytest.skip("the store has no delete_many (optional: damaged entries then stay until evicted)")
-    gone, kept, absent = remote_key("del-gone"), remote_key("del-kept"), remote_key("del-absent")
-    assert put(remote_store, [(gone, b"damaged"), (kept, b"fine")]) == [True, True]
-    answer = delete([gone, absent], timeout=T)  # True where an entry was removed
-    assert isinstance(answer, list) and len(answer) == 2 and answer[0] is True, answer
-    assert all(isinstance(a, bool) for a in answer), answer  # an absent key: False, or True if unknown
-    got = remote_store.get_many([gone, kept], timeout=T)
-    assert [bytes(g) if g is not None else None for g in got] == [None, b"fine"]
-    assert remote_store.exists_many([gone], timeout=T) == [False]
-    assert delete([], timeout=T) == []
-
-
 def test_ttl(remote_store: RemoteStore, remote_key: Key) -> None:
     short, kept = remote_key("ttl-short"), remote_key("ttl-kept")
     assert remote_store.put_many([(short, b"x")], ttl=1.0, timeout=T) == [True]
