@@ -9,15 +9,44 @@ in place (:func:`~lmcache_platform.remote._entry.decode_placed`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from . import _entry
 from ._entry import Decoded, EntryIdentity, Refused, TensorSpec
+from ._store import Buffer, RemoteStore
 
 if TYPE_CHECKING:
     import torch
 
-    from ._tier import RemoteTier
+T = TypeVar("T")
+
+
+class RemoteTier(Protocol):
+    """What these fetches use of :class:`~lmcache_platform.remote.RemoteTier`, declared here
+    so that this module, which the tier calls, does not import it back."""
+
+    store: RemoteStore
+    prefix: bytes
+    _secret: bytes | None
+
+    def store_key(self, namespace: bytes, key: bytes) -> bytes: ...
+
+    def _call(
+        self, what: str, deadline: int | None, fn: Callable[[float], list[T]], n: int
+    ) -> tuple[list[T], frozenset[int]] | None: ...
+
+    def _decode(
+        self, namespace: bytes, key: bytes, value: Buffer, expect: Sequence[TensorSpec] | None
+    ) -> Decoded | None: ...
+
+    def _add(self, **counts: int) -> None: ...
+
+    def _refused(self, exc: Refused, key: bytes) -> None: ...
+
+    def _item_pool(self) -> ThreadPoolExecutor: ...
+
+    def _remove(self, namespace: bytes, keys: Sequence[bytes], deadline: int | None) -> None: ...
 
 
 def fetch_each(
