@@ -16,6 +16,7 @@ import pytest
 from lmcache_platform._cli.serve import parse_size
 from lmcache_platform.server import ServerClient, ServerError, chunk_keys
 from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir, stale_socket
+from support.waits import wait_until
 
 
 def serve_cmd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -143,6 +144,29 @@ def test_socket_and_memory_cap_from_the_environment(tmp_path: Path) -> None:
     with Serve(sock, env=env) as serve, ServerClient(str(sock), timeout=30) as c:
         assert c.status()["server"]["max_host_bytes"] == 64 << 10
         assert serve.stop() == 0
+
+
+def test_by_default_the_whole_memory_budget_is_prepared_from_the_start(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    env = {"LMCACHE_PLATFORM_HOST_MEMORY": ""}  # unset: the default
+    with Serve(sock, "--max-host-bytes", "48M", "--json-log", env=env) as serve:
+        with ServerClient(str(sock), timeout=30) as c:  # no engine has registered
+            wait_until(lambda: c.status()["server"]["host_prepared_bytes"] == 48 << 20, "48 MiB prepared", 60)
+            server = c.status()["server"]
+        assert server["host_memory"] == "eager" and server["contexts"] == 0
+        assert server["host_prepare_target_bytes"] == server["host_ready_bytes"] == 48 << 20
+        assert server["host_mapped_bytes"] == 48 << 20  # never past the bound
+        assert serve.stop() == 0
+    (prepared,) = [e for e in serve.events() if e["event"] == "host_memory"]
+    assert prepared["bytes"] == 48 << 20 and prepared["seconds"] >= 0
+    bad = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", str(sock)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LMCACHE_PLATFORM_HOST_MEMORY": "lazy"},
+    )
+    assert bad.returncode == 2 and "LMCACHE_PLATFORM_HOST_MEMORY='lazy'" in bad.stderr
 
 
 @pytest.mark.parametrize("args", [(), ("--torch-threads", "2")], ids=["default", "two"])

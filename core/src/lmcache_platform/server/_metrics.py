@@ -88,6 +88,16 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "host_prepared_bytes",
         "Host memory mapped and faulted in ahead of use, off the request path.",
     ),
+    "host_ready_bytes": (
+        "gauge",
+        "host_ready_bytes",
+        "Host memory prepared and free to hand out to the next stores now.",
+    ),
+    "host_prepare_target_bytes": (
+        "gauge",
+        "host_prepare_target_bytes",
+        "Host memory the server prepares in the background: its bound (eager) or what it keeps ahead.",
+    ),
     "host_slow_takes_total": (
         "counter",
         "host_slow_takes",

@@ -87,8 +87,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How a server prepares chunk memory: ahead of use (default) or all of its bound at once.
-HOST_MEMORY_MODES = ("ahead", "eager")
+#: How a server prepares chunk memory from its start: all of its bound, or some ahead of use.
+HOST_MEMORY_MODES = ("eager", "ahead")
 #: Default cap on the host memory the server uses for stored chunks.
 DEFAULT_MAX_HOST_BYTES = 8 << 30
 SOCKET_NAME = "kv.sock"
@@ -224,6 +224,10 @@ class ReferenceServer:
         self._listener = Listener(self.socket_path)
         self._listener.sock.settimeout(_ACCEPT_POLL_S)
         self._listening_ns = time.monotonic_ns()
+        from .._kv.hostalloc import POOL
+
+        # From the start, in the background: the engines' first stores find memory ready.
+        POOL.prepare(limit=self.max_host_bytes, eager=self.host_memory == "eager")
         log_event(
             logging.INFO,
             "listening",
@@ -694,6 +698,8 @@ class ReferenceServer:
         own["host_memory"] = self.host_memory
         own["host_mapped_bytes"] = pool["bytes"]
         own["host_prepared_bytes"] = pool["prepared_bytes"]
+        own["host_ready_bytes"] = pool["ready_bytes"]
+        own["host_prepare_target_bytes"] = pool["target_bytes"]
         own["host_slow_takes"] = pool["slow_takes"]
         own["host_registered_bytes"] = pool["registered_bytes"]
         own["host_register_failures"] = pool["register_failures"]
