@@ -13,6 +13,8 @@ read a staging slot or a ``read_chunk``'s host tensors synchronize first
 event inside :meth:`stream_context` (it covers every gather and scatter).
 ``store``/``retrieve`` launch the fused Triton kernels of ``_kernels`` (one launch per
 kernel group of a chunk) and fall back to the base's torch ops where those cannot run.
+The kernels are compiled when the context is made (a server's registration), not in its
+first transfer, which runs under the transfer lock against the caller's deadline.
 The base's ``close`` synchronizes, then drops every buffer and view, which hands the
 memory back to torch's caching allocator.
 """
@@ -29,7 +31,7 @@ from lmcache_platform import BaseCacheContext
 if TYPE_CHECKING:
     import torch
 
-    from lmcache_platform import ChunkTransfer
+    from lmcache_platform import CacheContextConfig, ChunkTransfer
 
     from ._kernels import TritonTransfers
 
@@ -46,6 +48,14 @@ class GPUCacheContext(BaseCacheContext):
     _copies: torch.cuda.Stream | None = None
     #: One event per staging slot (see :meth:`_slot_free`).
     _slot_events: list[torch.cuda.Event]
+
+    def __init__(self, kv_caches: Sequence[Any], config: CacheContextConfig) -> None:
+        super().__init__(kv_caches, config)
+        try:
+            self.transfer_kernels().warm(self)
+        except BaseException:
+            self.close()
+            raise
 
     def create_stream(self) -> torch.cuda.Stream:
         """A dedicated stream, ordered after everything construction enqueued.
@@ -199,7 +209,7 @@ class GPUCacheContext(BaseCacheContext):
         return self._slot_events[slot]
 
     def transfer_kernels(self) -> TritonTransfers:
-        """The context's fused kernels, made on the first transfer (``reason`` says why not)."""
+        """The context's fused kernels, made and compiled with the context (``reason`` says why not)."""
         if self._kernels is None:
             from ._kernels import TritonTransfers
 
@@ -212,12 +222,11 @@ class GPUCacheContext(BaseCacheContext):
         super().release()
 
     def report_status(self) -> dict[str, Any]:
-        """The base's summary, plus how transfers run (``transfers``: ``triton`` or ``torch``, and why;
-        ``None`` until the first transfer decides)."""
+        """The base's summary, plus how transfers run (``transfers``: ``triton`` or ``torch``, and why)."""
         status = super().report_status()
         kernels = self._kernels
-        if kernels is None:  # decided on the first transfer
-            status["transfers"] = {"path": None, "reason": "no transfer yet"}
+        if kernels is None:  # closed
+            status["transfers"] = {"path": None, "reason": "closed"}
         else:
             status["transfers"] = {"path": "triton" if kernels.active else "torch", "reason": kernels.reason}
         return status

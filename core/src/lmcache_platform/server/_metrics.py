@@ -78,6 +78,12 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "lease_unread_chunks",
         "Chunks leased lookups found that no get read before the lease expired or its connection closed.",
     ),
+    "torch_path_contexts_total": (
+        "counter",
+        "torch_path_contexts",
+        "Contexts registered whose transfers take the generic torch path instead of the backend's "
+        "kernels (a kernel build that failed, say; status says why).",
+    ),
     "host_mapped_bytes": (
         "gauge",
         "host_mapped_bytes",

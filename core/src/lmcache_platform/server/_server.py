@@ -139,6 +139,9 @@ class _Stats:
     remote_hits: int = 0
     #: Chunks gets asked for and could load from neither tier (the engine recomputes them).
     get_missing: int = 0
+    #: Contexts registered whose transfers take the generic torch path where the backend has
+    #: kernels (``report_status()["transfers"]``: a build that failed, say).
+    torch_path_contexts: int = 0
     drops_unlogged: int = 0
     last_drop_log_ns: int = 0
     #: Nanoseconds from listening to the first registration and the first lookup hit:
@@ -506,6 +509,10 @@ class ReferenceServer:
 
         if isinstance(ctx, _Base):  # chunk memory mapped and faulted in ahead of the stores
             ctx.prepare_host_memory(self.max_host_bytes, eager=self.host_memory == "eager")
+        transfers = ctx.report_status().get("transfers")  # a backend with kernels says which path
+        if isinstance(transfers, dict) and transfers.get("path") == "torch":
+            with self._stats_lock:
+                self._stats.torch_path_contexts += 1
         self._first("register")
         log_event(
             logging.INFO,
@@ -683,6 +690,7 @@ class ReferenceServer:
                 "errors": self._stats.errors,
                 "deadline_drops": self._stats.deadline_drops,
                 "get_missing": self._stats.get_missing,
+                "torch_path_contexts": self._stats.torch_path_contexts,
                 "remote_hits": self._stats.remote_hits,
                 "refused": dict(sorted(self._stats.refused.items())),
             }
