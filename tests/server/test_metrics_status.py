@@ -104,6 +104,13 @@ def test_the_metrics_endpoint_serves_every_counter_and_they_move(serve: Serve) -
     info.value.close()
 
 
+def test_a_failed_device_is_a_gauge_of_one() -> None:
+    assert f"{PREFIX}device_failed 0\n" in prometheus_text({"device_failed": None})
+    assert f"{PREFIX}device_failed 1\n" in prometheus_text(
+        {"device_failed": "cuda:0: CUDA_ERROR_ILLEGAL_ADDRESS"}
+    )
+
+
 def test_prometheus_text_escapes_labels_and_types_values() -> None:
     text = prometheus_text({"chunks": 3, "uptime_s": 1.5, "requests": {'we"ird': 2}})
     assert f"{PREFIX}chunks 3\n" in text and f"{PREFIX}uptime_seconds 1.5\n" in text

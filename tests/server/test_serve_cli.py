@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -238,3 +239,42 @@ def test_json_log_has_one_object_per_line_for_registrations_and_refusals(tmp_pat
         assert stopped["event"] == "stopped" and stopped["chunks"] == 3 and stopped["hits"] == 3
     finally:
         engine.close()
+
+
+#: ``serve`` with every chunk read failing as a device in a sticky error state fails (no GPU
+#: here: the fault is injected into the cpu backend's context, the server and its exit are real).
+STICKY_SERVE = """
+import sys
+from lmcache_platform import DeviceFailedError
+from lmcache_platform.hostmem import HostMemoryCacheContext
+
+def sticky(self, *args, **kwargs):
+    raise DeviceFailedError("cuda:0 is in a sticky error state (CUDA_ERROR_ILLEGAL_ADDRESS (700))")
+
+HostMemoryCacheContext.read_chunk = sticky
+from lmcache_platform._cli import main
+sys.exit(main(["serve", "--json-log", "--socket", sys.argv[1]]))
+"""
+
+
+def test_a_device_failed_for_good_is_reported_and_serve_exits_3(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    log = tmp_path / "serve.log"
+    engine = TinyEngine()
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", STICKY_SERVE, str(sock)], stderr=err)
+    try:
+        wait_until(sock.exists, "serve listening", 60)
+        with ServerClient(str(sock), timeout=30) as client:
+            ctx = engine.register(client, namespace())
+            engine.fill(0, seed=1)
+            with pytest.raises(ServerError, match=r"DeviceFailedError.*sticky error state"):
+                client.put(ctx, [(b"s" * 32, [engine.blocks(0)])])
+        assert proc.wait(60) == 3  # stopped on its own: a supervisor starts a fresh one
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        engine.close()
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (failed,) = [e for e in events if e["event"] == "device_failed"]
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in failed["error"] and failed["op"] == "put"

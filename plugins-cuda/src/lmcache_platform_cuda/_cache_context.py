@@ -101,6 +101,19 @@ class GPUCacheContext(BaseCacheContext):
 
         return unregister
 
+    def _sticky_error(self) -> str | None:
+        """The driver's name for the device's sticky error, or None (none, or no driver to ask)."""
+        from lmcache_platform import DescriptorError
+
+        from ._driver import driver
+
+        if self.device.type != "cuda":
+            return None
+        try:
+            return driver().sticky_error(self.ordinal)
+        except DescriptorError:  # no driver to ask: not known to be sticky
+            return None
+
     @property
     def ordinal(self) -> int:
         """The CUDA device index of :attr:`device`."""
@@ -117,8 +130,9 @@ class GPUCacheContext(BaseCacheContext):
         """
         if plan.staged and self._ordered_slots:
             self.stream.wait_event(self._slot_free(plan.slot))
-        if not self.transfer_kernels().run(plan, store=True):
-            super().store(plan)
+        with self._sticky():
+            if not self.transfer_kernels().run(plan, store=True):
+                super().store(plan)
         if plan.staged and self._ordered_slots:  # a copy into the slot waits for the gather
             self._slot_free(plan.slot).record(self.stream)
 
@@ -127,8 +141,9 @@ class GPUCacheContext(BaseCacheContext):
 
         Marks the staging slot free for its next copy from the host once the scatter ran.
         """
-        if not self.transfer_kernels().run(plan, store=False):
-            super().retrieve(plan)
+        with self._sticky():
+            if not self.transfer_kernels().run(plan, store=False):
+                super().retrieve(plan)
         if plan.staged and self._ordered_slots:
             self._slot_free(plan.slot).record(self.stream)
 
@@ -168,11 +183,32 @@ class GPUCacheContext(BaseCacheContext):
 
     def synchronize(self) -> None:
         """Wait for the transfer stream and the host copies' stream (both, even if one fails)."""
+        with self._sticky():
+            try:
+                super().synchronize()
+            finally:
+                if self._copies is not None:
+                    self._copies.synchronize()
+
+    @contextlib.contextmanager
+    def _sticky(self) -> Iterator[None]:
+        """Turn a failure that left the device in a sticky error state into ``DeviceFailedError``.
+
+        Such a device answers every later call with the same error, so the server would
+        answer requests it can never serve: the driver is asked, and the error says so.
+        """
         try:
-            super().synchronize()
-        finally:
-            if self._copies is not None:
-                self._copies.synchronize()
+            yield
+        except Exception as exc:
+            from lmcache_platform import DeviceFailedError
+
+            sticky = self._sticky_error()
+            if sticky is None:
+                raise
+            raise DeviceFailedError(
+                f"{self.device} is in a sticky error state ({sticky}) after {type(exc).__name__}: {exc}; "
+                "no transfer can run in this process any more, restart it"
+            ) from exc
 
     def get_temp_kernel_group_buffer(self, slot: int, kernel_group_idx: int) -> torch.Tensor:
         """The base's view; work the caller then enqueues on :attr:`stream` follows the slot's copies."""

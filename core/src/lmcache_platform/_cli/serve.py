@@ -45,7 +45,9 @@ Prometheus text format; `lmcache-platform status` prints them for a person.
 With --remote, chunks stored here are also written to a store every node shares, and
 chunks found there are loaded from it; a password is never given on the command line
 (--remote-password-env or --remote-password-file).
-Exit status: 0 after a clean stop, 2 when the server could not start.
+Exit status: 0 after a clean stop, 2 when the server could not start, 3 when a device
+failed for good (a sticky CUDA error: nothing could move any more; a supervisor starts a
+fresh server).
 """
 
 
@@ -265,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
-    return 0
+    return 3 if server.device_failed else 0
 
 
 def _make_private_dir(directory: str) -> None:

@@ -186,6 +186,12 @@ def prometheus_text(counters: Mapping[str, Any]) -> str:
             lines += [f'{full}{{op="{_label(op)}"}} {_number(n)}' for op, n in sorted(value.items())]
         else:
             lines.append(f"{full} {_number(value)}")
+    if "device_failed" in counters:  # a reason or None: the metric says whether
+        full = PREFIX + "device_failed"
+        lines += _head(
+            full, "1 once a device failed for good (a sticky CUDA error): the server stops.", "gauge"
+        )
+        lines.append(f"{full} {int(counters['device_failed'] is not None)}")
     remote = counters.get("remote")
     if isinstance(remote, Mapping):
         lines += _remote_lines(remote)

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from .._errors import LMCachePlatformError, TransferError, WireFormatError
+from .._errors import DeviceFailedError, LMCachePlatformError, TransferError, WireFormatError
 from . import _frames, _ops, _protocol
 from ._index import ChunkIndex
 from ._leases import LeaseTable
@@ -195,6 +195,8 @@ class ReferenceServer:
         self._stats = _Stats()
         self._stats_lock = threading.Lock()
         self._started_ns = self._listening_ns = time.monotonic_ns()
+        #: Why a device failed for good (a sticky CUDA error): the server stops, ``serve`` exits 3.
+        self.device_failed: str | None = None
         self._entries: dict[int, Entry] = {}
         self._bindings = Bindings()
         self._connections: set[_Connection] = set()
@@ -398,6 +400,9 @@ class ReferenceServer:
         except DeadlineExceeded as exc:  # counted, and logged at most once per period
             self._dropped(req, conn, exc)
             return _protocol.encode_error(req.request_id, type(exc).__name__, str(exc))
+        except DeviceFailedError as exc:  # nothing can move any more: answer, then stop
+            self._device_failed(req, conn, exc)
+            return _protocol.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True, refused=req.op)
@@ -410,6 +415,23 @@ class ReferenceServer:
         finally:
             _frames.close_fds(fds)  # what register did not take
         return _protocol.encode_reply(req.request_id, req.encode_result(result))
+
+    def _device_failed(self, req: _ops.Request[Any], conn: _Connection, exc: DeviceFailedError) -> None:
+        """A device failed for good: say so in status and the log, and stop after this reply."""
+        self._count(None, error=True, refused=req.op)
+        with self._stats_lock:
+            first = self.device_failed is None
+            if first:
+                self.device_failed = str(exc)
+        if first:
+            log_event(
+                logging.ERROR,
+                "device_failed",
+                f"{req.op} request {req.request_id}: {exc}; stopping (exit status 3) for a fresh start",
+                op=req.op,
+                error=str(exc),
+            )
+        conn.stop_after_reply = True
 
     def _count(self, op: str | None, *, error: bool = False, refused: str | None = None) -> None:
         with self._stats_lock:
@@ -691,6 +713,7 @@ class ReferenceServer:
                 "deadline_drops": self._stats.deadline_drops,
                 "get_missing": self._stats.get_missing,
                 "torch_path_contexts": self._stats.torch_path_contexts,
+                "device_failed": self.device_failed,
                 "remote_hits": self._stats.remote_hits,
                 "refused": dict(sorted(self._stats.refused.items())),
             }
