@@ -95,7 +95,9 @@ def _copy_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: tl types, 
     paged_off = tl.multiple_of(tl.load(units + 2 * u), VEC)
     staged_off = tl.multiple_of(tl.load(units + 2 * u + 1), VEC)
     block = tl.load(ids + j)
-    r = tl.arange(0, ROW_TILE)
+    # Offsets in int64 throughout: a row's stride times its index, or an element's outer
+    # stride times its plane, passes 2**31 words in a large cache (heads outermost, say).
+    r = tl.arange(0, ROW_TILE).to(tl.int64)
     pos = (first_row // ROWS + j) * ROWS + r
     # A -1 id (a block not to write) masks every row; broadcast first (a scalar mask is refused).
     rows = (r < ROWS) & (pos >= first_row) & (pos < first_row + num_rows) & (block + 0 * r >= 0)
@@ -103,7 +105,8 @@ def _copy_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: tl types, 
     staged_row_start = staged_off + (staged_row + pos - first_row) * (OUTER * INNER)
     for e0 in range(0, OUTER * INNER, ELEM_TILE):
         e = e0 + tl.arange(0, ELEM_TILE)
-        within = (e // INNER) * outer_stride + (e % INNER) * inner_stride
+        e64 = e.to(tl.int64)
+        within = (e64 // INNER) * outer_stride + (e64 % INNER) * inner_stride
         mask = rows[:, None] & (e < OUTER * INNER)[None, :]
         at_paged = paged + paged_row[:, None] + within[None, :]
         at_staged = staged + staged_row_start[:, None] + e[None, :]

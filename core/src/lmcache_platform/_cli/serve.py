@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     from ..remote import RemoteConfigError, RemoteStoreLoadError
     from ..server import ReferenceServer, ServerError
     from ..server._log import log_event
-    from ..server._process import freeze_startup_objects
+    from ..server._process import freeze_startup_objects, raise_fd_limit
 
     _configure_logging(args.json_log, getattr(args, "verbose", False))
     if not args.socket:
@@ -198,6 +198,15 @@ def run(args: argparse.Namespace) -> int:
             tier.close()
         return 2
     torch.set_num_threads(args.torch_threads)
+    before, after = raise_fd_limit()
+    if after != before:
+        log_event(
+            logging.INFO,
+            "rlimit",
+            f"open files: the soft limit (RLIMIT_NOFILE) raised from {before} to {after}, the hard limit",
+            before=before,
+            after=after,
+        )
     frozen = freeze_startup_objects()
     log_event(
         logging.INFO,

@@ -45,6 +45,7 @@ serve``, or in-process with :class:`ReferenceServer` for embedding.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -197,6 +198,7 @@ class ReferenceServer:
         self._started_ns = self._listening_ns = time.monotonic_ns()
         #: Why a device failed for good (a sticky CUDA error): the server stops, ``serve`` exits 3.
         self.device_failed: str | None = None
+        self._fds_logged_ns = -(10**12)
         self._entries: dict[int, Entry] = {}
         self._bindings = Bindings()
         self._connections: set[_Connection] = set()
@@ -255,12 +257,33 @@ class ReferenceServer:
                     client, _ = self._listener.sock.accept()
                 except TimeoutError:
                     continue
+                except OSError as exc:
+                    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    self._out_of_fds(exc)  # the client waits in the backlog; the server goes on
+                    continue
                 if self._stop.is_set():  # the wake-up from stop(), or a late client
                     client.close()
                     break
                 self._accept(client)
         finally:
             self._teardown()
+
+    def _out_of_fds(self, exc: OSError) -> None:
+        """No fd for a new connection: say so, naming the limit, at most every 10 s; wait a moment."""
+        now = time.monotonic_ns()
+        if now - self._fds_logged_ns >= 10 * 10**9:
+            self._fds_logged_ns = now
+            open_now, soft = _frames.fd_usage()
+            log_event(
+                logging.WARNING,
+                "out_of_fds",
+                f"cannot accept a connection ({exc.strerror}): {open_now} files open of the limit of "
+                f"{soft} (RLIMIT_NOFILE); {_frames.RAISE_FD_LIMIT}",
+                open=open_now,
+                limit=soft,
+            )
+        self._stop.wait(0.05)
 
     def _accept(self, client: socket.socket) -> None:
         peer, uid = _peer(client)
