@@ -15,6 +15,7 @@ import contextlib
 import importlib.abc
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import time
@@ -596,6 +597,39 @@ def test_the_cuda_kernel_is_compiled_even_under_the_interpreter() -> None:
     params = {p.name: p for p in launcher.params}
     assert params["ids"].do_not_specialize_on_alignment
     assert all(params[name].do_not_specialize for name in _kernels._PART_ARGS)
+
+
+@CUDA
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.skipif(
+    os.environ.get("CC") != "/bin/false",
+    reason="scripts/gpu-check runs it alone with CC=/bin/false and a fresh TRITON_CACHE_DIR",
+)
+def test_without_a_c_compiler_chunks_still_move_and_the_context_says_how(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # triton builds its launcher with the host's C compiler; without one the context falls
+    # back to the torch path when it is made, says why, and logs it once.
+    build, config = LAYOUTS["vllm-LBNHC"]
+    with caplog.at_level(logging.WARNING, logger=_kernels.__name__), Pair(build, "cuda", **config) as pair:
+        for ctx in pair.contexts:
+            with ctx.stream_context():
+                ctx.store_chunk([[7, 2]])
+                ctx.retrieve_chunk([[4, 9]])
+            ctx.synchronize()
+        kernels = pair.contexts[0]
+        for og in range(kernels.kv_layer_groups_manager.num_object_groups):
+            a, b = (c.get_temp_object_group_buffer(0, og).cpu() for c in pair.contexts)
+            assert torch.equal(a, b)
+        for a, b in zip(*map(raw_bytes, pair.layers), strict=True):
+            assert torch.equal(a, b)
+        transfers = kernels.report_status()["transfers"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if transfers["path"] == "torch":
+        assert transfers["reason"].startswith(("the triton kernel failed to build", "no triton kernel"))
+        assert len(warned) == 1 and transfers["reason"] in warned[0]  # two contexts, one warning
+    with capsys.disabled():
+        print(f"\nno C compiler: transfers take the {transfers['path']} path ({transfers['reason']})")
 
 
 # -- on a GPU: speed of both paths, printed ------------------------------------------------------
