@@ -196,7 +196,8 @@ class ReferenceServer:
         self._stats = _Stats()
         self._stats_lock = threading.Lock()
         self._started_ns = self._listening_ns = time.monotonic_ns()
-        #: Why a device failed for good (a sticky CUDA error): the server stops, ``serve`` exits 3.
+        #: Why a device failed for good, as a sticky CUDA error leaves it; the server then stops
+        #: and ``serve`` exits 3. None while the devices work.
         self.device_failed: str | None = None
         self._fds_logged_ns = -(10**12)
         self._entries: dict[int, Entry] = {}
