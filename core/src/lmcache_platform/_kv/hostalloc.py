@@ -55,6 +55,8 @@ _COUNTERS = ("takes", "slow_takes", "prepared_bytes", "registered_bytes", "regis
 DEFAULT_AHEAD_BYTES = 256 << 20
 #: Host memory the preparing thread leaves free for everything else (see :meth:`HostBufferPool._room`).
 HEADROOM_RESERVE_BYTES = 1 << 30
+#: Seconds before the host's headroom is read again once it was short.
+_ROOM_RETRY_S = 5.0
 
 #: ``register(address, nbytes)``: a device registration of host memory, and what undoes it.
 Register = Callable[[int, int], "Callable[[], None] | None"]
@@ -134,6 +136,8 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._slabs: list[_Slab] = []
+        #: The slabs with free space, in the order they were mapped.
+        self._roomy: list[_Slab] = []
         #: Buffers by size, as views of slabs; ``_hand`` is where the last search ended.
         self._views: dict[int, list[memoryview]] = {}
         self._hand: dict[int, int] = {}
@@ -148,6 +152,7 @@ class HostBufferPool:
         self._ahead = 0
         self._eager = False
         self._said = False  # the preparing thread's outcome is logged once
+        self._room_retry_at = 0.0
         self._since = time.monotonic()
         self._thread: threading.Thread | None = None
 
@@ -169,6 +174,7 @@ class HostBufferPool:
                 self._counts["slow_takes"] += 1
                 slab = _new_slab(nbytes, extra=self._mapped_bytes() + nbytes > self._limit)
                 self._slabs.append(slab)
+                self._roomy.append(slab)
                 view = self._carve(nbytes, only=slab)
                 assert view is not None
             self._wake.notify_all()  # the preparer tops ready memory up again, registers new slabs
@@ -185,10 +191,16 @@ class HostBufferPool:
         return None
 
     def _carve(self, nbytes: int, only: _Slab | None = None) -> memoryview | None:
-        """A new buffer from the first slab with room (registered ones first). Lock held."""
-        slabs = [only] if only is not None else sorted(self._slabs, key=lambda s: s.undo is None)
+        """A new buffer from the first slab with room (registered ones first). Lock held.
+
+        Only slabs with free space are looked at (``_roomy``): once the pool is carved, a
+        take costs the same whatever the bound.
+        """
+        slabs = [only] if only is not None else sorted(self._roomy, key=lambda s: s.undo is None)
         for slab in slabs:
             offset = slab.carve(_footprint(nbytes))
+            if not slab.free and slab in self._roomy:
+                self._roomy.remove(slab)
             if offset is not None:
                 view = memoryview(slab.region)[offset : offset + nbytes]
                 slab.views += 1
@@ -209,6 +221,7 @@ class HostBufferPool:
             self._hand[nbytes] = 0
         for slab in [s for s in self._slabs if s.extra and not s.views and not s.registering]:
             self._slabs.remove(slab)
+            self._roomy.remove(slab)
             self._unmap(slab)
 
     def _drop_view(self, view: memoryview, nbytes: int) -> None:
@@ -216,6 +229,8 @@ class HostBufferPool:
         view.release()
         slab.views -= 1
         slab.give_back(offset, _footprint(nbytes))
+        if slab not in self._roomy:
+            self._roomy.append(slab)
 
     # -- preparing ---------------------------------------------------------------------
 
@@ -294,6 +309,7 @@ class HostBufferPool:
             _populate(slab)
             with self._lock:
                 self._slabs.append(slab)
+                self._roomy.append(slab)
                 self._counts["prepared_bytes"] += nbytes
                 self._wake.notify_all()
                 if self._eager and self._limit - self._mapped_bytes() < HUGE_PAGE_BYTES:
@@ -338,12 +354,20 @@ class HostBufferPool:
         return size if self._room(size) else 0
 
     def _room(self, size: int) -> bool:
-        """Whether the host has ``size`` more bytes to spare beyond the reserve (said once if not)."""
+        """Whether the host has ``size`` more bytes to spare beyond the reserve (said once if not).
+
+        Short, it is asked again after :data:`_ROOM_RETRY_S` (memory may be freed), not on
+        every take that wakes the preparing thread.
+        """
         from ..hostmem import memory_headroom
 
+        now = time.monotonic()
+        if now < self._room_retry_at:
+            return False
         room = memory_headroom()
         if room is None or room.free - size >= HEADROOM_RESERVE_BYTES:
             return True
+        self._room_retry_at = now + _ROOM_RETRY_S
         self._say_prepared(f"; stopped {HEADROOM_RESERVE_BYTES >> 20} MiB short of {room.limit}'s limit")
         return False
 
