@@ -116,6 +116,14 @@ def test_eager_preparation_fills_the_bound_and_never_passes_it() -> None:
     assert pool.stats()["slow_takes"] == 1 and len(held) == 6
 
 
+def test_a_chunk_larger_than_a_slab_makes_the_later_slabs_hold_it() -> None:
+    pool = HostBufferPool()
+    pool.prepare(12 * MiB, limit=36 * MiB, eager=True)  # a context's chunks: 12 MiB, slabs of 8
+    wait_until(lambda: pool.stats()["bytes"] == 36 * MiB, "36 MiB prepared", 20)
+    held = [pool.take(12 * MiB) for _ in range(3)]
+    assert pool.stats()["slow_takes"] == 0 and len(held) == 3  # three slabs of 12 MiB
+
+
 def test_preparing_stops_short_of_the_hosts_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     from lmcache_platform import hostmem
 

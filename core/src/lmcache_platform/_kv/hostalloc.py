@@ -150,6 +150,7 @@ class HostBufferPool:
         #: What :meth:`prepare` asked: the bound, ahead or eager.
         self._limit = 0
         self._ahead = 0
+        self._largest = 0  # the largest chunk size asked for: slabs hold at least one
         self._eager = False
         self._said = False  # the preparing thread's outcome is logged once
         self._room_retry_at = 0.0
@@ -248,10 +249,12 @@ class HostBufferPool:
         pages until ``ahead`` bytes are ready (free in slabs or idle; at least one
         ``nbytes`` buffer), or, ``eager``, until the pool holds ``limit``; never past
         ``limit``, nor into the last :data:`HEADROOM_RESERVE_BYTES` of the host's memory.
-        ``nbytes``, a chunk size if known, only sets the least ready memory. Never blocks.
+        ``nbytes``, a chunk size if known, sets the least ready memory, and the least size of
+        the slabs mapped from then on (a chunk never spans two). Never blocks.
         """
         with self._lock:
             self._limit, self._ahead, self._eager = limit, max(ahead, nbytes), eager
+            self._largest = max(self._largest, nbytes)
             if self._thread is None:
                 self._since = time.monotonic()
                 self._thread = threading.Thread(
@@ -343,7 +346,7 @@ class HostBufferPool:
     def _next_slab(self) -> int:
         """Bytes of the next slab to prepare now, or 0. Lock held."""
         total = self._mapped_bytes()
-        size = min(SLAB_BYTES, self._limit - total)
+        size = min(max(SLAB_BYTES, self._largest), self._limit - total)
         if size < HUGE_PAGE_BYTES:
             return 0
         if not self._eager:
