@@ -413,6 +413,13 @@ class HostBufferPool:
                 **{k: self._counts[k] for k in _COUNTERS},
             }
 
+    def server_counters(self) -> dict[str, int]:
+        """:meth:`stats` as a server reports them (``status``, ``/metrics``): ``host_`` names."""
+        stats = self.stats()
+        names = {"bytes": "mapped_bytes", "target_bytes": "prepare_target_bytes"}
+        keys = ("bytes", "ready_bytes", "target_bytes", *(k for k in _COUNTERS if k != "takes"))
+        return {f"host_{names.get(k, k)}": stats[k] for k in keys}
+
     def _mapped_bytes(self) -> int:
         """Bytes the pool holds mapped, kept ones included (they count against the bound)."""
         return sum(s.size for s in self._slabs) + sum(s.size for s in self._kept)

@@ -45,12 +45,10 @@ serve``, or in-process with :class:`ReferenceServer` for embedding.
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,7 +59,7 @@ from .._errors import DeviceFailedError, LMCachePlatformError, TransferError, Wi
 from . import _frames, _ops, _protocol
 from ._index import ChunkIndex
 from ._leases import LeaseTable
-from ._listen import Listener
+from ._listen import Listener, peer_of
 from ._log import log_event
 from ._namespaces import Bindings, layout_of, plain, show_namespace
 from ._ops import Json
@@ -199,7 +197,6 @@ class ReferenceServer:
         #: Why a device failed for good, as a sticky CUDA error leaves it; the server then stops
         #: and ``serve`` exits 3. None while the devices work.
         self.device_failed: str | None = None
-        self._fds_logged_ns = -(10**12)
         self._entries: dict[int, Entry] = {}
         self._bindings = Bindings()
         self._connections: set[_Connection] = set()
@@ -254,14 +251,8 @@ class ReferenceServer:
         self._leases.start()
         try:
             while not self._stop.is_set():
-                try:
-                    client, _ = self._listener.sock.accept()
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                        raise
-                    self._out_of_fds(exc)  # the client waits in the backlog; the server goes on
+                client = self._listener.accept(self._stop)  # None: a poll's timeout, or out of fds
+                if client is None:
                     continue
                 if self._stop.is_set():  # the wake-up from stop(), or a late client
                     client.close()
@@ -270,24 +261,8 @@ class ReferenceServer:
         finally:
             self._teardown()
 
-    def _out_of_fds(self, exc: OSError) -> None:
-        """No fd for a new connection: say so, naming the limit, at most every 10 s; wait a moment."""
-        now = time.monotonic_ns()
-        if now - self._fds_logged_ns >= 10 * 10**9:
-            self._fds_logged_ns = now
-            open_now, soft = _frames.fd_usage()
-            log_event(
-                logging.WARNING,
-                "out_of_fds",
-                f"cannot accept a connection ({exc.strerror}): {open_now} files open of the limit of "
-                f"{soft} (RLIMIT_NOFILE); {_frames.RAISE_FD_LIMIT}",
-                open=open_now,
-                limit=soft,
-            )
-        self._stop.wait(0.05)
-
     def _accept(self, client: socket.socket) -> None:
-        peer, uid = _peer(client)
+        peer, uid = peer_of(client)
         with self._lock:
             busy = len(self._connections) >= self.max_connections
         if busy:  # bound the memory clients can pin with announced frames
@@ -749,16 +724,8 @@ class ReferenceServer:
             own["remote"] = {"store": self.tier.name, **self.tier.stats()}  # a chain adds "tiers"
         from .._kv.hostalloc import POOL
 
-        pool = POOL.stats()
         own["host_memory"] = self.host_memory
-        own["host_mapped_bytes"] = pool["bytes"]
-        own["host_prepared_bytes"] = pool["prepared_bytes"]
-        own["host_ready_bytes"] = pool["ready_bytes"]
-        own["host_prepare_target_bytes"] = pool["target_bytes"]
-        own["host_slow_takes"] = pool["slow_takes"]
-        own["host_registered_bytes"] = pool["registered_bytes"]
-        own["host_register_failures"] = pool["register_failures"]
-        own["host_kept_mapped"] = pool["kept_mapped"]
+        own.update(POOL.server_counters())
         with self._lock:
             return {
                 "pid": os.getpid(),
@@ -811,20 +778,6 @@ class ReferenceServer:
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-_PEERCRED = struct.Struct("3i")
-
-
-def _peer(sock: socket.socket) -> tuple[str, int]:
-    """``("pid N uid M", M)`` of the process at the other end (Linux); uid -1 when unknown."""
-    try:
-        pid, uid, _gid = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
-    except (AttributeError, OSError):  # not Linux, or the peer is already gone
-        return "unknown peer", -1
-    return f"pid {pid} uid {uid}", uid
 
 
 def _take(fds: list[int]) -> list[int]:
