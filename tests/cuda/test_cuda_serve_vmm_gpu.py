@@ -114,8 +114,7 @@ def test_vllm_034_per_layer_vmm_through_serve_first_transfer_apart(
             register_s = time.perf_counter() - t0
             status = client.status(reg.context)
             assert status["context"]["transfers"]["path"] == "triton", status["context"]["transfers"]
-            serve_fds = len(os.listdir(f"/proc/{serve.proc.pid}/fd"))
-            assert serve_fds < LAYERS, f"serve holds {serve_fds} fds: the layers' fds were kept"
+            fds_registered = len(os.listdir(f"/proc/{serve.proc.pid}/fd"))
             t0 = time.perf_counter()
             wait_until(
                 lambda: (
@@ -143,6 +142,9 @@ def test_vllm_034_per_layer_vmm_through_serve_first_transfer_apart(
                 gets.append(time.perf_counter() - t0)
             server = client.status()["server"]
             client.unregister(reg.context)
+            # Kept for the context's life, the layers' fds would go with it: they went when mapped.
+            fds_unregistered = len(os.listdir(f"/proc/{serve.proc.pid}/fd"))
+            assert fds_registered - fds_unregistered < LAYERS // 2, (fds_registered, fds_unregistered)
         for w in wrapped:
             w.close()
         torch.cuda.synchronize()
