@@ -7,7 +7,7 @@ into used memory). Three measures:
 
 * **Slabs, prepared ahead.** :meth:`HostBufferPool.prepare` starts a background thread
   that maps *slabs* (:data:`SLAB_BYTES`, huge pages requested) and faults them in
-  (``MADV_POPULATE_WRITE``) off the request path, at the lowest CPU priority. Slabs do not
+  (``MADV_POPULATE_WRITE``) off the request path, one call per slab without the GIL. Slabs do not
   depend on any chunk size, so a server starts preparing when it starts, before any
   engine registers (``serve --host-memory eager``, the default: its whole
   ``--max-host-bytes``; ``ahead``: 256 MiB of ready memory ahead of use), and stops
@@ -291,7 +291,10 @@ class HostBufferPool:
             return self._wake.wait_for(lambda: self._unregistered() is None, timeout)
 
     def _prepare_loop(self) -> None:
-        _lower_priority()
+        # At the default priority: a lower one would let the scheduler leave this thread
+        # waiting while it holds the GIL between slabs, stalling the server's own threads
+        # (a priority inversion: hundreds of ms on a loaded 2-vCPU VM). Its CPU is the
+        # kernel's, backing fresh pages, inside one GIL-free madvise call per slab.
         while True:
             with self._lock:
                 while True:
@@ -470,11 +473,9 @@ def _address(region: mmap.mmap) -> int:
 def _populate(slab: _Slab) -> None:
     """Fault every page of ``slab`` in now, in one ``madvise`` call without the GIL.
 
-    One call, not one per piece: the preparing thread runs at the lowest priority, and a
-    thread that holds the GIL between calls while the scheduler leaves it waiting would
-    hold up the server's own threads (a priority inversion; readiness doubled on the
-    development VM). A kernel without ``MADV_POPULATE_WRITE`` (before 5.14): the pages
-    are written instead.
+    One call, not one per piece: the thread holds the GIL only between slabs, so the
+    server's own threads hardly wait for it. A kernel without ``MADV_POPULATE_WRITE``
+    (before 5.14): the pages are written instead.
     """
     import ctypes
 
@@ -485,18 +486,6 @@ def _populate(slab: _Slab) -> None:
     _log.debug("madvise(MADV_POPULATE_WRITE): %s; writing the pages", os.strerror(ctypes.get_errno()))
     for offset in range(0, slab.size, mmap.PAGESIZE):
         slab.region[offset] = 0
-
-
-def _lower_priority() -> None:
-    """Run the calling thread at the lowest CPU priority (Linux: niceness is per thread).
-
-    Preparing memory is worth doing only with CPU nobody else wants: on a small host it
-    must not slow an engine starting beside the server.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: the default priority
-        _log.debug("the host-memory thread keeps its priority: %s", exc)
 
 
 def _refs(items: list[Any], i: int) -> int:
