@@ -276,9 +276,11 @@ class BaseCacheContext(GroupQueries, abc.ABC):
 
         They are views of one allocation laid out like a staging slot, so the movers'
         word types fit them (:meth:`read_chunk` gathers straight into them on the host).
-        On the host the allocation reuses the memory of chunks nothing holds any more
-        (else a fresh mapping, huge pages requested); pinned when :attr:`device` is not
-        the host. Contents are uninitialised.
+        From 2 MiB on it comes from the process's pool: the memory of chunks nothing
+        holds any more, else a slab prepared ahead (else a fresh mapping), registered
+        with the device by :meth:`register_host_memory` on the pool's own thread when
+        :attr:`device` is not the host; below 2 MiB, pinned there. Contents are
+        uninitialised.
         """
         layout = self._staging_layout
         device = self._device.type != "cpu"
