@@ -372,6 +372,44 @@ def test_a_strided_last_dim_moves_element_by_element() -> None:
         assert not isinstance(launch, str) and launch.width == 2 and launch.strides[3] == H
 
 
+def test_offsets_past_2_to_the_31_words_are_computed_in_int64() -> None:
+    # A unit's third plane 2**31 + 64 words from its first (a large cache, heads outermost):
+    # in int32 the offset wraps negative. The memory is a sparse mapping: two pages touched.
+    import mmap
+
+    stride = (1 << 30) + 32
+    region = mmap.mmap(-1, 2 * stride + mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    paged = torch.frombuffer(region, dtype=torch.uint8)
+    for plane in range(3):
+        paged[plane * stride : plane * stride + 4] = torch.arange(4, dtype=torch.uint8) + 10 * plane + 1
+    staged = torch.zeros(16, dtype=torch.uint8)
+    launch = _kernels._launcher("cpu")
+    assert launch is not None
+    launch[(1, 1)](
+        paged,
+        staged,
+        torch.zeros(2, dtype=torch.int64),  # one unit: at the anchor, at the buffer's start
+        torch.zeros(1, dtype=torch.int64),  # block 0
+        0,
+        1,
+        0,
+        0,
+        0,
+        stride,
+        1,
+        ROWS=1,
+        ROW_TILE=1,
+        OUTER=3,
+        INNER=4,
+        ELEM_TILE=16,
+        VEC=1,
+        STORE=True,
+    )
+    assert staged[:12].tolist() == [1, 2, 3, 4, 11, 12, 13, 14, 21, 22, 23, 24]
+    del paged
+    region.close()
+
+
 # -- where the kernels do not run --------------------------------------------------------------
 
 
