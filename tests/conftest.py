@@ -8,11 +8,18 @@ own (``tests/cpu/conftest.py``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from support.shm import no_segment_left
+
+# ``serve`` prepares all of its --max-host-bytes (8 GiB by default) from its start. The
+# suite starts dozens of servers, two at a time, on a machine engines share: they keep
+# 256 MiB ready instead (``ahead``). The default itself is tested with the variable unset
+# (``tests/server/test_serve_cli.py``).
+os.environ.setdefault("LMCACHE_PLATFORM_HOST_MEMORY", "ahead")
 
 
 @pytest.fixture(scope="session")

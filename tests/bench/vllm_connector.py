@@ -567,7 +567,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         section("start")
         cli = str(Path(sys.executable).with_name("lmcache-platform"))
         serve_argv = [cli, "serve", "--socket", sock, "--max-host-bytes", args.max_host_bytes]
-        serve_argv += ["--host-memory", args.host_memory]
+        if args.host_memory is not None:
+            serve_argv += ["--host-memory", args.host_memory]
         serve = procs["serve"] = Proc("serve", serve_argv, tmp, env)
         while not os.path.exists(sock):
             serve.check()
@@ -684,6 +685,18 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
         # 5. Workload 2: no reuse, connector on (B) against off (P), alternating.
         if "no-reuse" in sections:
+            # How ready the server's memory was when the workload began (default flags: not waited for).
+            server_now = serve_status(sock)
+            result["meta"]["host_memory_at_no_reuse"] = {
+                k: server_now.get(k)
+                for k in (
+                    "host_memory",
+                    "host_prepared_bytes",
+                    "host_ready_bytes",
+                    "host_prepare_target_bytes",
+                )
+            }
+            log(f"server memory at workload 2: {result['meta']['host_memory_at_no_reuse']}")
             runs: list[dict[str, Any]] = []
             for pair, config, server, prompts in on_off("no reuse", "distinct", args.pairs):
                 before = server.metrics()
@@ -975,9 +988,9 @@ def main() -> None:
     parser.add_argument(
         "--host-memory",
         choices=("ahead", "eager"),
-        default="ahead",
-        help="the server's --host-memory: its chunk memory prepared as the stores come (default) or "
-        "all of --max-host-bytes from the first registration on",
+        default=None,
+        help="the server's --host-memory (default: serve's own default, eager from its start); "
+        "given as eager, workload 2 also waits until all of --max-host-bytes is prepared",
     )
     parser.add_argument(
         "--sections",

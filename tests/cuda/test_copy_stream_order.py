@@ -88,6 +88,9 @@ class Moves:
     def __init__(self, log: list[tuple[str, ...]]) -> None:
         self.log = log
 
+    def warm(self, ctx: Any) -> None:
+        """Nothing to compile: the torch path moves every plan."""
+
     def run(self, plan: Any, *, store: bool) -> bool:
         self.log.append(("main", "gathers into" if store else "scatters from", f"slot {plan.slot}"))
         return False

@@ -14,6 +14,7 @@ import gc
 import multiprocessing as mp
 import os
 import socket
+import threading
 from typing import Any
 
 import pytest
@@ -504,3 +505,74 @@ def test_a_view_over_more_allocations_than_an_export_may_have(
     assert len(w.segment_fds) == 3
     w.close()
     assert open_fds() == baseline
+
+
+# -- file descriptors and unmapping (issue 42) -------------------------------------------
+
+
+def test_received_fds_are_closed_once_mapped(fake_vmm: FakeVmmLib) -> None:
+    # vLLM 0.34 exports one allocation per layer: kept fds would count against RLIMIT_NOFILE.
+    flat = cache(fake_vmm, [GRANULE, GRANULE, GRANULE])
+    w = CudaVmmIPCWrapper.wrap(flat)
+    baseline = open_fds()
+    (got,) = ship([w])
+    assert isinstance(got, CudaVmmIPCWrapper)
+    received = got.segment_fds
+    assert open_fds() == baseline + 3
+    tensor = got.to_tensor()
+    for fd in received:  # the mapping holds the memory (the fake driver's own fds stand for it)
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert torch.equal(tensor, flat)
+    assert torch.equal(got.to_tensor(), flat)  # mapped already: no fd is needed again
+    got.close()
+    del tensor
+    gc.collect()
+    assert open_fds() == baseline
+    w.close()
+
+
+def test_exported_fds_are_close_on_exec(fake_vmm: FakeVmmLib) -> None:
+    flat = cache(fake_vmm, [GRANULE, GRANULE])
+    w = CudaVmmIPCWrapper.wrap(flat)
+    assert len(w.segment_fds) == 2
+    assert not any(os.get_inheritable(fd) for fd in w.segment_fds)  # the driver's were inheritable
+    w.close()
+
+
+def test_unmapping_undoes_every_segment_it_can_then_raises(fake_vmm: FakeVmmLib) -> None:
+    flat = cache(fake_vmm, [GRANULE, GRANULE, GRANULE])
+    w = CudaVmmIPCWrapper.wrap(flat)
+    fds = [os.dup(fd) for fd in w.segment_fds]
+    offsets, sizes = [0, GRANULE, 2 * GRANULE], [GRANULE] * 3
+    driver = _vmm_ipc.get_runtime()
+    mappings, reservations = len(fake_vmm.mappings), len(fake_vmm.reservations)
+    ptr = driver.vmm_import(fds, offsets, sizes, 0)
+    assert len(fake_vmm.mappings) == mappings + 3
+    fake_vmm.fail("cuMemUnmap", after=1)  # the middle segment's unmap fails
+    with pytest.raises(DescriptorError, match=rf"cuMemUnmap of {GRANULE} bytes at {ptr + GRANULE:#x} failed"):
+        driver.vmm_unmap(ptr, offsets, sizes, 0)
+    assert len(fake_vmm.mappings) == mappings + 1  # the first and the last went back
+    assert ptr + GRANULE in fake_vmm.mappings
+    assert len(fake_vmm.reservations) == reservations + 1  # a range still mapped is not freed
+    with driver._on(0):  # type: ignore[attr-defined]  # what is left, by hand
+        assert fake_vmm.cuMemUnmap(ptr + GRANULE, GRANULE) == 0
+        assert fake_vmm.cuMemAddressFree(ptr, 3 * GRANULE) == 0
+    for fd in fds:
+        os.close(fd)
+    w.close()
+
+
+def test_the_drivers_lock_can_be_taken_again_on_the_thread_holding_it(fake_vmm: FakeVmmLib) -> None:
+    # A finalizer (a mapping's unmap) may run on a thread inside a driver call's lock.
+    driver = _vmm_ipc.get_runtime()
+    done: list[int] = []
+
+    def reenter() -> None:
+        with driver._lock:  # type: ignore[attr-defined]
+            done.append(driver.vmm_granularity(0))
+
+    thread = threading.Thread(target=reenter, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert done == [GRANULE], "the driver's lock deadlocked on re-entry"

@@ -15,7 +15,9 @@ import contextlib
 import importlib.abc
 import importlib.util
 import logging
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -370,6 +372,44 @@ def test_a_strided_last_dim_moves_element_by_element() -> None:
         assert not isinstance(launch, str) and launch.width == 2 and launch.strides[3] == H
 
 
+def test_offsets_past_2_to_the_31_words_are_computed_in_int64() -> None:
+    # A unit's third plane 2**31 + 64 words from its first (a large cache, heads outermost):
+    # in int32 the offset wraps negative. The memory is a sparse mapping: two pages touched.
+    import mmap
+
+    stride = (1 << 30) + 32
+    region = mmap.mmap(-1, 2 * stride + mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    paged = torch.frombuffer(region, dtype=torch.uint8)
+    for plane in range(3):
+        paged[plane * stride : plane * stride + 4] = torch.arange(4, dtype=torch.uint8) + 10 * plane + 1
+    staged = torch.zeros(16, dtype=torch.uint8)
+    launch = _kernels._launcher("cpu")
+    assert launch is not None
+    launch[(1, 1)](
+        paged,
+        staged,
+        torch.zeros(2, dtype=torch.int64),  # one unit: at the anchor, at the buffer's start
+        torch.zeros(1, dtype=torch.int64),  # block 0
+        0,
+        1,
+        0,
+        0,
+        0,
+        stride,
+        1,
+        ROWS=1,
+        ROW_TILE=1,
+        OUTER=3,
+        INNER=4,
+        ELEM_TILE=16,
+        VEC=1,
+        STORE=True,
+    )
+    assert staged[:12].tolist() == [1, 2, 3, 4, 11, 12, 13, 14, 21, 22, 23, 24]
+    del paged
+    region.close()
+
+
 # -- where the kernels do not run --------------------------------------------------------------
 
 
@@ -415,12 +455,11 @@ def test_an_unknown_kernels_choice_names_the_variable(monkeypatch: pytest.Monkey
     from lmcache_platform import EnvironmentValueError
 
     monkeypatch.setenv("LMCACHE_PLATFORM_CUDA_KERNELS", "cutlass")
-    ctx, _ = kernel_context()
-    with (
-        ctx,
-        pytest.raises(EnvironmentValueError, match=r"LMCACHE_PLATFORM_CUDA_KERNELS='cutlass'.*triton, torch"),
+    # Refused when the context is made (a server's registration), not in its first transfer.
+    with pytest.raises(
+        EnvironmentValueError, match=r"LMCACHE_PLATFORM_CUDA_KERNELS='cutlass'.*triton, torch"
     ):
-        ctx.store_chunk([[3, 4]])
+        kernel_context()
 
 
 def test_a_failing_first_launch_falls_back_without_moving_anything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -454,6 +493,105 @@ def test_a_failing_later_launch_falls_back_too(monkeypatch: pytest.MonkeyPatch) 
         for og in range(pair.kernels.kv_layer_groups_manager.num_object_groups):
             a, b = (c.get_temp_object_group_buffer(0, og) for c in pair.contexts)
             assert torch.equal(a, b)
+
+
+# -- compiled when the context is made ---------------------------------------------------------
+
+
+def test_every_kernel_is_launched_once_each_way_when_the_context_is_made_moving_nothing() -> None:
+    layers = engine(KVFormat.FLASH_ATTN, separate=True)("cpu")
+    fill(layers, seed=5)
+    before = [t.clone() for t in raw_bytes(layers)]
+    hints = LayoutHints(kv_format=KVFormat.FLASH_ATTN)
+    config = CacheContextConfig(lmcache_tokens_per_chunk=CHUNK, layout_hints=hints)
+    with InterpretedContext([HeldWrapper.wrap(t) for t in layers], config) as ctx:
+        kernels = ctx.transfer_kernels()
+        groups = ctx.kv_layer_groups_manager.num_kernel_groups
+        assert kernels.launches == 2 * groups and kernels.reason is None  # both directions, no transfer yet
+        assert ctx.report_status()["transfers"] == {"path": "triton", "reason": None}
+        views = [ctx.get_temp_object_group_buffer(0, og) for og in range(len(ctx.chunk_nbytes))]
+        for view in views:
+            view.fill_(0xA5)
+        kernels.warm(ctx)  # again, with known staging bytes: every access is masked
+        assert kernels.launches == 4 * groups
+        assert all(bool((view == 0xA5).all()) for view in views)
+        assert all(torch.equal(a, b) for a, b in zip(before, raw_bytes(layers), strict=True))
+
+
+class FakeJit:
+    """A kernel whose compile is slow and cached per specialization, as triton's JIT is,
+    without triton's (absent) lock: it counts compiles per specialization."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple[Any, ...], int] = {}
+        self.cache: set[tuple[Any, ...]] = set()
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            key = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (int, bool))))
+            if key not in self.cache:
+                time.sleep(0.3)  # a cold compile, long enough for another thread to arrive
+                self.compiled[key] = self.compiled.get(key, 0) + 1
+                self.cache.add(key)
+
+        return launch
+
+
+def test_two_contexts_made_at_once_compile_each_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeJit()
+    monkeypatch.setattr(_kernels, "_launcher", lambda device_type: fake)
+    made: list[GPUCacheContext] = []
+    errors: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(kernel_context()[0])
+        except BaseException as exc:  # reported below, not lost on the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make) for _ in range(2)]  # a TP=2 engine's two registrations
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not errors and len(made) == 2
+        assert fake.compiled and set(fake.compiled.values()) == {1}, fake.compiled
+        assert len(fake.compiled) == 2  # one kernel group: a gather and a scatter
+    finally:
+        for ctx in made:
+            ctx.close()
+
+
+def test_a_failed_build_falls_back_logs_once_and_is_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On a GPU host without a C compiler triton cannot build its launcher (gpu-check runs that
+    # for real, CC=/bin/false); here the launch raises what such a build raises.
+    def no_compiler(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "Failed to build the launcher: command '/bin/false' returned non-zero exit status 1"
+        )
+
+    monkeypatch.setattr(_kernels.TritonTransfers, "_one", no_compiler)
+    monkeypatch.setattr(_kernels, "FALLBACKS", __import__("collections").Counter())
+    with caplog.at_level(logging.DEBUG, logger=_kernels.__name__):
+        contexts = [kernel_context() for _ in range(2)]
+    try:
+        why = "the triton kernel failed to build: RuntimeError: Failed to build the launcher"
+        for ctx, layers in contexts:
+            transfers = ctx.report_status()["transfers"]
+            assert transfers["path"] == "torch" and transfers["reason"].startswith(why)
+            before = raw_bytes(layers)[0].clone()
+            ctx.store_chunk([[3, 4]])
+            ctx.retrieve_chunk([[5, 6]])  # the torch path moves the chunk
+            assert not torch.equal(before, raw_bytes(layers)[0])
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and why in r.getMessage()]
+        assert len(warnings) == 1  # once per process, not per context
+        assert sum(n for reason, n in _kernels.FALLBACKS.items() if reason.startswith(why)) == 2
+    finally:
+        for ctx, _ in contexts:
+            ctx.close()
 
 
 class _BrokenTriton(importlib.abc.MetaPathFinder):
@@ -497,6 +635,39 @@ def test_the_cuda_kernel_is_compiled_even_under_the_interpreter() -> None:
     params = {p.name: p for p in launcher.params}
     assert params["ids"].do_not_specialize_on_alignment
     assert all(params[name].do_not_specialize for name in _kernels._PART_ARGS)
+
+
+@CUDA
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.skipif(
+    os.environ.get("CC") != "/bin/false",
+    reason="scripts/gpu-check runs it alone with CC=/bin/false and a fresh TRITON_CACHE_DIR",
+)
+def test_without_a_c_compiler_chunks_still_move_and_the_context_says_how(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # triton builds its launcher with the host's C compiler; without one the context falls
+    # back to the torch path when it is made, says why, and logs it once.
+    build, config = LAYOUTS["vllm-LBNHC"]
+    with caplog.at_level(logging.WARNING, logger=_kernels.__name__), Pair(build, "cuda", **config) as pair:
+        for ctx in pair.contexts:
+            with ctx.stream_context():
+                ctx.store_chunk([[7, 2]])
+                ctx.retrieve_chunk([[4, 9]])
+            ctx.synchronize()
+        kernels = pair.contexts[0]
+        for og in range(kernels.kv_layer_groups_manager.num_object_groups):
+            a, b = (c.get_temp_object_group_buffer(0, og).cpu() for c in pair.contexts)
+            assert torch.equal(a, b)
+        for a, b in zip(*map(raw_bytes, pair.layers), strict=True):
+            assert torch.equal(a, b)
+        transfers = kernels.report_status()["transfers"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if transfers["path"] == "torch":
+        assert transfers["reason"].startswith(("the triton kernel failed to build", "no triton kernel"))
+        assert len(warned) == 1 and transfers["reason"] in warned[0]  # two contexts, one warning
+    with capsys.disabled():
+        print(f"\nno C compiler: transfers take the {transfers['path']} path ({transfers['reason']})")
 
 
 # -- on a GPU: speed of both paths, printed ------------------------------------------------------

@@ -20,7 +20,7 @@ from lmcache_platform.protocol import _messages as P
 from lmcache_platform.server import ServerClient, ServerError
 from lmcache_platform.server._metrics import METRICS, PREFIX, prometheus_text
 from support.procs import sigstop
-from support.serve import Serve, TinyEngine, namespace, private_dir
+from support.serve import InProcess, Serve, TinyEngine, namespace, private_dir
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,36 @@ def test_the_metrics_endpoint_serves_every_counter_and_they_move(serve: Serve) -
         urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=30)
     assert info.value.code == 404
     info.value.close()
+
+
+def test_contexts_registered_on_the_torch_path_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A backend with kernels says which path its transfers take (the cuda backend: "torch"
+    # when its kernels could not be built); the cpu backend's context stands in for one.
+    from lmcache_platform.hostmem import HostMemoryCacheContext
+
+    real = HostMemoryCacheContext.report_status
+
+    def fell_back(self: HostMemoryCacheContext) -> dict[str, object]:
+        return {**real(self), "transfers": {"path": "torch", "reason": "the triton kernel failed to build"}}
+
+    monkeypatch.setattr(HostMemoryCacheContext, "report_status", fell_back)
+    server, engine = InProcess(64 << 20), TinyEngine()
+    try:
+        with server.client() as client:
+            engine.register(client, namespace())
+        counters = server.counters()
+        assert counters["torch_path_contexts"] == 1
+        assert f"{PREFIX}torch_path_contexts_total 1\n" in prometheus_text(counters)
+    finally:
+        engine.close()
+        server.close()
+
+
+def test_a_failed_device_is_a_gauge_of_one() -> None:
+    assert f"{PREFIX}device_failed 0\n" in prometheus_text({"device_failed": None})
+    assert f"{PREFIX}device_failed 1\n" in prometheus_text(
+        {"device_failed": "cuda:0: CUDA_ERROR_ILLEGAL_ADDRESS"}
+    )
 
 
 def test_prometheus_text_escapes_labels_and_types_values() -> None:

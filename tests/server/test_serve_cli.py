@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import stat
@@ -17,6 +19,7 @@ import pytest
 from lmcache_platform._cli.serve import parse_size
 from lmcache_platform.server import ServerClient, ServerError, chunk_keys
 from support.serve import CHUNK_BYTES, Serve, TinyEngine, namespace, private_dir, stale_socket
+from support.waits import wait_until
 
 
 def serve_cmd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -160,6 +163,29 @@ def test_socket_and_memory_cap_from_the_environment(tmp_path: Path) -> None:
         assert serve.stop() == 0
 
 
+def test_by_default_the_whole_memory_budget_is_prepared_from_the_start(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    env = {"LMCACHE_PLATFORM_HOST_MEMORY": ""}  # unset: the default
+    with Serve(sock, "--max-host-bytes", "48M", "--json-log", env=env) as serve:
+        with ServerClient(str(sock), timeout=30) as c:  # no engine has registered
+            wait_until(lambda: c.status()["server"]["host_prepared_bytes"] == 48 << 20, "48 MiB prepared", 60)
+            server = c.status()["server"]
+        assert server["host_memory"] == "eager" and server["contexts"] == 0
+        assert server["host_prepare_target_bytes"] == server["host_ready_bytes"] == 48 << 20
+        assert server["host_mapped_bytes"] == 48 << 20  # never past the bound
+        assert serve.stop() == 0
+    (prepared,) = [e for e in serve.events() if e["event"] == "host_memory"]
+    assert prepared["bytes"] == 48 << 20 and prepared["seconds"] >= 0
+    bad = subprocess.run(
+        [sys.executable, "-m", "lmcache_platform._cli", "serve", "--socket", str(sock)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LMCACHE_PLATFORM_HOST_MEMORY": "lazy"},
+    )
+    assert bad.returncode == 2 and "LMCACHE_PLATFORM_HOST_MEMORY='lazy'" in bad.stderr
+
+
 @pytest.mark.parametrize("args", [(), ("--torch-threads", "2")], ids=["default", "two"])
 def test_torch_threads_are_set_and_logged(tmp_path: Path, args: tuple[str, ...]) -> None:
     sock = private_dir(tmp_path) / "kv.sock"
@@ -229,3 +255,112 @@ def test_json_log_has_one_object_per_line_for_registrations_and_refusals(tmp_pat
         assert stopped["event"] == "stopped" and stopped["chunks"] == 3 and stopped["hits"] == 3
     finally:
         engine.close()
+
+
+#: ``serve`` with every chunk read failing as a device in a sticky error state fails (no GPU
+#: here: the fault is injected into the cpu backend's context, the server and its exit are real).
+STICKY_SERVE = """
+import sys
+from lmcache_platform import DeviceFailedError
+from lmcache_platform.hostmem import HostMemoryCacheContext
+
+def sticky(self, *args, **kwargs):
+    raise DeviceFailedError("cuda:0 is in a sticky error state (CUDA_ERROR_ILLEGAL_ADDRESS (700))")
+
+HostMemoryCacheContext.read_chunk = sticky
+from lmcache_platform._cli import main
+sys.exit(main(["serve", "--json-log", "--socket", sys.argv[1]]))
+"""
+
+
+def test_a_device_failed_for_good_is_reported_and_serve_exits_3(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    log = tmp_path / "serve.log"
+    engine = TinyEngine()
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", STICKY_SERVE, str(sock)], stderr=err)
+    try:
+        wait_until(sock.exists, "serve listening", 60)
+        with ServerClient(str(sock), timeout=30) as client:
+            ctx = engine.register(client, namespace())
+            engine.fill(0, seed=1)
+            with pytest.raises(ServerError, match=r"DeviceFailedError.*sticky error state"):
+                client.put(ctx, [(b"s" * 32, [engine.blocks(0)])])
+        assert proc.wait(60) == 3  # stopped on its own: a supervisor starts a fresh one
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        engine.close()
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (failed,) = [e for e in events if e["event"] == "device_failed"]
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in failed["error"] and failed["op"] == "put"
+
+
+def start_limited(sock: Path, log: Path, soft: int, hard: int) -> subprocess.Popen[bytes]:
+    """``serve`` under an fd limit set for it alone, as ``ulimit -n`` would before it."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    with log.open("wb") as err:
+        cmd = [sys.executable, "-m", "lmcache_platform._cli", "serve", "--json-log", "--socket", str(sock)]
+        proc = subprocess.Popen(cmd, stderr=err, preexec_fn=limit)
+    wait_until(sock.exists, "serve listening", 60)
+    return proc
+
+
+def log_events(log: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def test_serve_raises_its_soft_fd_limit_to_the_hard_one(tmp_path: Path) -> None:
+    sock, log = private_dir(tmp_path) / "kv.sock", tmp_path / "serve.log"
+    proc = start_limited(sock, log, 64, 1024)
+    try:
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+        assert line.split()[3:5] == ["1024", "1024"]
+        (raised,) = [e for e in log_events(log) if e["event"] == "rlimit"]
+        assert (raised["before"], raised["after"]) == (64, 1024)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+
+
+def test_out_of_fds_the_errors_name_the_limit_and_serve_goes_on(tmp_path: Path) -> None:
+    from lmcache_platform.protocol import _frames
+
+    sock, log = private_dir(tmp_path) / "kv.sock", tmp_path / "serve.log"
+    proc = start_limited(sock, log, 40, 40)  # ulimit -n 40: nothing to raise
+    held: list[socket.socket] = []
+
+    def server_fds() -> int:
+        return len(os.listdir(f"/proc/{proc.pid}/fd"))
+
+    try:
+        for _ in range(40 - server_fds()):  # one connection is one fd in the server
+            held.append(socket.socket(socket.AF_UNIX))
+            held[-1].connect(str(sock))
+        wait_until(lambda: server_fds() == 40, "the connections accepted up to the limit", 30)
+        # A register's fds cannot be installed: the reply names the limit, not the message.
+        with open(os.devnull) as a, open(os.devnull) as b, contextlib.suppress(BrokenPipeError):
+            _frames.send_frame(held[-1], b"\x00" * 16, [a.fileno(), b.fileno()])  # refused at its first byte
+        reply = _frames.recv_frame(held[-1])
+        assert reply is not None and b"RLIMIT_NOFILE" in reply and b"of its limit of 40" in reply
+        wait_until(lambda: server_fds() < 40, "the refused connection closed", 30)
+        for _ in range(40 - server_fds() + 1):  # the last finds no fd to be accepted with
+            held.append(socket.socket(socket.AF_UNIX))
+            held[-1].connect(str(sock))
+        wait_until(lambda: any(e["event"] == "out_of_fds" for e in log_events(log)), "out_of_fds logged", 30)
+        (note,) = [e for e in log_events(log) if e["event"] == "out_of_fds"]
+        assert note["limit"] == 40 and "RLIMIT_NOFILE" in str(note["message"])
+        for s in held:
+            s.close()
+        held.clear()
+        with ServerClient(str(sock), timeout=30) as client:  # serve went on
+            assert client.status()["server"]["pid"] == proc.pid
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        assert proc.wait(60) == 0

@@ -295,6 +295,7 @@ class FakeVmmLib:
         names = {
             1: b"CUDA_ERROR_INVALID_VALUE",
             2: b"CUDA_ERROR_OUT_OF_MEMORY",
+            700: b"CUDA_ERROR_ILLEGAL_ADDRESS",
             801: b"CUDA_ERROR_NOT_SUPPORTED",
         }
         self._out(out).value = names.get(rc, b"CUDA_ERROR_UNKNOWN")
@@ -378,7 +379,9 @@ class FakeVmmLib:
         alloc = self.allocations.get(_value(handle))
         if alloc is None or handle_type != 1 or flags != 0 or not alloc.handle_types & 1:
             return CUDA_ERROR_INVALID_VALUE
-        self._out(out).value = os.dup(alloc.fd)
+        fd = os.dup(alloc.fd)
+        os.set_inheritable(fd, True)  # as the driver makes it: a C library's fd, no O_CLOEXEC
+        self._out(out).value = fd
         return 0
 
     def _cuMemImportFromShareableHandle(self, out: Any, os_handle: Any, handle_type: int) -> int:

@@ -24,6 +24,8 @@ AUTOLOAD_ENV = "LMCACHE_PLATFORM_AUTOLOAD"
 SOCKET_ENV = "LMCACHE_PLATFORM_SOCKET"
 #: The reference server's cap on host memory for stored chunks (``serve``).
 MAX_HOST_BYTES_ENV = "LMCACHE_PLATFORM_MAX_HOST_BYTES"
+#: How the reference server prepares that memory, ``eager`` or ``ahead`` (``serve``).
+HOST_MEMORY_ENV = "LMCACHE_PLATFORM_HOST_MEMORY"
 #: The cuda backend's choice of IPC kind (its own variable): the vLLM connector reads it
 #: too, because it decides how vLLM must allocate the KV cache before any tensor exists.
 CUDA_IPC_ENV = "LMCACHE_PLATFORM_CUDA_IPC"

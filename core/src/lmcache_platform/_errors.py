@@ -114,6 +114,14 @@ class TransferError(LMCachePlatformError, ValueError):
     """A store or retrieve request is out of range; nothing was written."""
 
 
+class DeviceFailedError(LMCachePlatformError, RuntimeError):
+    """The device is in an error state no later work leaves (a sticky CUDA error, say).
+
+    Nothing more can move in this process: a server that sees it reports it in ``status``
+    and exits non-zero, so its supervisor starts a fresh one.
+    """
+
+
 class DescriptorError(LMCachePlatformError, ValueError):
     """An IPC descriptor is malformed or refers to memory it must not reach."""
 

@@ -13,6 +13,8 @@ read a staging slot or a ``read_chunk``'s host tensors synchronize first
 event inside :meth:`stream_context` (it covers every gather and scatter).
 ``store``/``retrieve`` launch the fused Triton kernels of ``_kernels`` (one launch per
 kernel group of a chunk) and fall back to the base's torch ops where those cannot run.
+The kernels are compiled when the context is made (a server's registration), not in its
+first transfer, which runs under the transfer lock against the caller's deadline.
 The base's ``close`` synchronizes, then drops every buffer and view, which hands the
 memory back to torch's caching allocator.
 """
@@ -29,7 +31,7 @@ from lmcache_platform import BaseCacheContext
 if TYPE_CHECKING:
     import torch
 
-    from lmcache_platform import ChunkTransfer
+    from lmcache_platform import CacheContextConfig, ChunkTransfer
 
     from ._kernels import TritonTransfers
 
@@ -46,6 +48,14 @@ class GPUCacheContext(BaseCacheContext):
     _copies: torch.cuda.Stream | None = None
     #: One event per staging slot (see :meth:`_slot_free`).
     _slot_events: list[torch.cuda.Event]
+
+    def __init__(self, kv_caches: Sequence[Any], config: CacheContextConfig) -> None:
+        super().__init__(kv_caches, config)
+        try:
+            self.transfer_kernels().warm(self)
+        except BaseException:
+            self.close()
+            raise
 
     def create_stream(self) -> torch.cuda.Stream:
         """A dedicated stream, ordered after everything construction enqueued.
@@ -91,6 +101,19 @@ class GPUCacheContext(BaseCacheContext):
 
         return unregister
 
+    def _sticky_error(self) -> str | None:
+        """The driver's name for the device's sticky error, or None (none, or no driver to ask)."""
+        from lmcache_platform import DescriptorError
+
+        from ._driver import driver
+
+        if self.device.type != "cuda":
+            return None
+        try:
+            return driver().sticky_error(self.ordinal)
+        except DescriptorError:  # no driver to ask: not known to be sticky
+            return None
+
     @property
     def ordinal(self) -> int:
         """The CUDA device index of :attr:`device`."""
@@ -107,8 +130,9 @@ class GPUCacheContext(BaseCacheContext):
         """
         if plan.staged and self._ordered_slots:
             self.stream.wait_event(self._slot_free(plan.slot))
-        if not self.transfer_kernels().run(plan, store=True):
-            super().store(plan)
+        with self._sticky():
+            if not self.transfer_kernels().run(plan, store=True):
+                super().store(plan)
         if plan.staged and self._ordered_slots:  # a copy into the slot waits for the gather
             self._slot_free(plan.slot).record(self.stream)
 
@@ -117,8 +141,9 @@ class GPUCacheContext(BaseCacheContext):
 
         Marks the staging slot free for its next copy from the host once the scatter ran.
         """
-        if not self.transfer_kernels().run(plan, store=False):
-            super().retrieve(plan)
+        with self._sticky():
+            if not self.transfer_kernels().run(plan, store=False):
+                super().retrieve(plan)
         if plan.staged and self._ordered_slots:
             self._slot_free(plan.slot).record(self.stream)
 
@@ -158,11 +183,32 @@ class GPUCacheContext(BaseCacheContext):
 
     def synchronize(self) -> None:
         """Wait for the transfer stream and the host copies' stream (both, even if one fails)."""
+        with self._sticky():
+            try:
+                super().synchronize()
+            finally:
+                if self._copies is not None:
+                    self._copies.synchronize()
+
+    @contextlib.contextmanager
+    def _sticky(self) -> Iterator[None]:
+        """Turn a failure that left the device in a sticky error state into ``DeviceFailedError``.
+
+        Such a device answers every later call with the same error, so the server would
+        answer requests it can never serve: the driver is asked, and the error says so.
+        """
         try:
-            super().synchronize()
-        finally:
-            if self._copies is not None:
-                self._copies.synchronize()
+            yield
+        except Exception as exc:
+            from lmcache_platform import DeviceFailedError
+
+            sticky = self._sticky_error()
+            if sticky is None:
+                raise
+            raise DeviceFailedError(
+                f"{self.device} is in a sticky error state ({sticky}) after {type(exc).__name__}: {exc}; "
+                "no transfer can run in this process any more, restart it"
+            ) from exc
 
     def get_temp_kernel_group_buffer(self, slot: int, kernel_group_idx: int) -> torch.Tensor:
         """The base's view; work the caller then enqueues on :attr:`stream` follows the slot's copies."""
@@ -199,7 +245,7 @@ class GPUCacheContext(BaseCacheContext):
         return self._slot_events[slot]
 
     def transfer_kernels(self) -> TritonTransfers:
-        """The context's fused kernels, made on the first transfer (``reason`` says why not)."""
+        """The context's fused kernels, made and compiled with the context (``reason`` says why not)."""
         if self._kernels is None:
             from ._kernels import TritonTransfers
 
@@ -212,12 +258,11 @@ class GPUCacheContext(BaseCacheContext):
         super().release()
 
     def report_status(self) -> dict[str, Any]:
-        """The base's summary, plus how transfers run (``transfers``: ``triton`` or ``torch``, and why;
-        ``None`` until the first transfer decides)."""
+        """The base's summary, plus how transfers run (``transfers``: ``triton`` or ``torch``, and why)."""
         status = super().report_status()
         kernels = self._kernels
-        if kernels is None:  # decided on the first transfer
-            status["transfers"] = {"path": None, "reason": "no transfer yet"}
+        if kernels is None:  # closed
+            status["transfers"] = {"path": None, "reason": "closed"}
         else:
             status["transfers"] = {"path": "triton" if kernels.active else "torch", "reason": kernels.reason}
         return status

@@ -37,6 +37,11 @@ _CUDA_ERROR_INVALID_VALUE = 1
 #: What ``cuMemRetainAllocationHandle`` answers for an address no ``cuMemMap`` mapped
 #: (documented: INVALID_VALUE; NOT_PERMITTED and NOT_SUPPORTED taken the same way).
 _NOT_VMM = frozenset({_CUDA_ERROR_INVALID_VALUE, 800, 801})
+#: The CUresults after which a context is unusable for the process's life (cuda.h: "the
+#: process must be terminated and relaunched"): ILLEGAL_ADDRESS, LAUNCH_TIMEOUT,
+#: HARDWARE_STACK_ERROR, ILLEGAL_INSTRUCTION, MISALIGNED_ADDRESS, INVALID_ADDRESS_SPACE,
+#: INVALID_PC, LAUNCH_FAILED.
+STICKY_ERRORS = frozenset({700, 702, 714, 715, 716, 717, 718, 719})
 #: ``CUmemAllocationHandleType``: a POSIX file descriptor.
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
@@ -177,7 +182,9 @@ class CudaDriver:
         self._fns: dict[str, Any] = {}
         self._bind(_SIGNATURES)
         self._vmm_bound = False
-        self._lock = threading.Lock()
+        # Re-entrant: a finalizer (a mapping's unmap) may run on this thread while it holds the
+        # lock, binding entry points or retaining a context on first use.
+        self._lock = threading.RLock()
         self._contexts: dict[int, int] = {}
         self._call("cuInit", 0)
 
@@ -317,6 +324,16 @@ class CudaDriver:
         with self._on(ordinal):
             self._call("cuCtxSynchronize")
             self._call("cuIpcCloseMemHandle", ptr)
+
+    def sticky_error(self, ordinal: int) -> str | None:
+        """The error name if device ``ordinal``'s context is in a sticky error state, else None.
+
+        After an illegal address (and the other errors of :data:`STICKY_ERRORS`) every later
+        call of the process returns the same error: only a new process can use the device.
+        """
+        with self._on(ordinal):
+            rc = int(self._fns["cuCtxSynchronize"]())
+        return self._error_name(rc) if rc in STICKY_ERRORS else None
 
     # -- host memory -----------------------------------------------------------------
 
@@ -487,12 +504,34 @@ class CudaDriver:
         return base
 
     def vmm_unmap(self, ptr: int, offsets: Sequence[int], sizes: Sequence[int], ordinal: int) -> None:
-        """Undo :meth:`vmm_import`, after the device finished what it queued on the range."""
+        """Undo :meth:`vmm_import`, after the device finished what it queued on the range.
+
+        Every segment is unmapped even when one fails (each failure logged), and the range
+        is freed only when all were, so what can be given back is; then the first failure
+        is raised. A failed synchronization (a sticky error) still unmaps, then raises.
+        """
+        failures: list[str] = []
         with self._on(ordinal):
-            self._call("cuCtxSynchronize")
+            rc = int(self._fns["cuCtxSynchronize"]())
+            if rc:
+                failures.append(f"cuCtxSynchronize failed: {self._error_name(rc)}")
+            unmapped = True
             for offset, size in zip(offsets, sizes, strict=True):
-                self._call("cuMemUnmap", ptr + offset, size)
-            self._call("cuMemAddressFree", ptr, offsets[-1] + sizes[-1])
+                rc = int(self._fns["cuMemUnmap"](ptr + offset, size))
+                if rc:
+                    unmapped = False
+                    failures.append(
+                        f"cuMemUnmap of {size} bytes at {ptr + offset:#x} failed: {self._error_name(rc)}"
+                    )
+            if unmapped:
+                rc = int(self._fns["cuMemAddressFree"](ptr, offsets[-1] + sizes[-1]))
+                if rc:
+                    failures.append(f"cuMemAddressFree failed: {self._error_name(rc)}")
+        for failure in failures[1:]:
+            log.warning("unmapping CUDA virtual memory at %#x: %s", ptr, failure)
+        if failures:
+            extra = f" (and {len(failures) - 1} more, logged)" if len(failures) > 1 else ""
+            raise DescriptorError(failures[0] + extra)
 
     def as_tensor(self, owner: object, ptr: int, nbytes: int, ordinal: int) -> torch.Tensor:
         """A 1-D uint8 tensor aliasing ``nbytes`` at ``ptr``; it keeps ``owner`` alive.

@@ -29,8 +29,10 @@ tensors always take the compiled kernel).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -93,7 +95,9 @@ def _copy_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: tl types, 
     paged_off = tl.multiple_of(tl.load(units + 2 * u), VEC)
     staged_off = tl.multiple_of(tl.load(units + 2 * u + 1), VEC)
     block = tl.load(ids + j)
-    r = tl.arange(0, ROW_TILE)
+    # Offsets in int64 throughout: a row's stride times its index, or an element's outer
+    # stride times its plane, passes 2**31 words in a large cache (heads outermost, say).
+    r = tl.arange(0, ROW_TILE).to(tl.int64)
     pos = (first_row // ROWS + j) * ROWS + r
     # A -1 id (a block not to write) masks every row; broadcast first (a scalar mask is refused).
     rows = (r < ROWS) & (pos >= first_row) & (pos < first_row + num_rows) & (block + 0 * r >= 0)
@@ -101,7 +105,8 @@ def _copy_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: tl types, 
     staged_row_start = staged_off + (staged_row + pos - first_row) * (OUTER * INNER)
     for e0 in range(0, OUTER * INNER, ELEM_TILE):
         e = e0 + tl.arange(0, ELEM_TILE)
-        within = (e // INNER) * outer_stride + (e % INNER) * inner_stride
+        e64 = e.to(tl.int64)
+        within = (e64 // INNER) * outer_stride + (e64 % INNER) * inner_stride
         mask = rows[:, None] & (e < OUTER * INNER)[None, :]
         at_paged = paged + paged_row[:, None] + within[None, :]
         at_staged = staged + staged_row_start[:, None] + e[None, :]
@@ -112,6 +117,24 @@ def _copy_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: tl types, 
 
 
 _LAUNCHERS: dict[str, Any] = {}
+#: Held while kernels compile (:meth:`TritonTransfers.warm`): triton's JIT cache has no lock
+#: of its own, so two contexts made at once (a TP=2 engine's) would compile the same kernels
+#: twice; under it the second finds the first's in the cache.
+_COMPILE_LOCK = threading.Lock()
+#: Why contexts of this process fell back to the torch path, and how often (``fallbacks``);
+#: the first of each reason is logged at WARNING, the rest at DEBUG.
+FALLBACKS: collections.Counter[str] = collections.Counter()
+_FALLBACKS_LOCK = threading.Lock()
+
+
+def _fall_back(reason: str) -> None:
+    """Count a context's fallback to the torch path; say it at WARNING the first time."""
+    with _FALLBACKS_LOCK:
+        FALLBACKS[reason] += 1
+        first = FALLBACKS[reason] == 1
+    log.log(logging.WARNING if first else logging.DEBUG, "torch path for every transfer: %s", reason)
+
+
 #: Block ids come as views into the plan's ids buffer at a part's offset: their 16-byte
 #: alignment varies, and specializing on it would recompile the kernel on the request path.
 _NO_ALIGNMENT_ARGS = ("ids",)
@@ -242,8 +265,9 @@ def _plan_group(
 class TritonTransfers:
     """The fused kernels of one cache context: :meth:`run` moves a plan or declines it.
 
-    Built on the context's first transfer. ``reason`` says why every plan falls back
-    (None when the kernels run); ``launches`` counts kernel launches (tests read it).
+    Built when the context is made, then :meth:`warm` compiles every kernel it will
+    launch. ``reason`` says why every plan falls back (None when the kernels run);
+    ``launches`` counts kernel launches (tests read it).
     """
 
     def __init__(self, ctx: BaseCacheContext) -> None:
@@ -261,7 +285,7 @@ class TritonTransfers:
             self._launch = _launcher(ctx.device.type)
         except Exception as exc:  # a triton that cannot build kernels here: the torch path moves
             self.reason = f"no triton kernel: {type(exc).__name__}: {exc}"
-            log.warning("torch path for every transfer: %s", self.reason)
+            _fall_back(self.reason)
             return
         if self._launch is None:
             self.reason = (
@@ -277,6 +301,39 @@ class TritonTransfers:
         reasons = [g for g in self._groups if isinstance(g, str)]
         if reasons:
             log.info("torch path for some kernel groups: %s", "; ".join(reasons))
+
+    def warm(self, ctx: BaseCacheContext) -> None:
+        """Compile both directions of every kernel group now, not in the first transfer.
+
+        One launch per kernel group and direction, over slot 0's region as a transfer
+        would (so the same specialization), with a block id of -1 and no rows: every
+        access is masked, nothing is read or written. A launch that fails (a build
+        without a C compiler, say) sends every plan down the torch path, as in :meth:`run`.
+        """
+        import torch
+
+        from lmcache_platform import GroupTransfer
+
+        if self.reason is not None:
+            return
+        ids = torch.full((1,), -1, dtype=torch.int64, device=ctx.device)
+        with _COMPILE_LOCK, ctx.stream_context():
+            for index, launch in enumerate(self._groups):
+                if isinstance(launch, str):
+                    continue
+                region = ctx.get_temp_kernel_group_buffer(0, index)
+                buffer = _words_of(region.reshape(-1) if ctx.chunk_format == "blocks" else region, launch)
+                if buffer is None:
+                    continue
+                part = GroupTransfer(index, 0, 0, ids, (-1,), region)
+                for store in (True, False):
+                    try:
+                        self._one(launch, part, buffer, store)
+                    except Exception as exc:  # logged, counted, and every plan takes the torch path
+                        self.reason = f"the triton kernel failed to build: {type(exc).__name__}: {exc}"
+                        _fall_back(self.reason)
+                        return
+        ctx.synchronize()
 
     @property
     def active(self) -> bool:
@@ -303,9 +360,9 @@ class TritonTransfers:
             # the same bytes, in order on the same stream.
             try:
                 self._one(launch, part, buffer, store)
-            except Exception as exc:  # logged, recorded, and every later plan takes the torch path
+            except Exception as exc:  # logged, counted, and every later plan takes the torch path
                 self.reason = f"the triton kernel failed to launch: {type(exc).__name__}: {exc}"
-                log.warning("falling back to the torch path: %s", self.reason)
+                _fall_back(self.reason)
                 return False
         return True
 

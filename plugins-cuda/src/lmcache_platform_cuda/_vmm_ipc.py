@@ -96,11 +96,16 @@ def is_vmm_memory(tensor: torch.Tensor) -> bool:
 
 
 class _ExportedFd:
-    """One allocation's exported fd in this process; closed when no wrapper names it."""
+    """One allocation's exported fd in this process; closed when no wrapper names it.
+
+    Close-on-exec: the driver makes it inheritable, and a child the engine starts (a
+    compiler, a tokenizer worker) would otherwise keep the allocation's memory alive.
+    """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         weakref.finalize(self, os.close, fd)
+        os.set_inheritable(fd, False)
 
 
 def _export(runtime: VmmRuntime, base: int, ordinal: int) -> _ExportedFd:
@@ -190,9 +195,9 @@ def _close_fds(fds: tuple[int, ...]) -> None:
 class _Import:
     """What the wrappers of one export share in this process: its fds and its mapping.
 
-    ``owned`` fds (a decoded record's) are closed when the last holder lets go, or
-    when this object is collected without that; an engine's own wrappers borrow the
-    fds of ``EXPORTS`` instead.
+    ``owned`` fds (a decoded record's) are closed once mapped, or when the last holder
+    lets go, or when this object is collected without either; an engine's own wrappers
+    borrow the fds of ``EXPORTS`` instead.
     """
 
     def __init__(self, wrapper: CudaVmmIPCWrapper, *, owned: bool, holders: int) -> None:
@@ -228,6 +233,9 @@ class _Import:
                     "cannot map them; run the server on a GPU of the engine's kind"
                 )
             self.mapping = _Mapping(runtime, self.fds, self.offsets, self.sizes, ordinal)
+            # The mapping holds the memory now: received fds would only count against the
+            # server's RLIMIT_NOFILE for the context's life (vLLM exports one per layer).
+            self.close_fds()
             return self.mapping
 
     def drop(self) -> None:

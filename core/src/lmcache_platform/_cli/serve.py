@@ -19,9 +19,10 @@ import sys
 from types import FrameType
 from typing import Any
 
-from .._env import BACKEND_ENV, DISABLE_ENV, MAX_HOST_BYTES_ENV, SOCKET_ENV
+from .._env import BACKEND_ENV, DISABLE_ENV, HOST_MEMORY_ENV, MAX_HOST_BYTES_ENV, SOCKET_ENV, env_choice
 from .._units import parse_bytes
 from ..server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HOST_BYTES, DEFAULT_TORCH_THREADS
+from ..server._server import HOST_MEMORY_MODES
 from . import _remote
 from ._args import add_socket_argument
 from ._args import positive_int as _positive
@@ -30,6 +31,7 @@ _EPILOG = f"""\
 environment variables:
   {SOCKET_ENV}            socket path when --socket is not given
   {MAX_HOST_BYTES_ENV}    host memory cap when --max-host-bytes is not given
+  {HOST_MEMORY_ENV}       --host-memory when it is not given (eager or ahead)
   {BACKEND_ENV}           backends to use, e.g. cpu.file,cuda (see `lmcache-platform list`)
   {DISABLE_ENV}           backends never to load
   LMCACHE_PLATFORM_CPU_FILE_DIR      directory backing CPU KV tensors for the cpu.file backend
@@ -44,7 +46,9 @@ Prometheus text format; `lmcache-platform status` prints them for a person.
 With --remote, chunks stored here are also written to a store every node shares, and
 chunks found there are loaded from it; a password is never given on the command line
 (--remote-password-env or --remote-password-file).
-Exit status: 0 after a clean stop, 2 when the server could not start.
+Exit status: 0 after a clean stop, 2 when the server could not start, 3 when a device
+failed for good (a sticky CUDA error: nothing could move any more; a supervisor starts a
+fresh server).
 """
 
 
@@ -82,11 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-memory",
-        choices=("ahead", "eager"),
-        default="ahead",
-        help="how chunk memory is prepared, off the request path: 'ahead' keeps 256 MiB of it mapped "
-        "and faulted in ahead of use (default); 'eager' prepares all of --max-host-bytes in the "
-        "background from the first registration on",
+        choices=HOST_MEMORY_MODES,
+        default=None,
+        help="how chunk memory is prepared, in the background from the start, off the request path: "
+        "'eager' maps and faults in all of --max-host-bytes (short of the host's last GiB), so the "
+        "first stores find it ready (default: $" + HOST_MEMORY_ENV + " or eager); 'ahead' keeps "
+        "only 256 MiB of it ready ahead of use (a host whose memory is tight)",
     )
     parser.add_argument("--json-log", action="store_true", help="log one JSON object per line")
     parser.add_argument(
@@ -159,13 +164,18 @@ def run(args: argparse.Namespace) -> int:
     from ..remote import RemoteConfigError, RemoteStoreLoadError
     from ..server import ReferenceServer
     from ..server._log import log_event
-    from ..server._process import freeze_startup_objects
+    from ..server._process import freeze_startup_objects, raise_fd_limit
 
     _configure_logging(args.json_log, getattr(args, "verbose", False))
     if not args.socket:
         log_event(logging.ERROR, "error", f"no socket path: pass --socket PATH or set {SOCKET_ENV}")
         return 2
     path = os.path.abspath(args.socket)
+    try:
+        host_memory = args.host_memory or env_choice(HOST_MEMORY_ENV, HOST_MEMORY_MODES, "eager")
+    except ValueError as exc:
+        log_event(logging.ERROR, "error", f"cannot start: {exc}", socket=path)
+        return 2
     try:
         tier = _remote.open_tier(args)
     except (RemoteConfigError, RemoteStoreLoadError) as exc:
@@ -177,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         tier=tier,
         remote_flush_timeout_s=args.remote_flush_timeout or 5.0,
-        host_memory=args.host_memory,
+        host_memory=host_memory,
     )
     # The socket's directory first: a mistake there is the one line logged, before any other.
     try:
@@ -199,6 +209,15 @@ def run(args: argparse.Namespace) -> int:
             tier.close()
         return 2
     torch.set_num_threads(args.torch_threads)
+    before, after = raise_fd_limit()
+    if after != before:
+        log_event(
+            logging.INFO,
+            "rlimit",
+            f"open files: the soft limit (RLIMIT_NOFILE) raised from {before} to {after}, the hard limit",
+            before=before,
+            after=after,
+        )
     frozen = freeze_startup_objects()
     try:
         server.bind()
@@ -268,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
-    return 0
+    return 3 if server.device_failed else 0
 
 
 def _make_private_dir(directory: str) -> None:

@@ -25,6 +25,7 @@ from .hostalloc import DEFAULT_AHEAD_BYTES, HUGE_PAGE_BYTES, POOL, host_empty
 from .layout import LayerTensors
 from .movers import build_movers
 from .plan import ChunkPlanner, is_int
+from .queries import GroupQueries
 from .reopen import close_all, one_device, reopen_layers, tensors_of
 from .staging import StagingLayout
 from .transfer import (
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from .._events import DeviceEvent
     from .._ipc_wrapper import DeviceIPCWrapper
     from .._types import CacheContextConfig, KVFormat
-    from .groups import KernelGroup
 
 
 #: One layer's registration: its wrapper, or a (K, V) pair of wrappers (SGLang).
@@ -68,7 +68,7 @@ class NullStream:
         return "NullStream()"
 
 
-class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, see __init__
+class BaseCacheContext(GroupQueries, abc.ABC):
     """Base of every backend's cache context: the server-side view of one engine's KV caches.
 
     Every member has a portable default, so a backend may add nothing but
@@ -276,15 +276,17 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
         They are views of one allocation laid out like a staging slot, so the movers'
         word types fit them (:meth:`read_chunk` gathers straight into them on the host).
-        On the host the allocation reuses the memory of chunks nothing holds any more
-        (else a fresh mapping, huge pages requested); pinned when :attr:`device` is not
-        the host. Contents are uninitialised.
+        From 2 MiB on it comes from the process's pool: the memory of chunks nothing
+        holds any more, else a slab prepared ahead (else a fresh mapping), registered
+        with the device by :meth:`register_host_memory` on the pool's own thread when
+        :attr:`device` is not the host; below 2 MiB, pinned there. Contents are
+        uninitialised.
         """
         layout = self._staging_layout
         device = self._device.type != "cpu"
+        if device:  # once per process: the pool's thread registers its slabs, off this path
+            POOL.use_device(self.register_host_memory)
         whole = host_empty(layout.slot_nbytes, pin=device and layout.slot_nbytes < HUGE_PAGE_BYTES)
-        if device:
-            POOL.register_once(whole, self.register_host_memory)
         return [whole.narrow(0, off, nbytes) for off, nbytes in layout.object_group_spans]
 
     def prepare_host_memory(
@@ -294,16 +296,21 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
 
         A server calls it once a context registers (``limit``: its memory bound): a
         background thread keeps ``ahead`` bytes of chunk buffers ready for
-        :meth:`allocate_chunk`, or, ``eager``, fills ``limit``. Never blocks.
+        :meth:`allocate_chunk`, or, ``eager``, fills ``limit``; on a device it also
+        registers that memory with the device (:meth:`register_host_memory`) as it is
+        prepared. Never blocks.
         """
         POOL.prepare(self._staging_layout.slot_nbytes, limit=limit, ahead=ahead, eager=eager)
+        if self._device.type != "cpu":
+            POOL.use_device(self.register_host_memory)
 
     def register_host_memory(self, address: int, nbytes: int) -> Callable[[], None] | None:
         """Make host memory ``[address, address + nbytes)`` fast to copy to and from the device.
 
-        Called once per host mapping a device context's chunks use (the server's memory,
-        prepared ahead of use by :meth:`prepare_host_memory`); what it returns is called
-        before the mapping is unmapped. Raise to say it could not be done: the mapping
+        Called once per slab of the process's chunk memory, on the thread that prepares
+        it (:meth:`prepare_host_memory`), by the first device context's hook: make the
+        registration serve every device (CUDA: portable). What it returns is called
+        before the memory is unmapped. Raise to say it could not be done: the mapping
         stays pageable, and the server logs and counts it (``host_register_failures``).
         Default: nothing (copies from pageable memory still work, at the cost of a
         staging copy in the driver). The cuda backend page-locks it (``cuMemHostRegister``).
@@ -367,7 +374,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """
         return self.config.device_event_class
 
-    def release(self) -> None:  # noqa: B027 - optional hook, no-op by default
+    def release(self) -> None:
         """Free device resources (registrations, events). Called once by :meth:`close`."""
 
     def prefault_memory(self) -> int:
@@ -436,16 +443,7 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         """Whether :meth:`close` has run (or construction failed)."""
         return self._closed
 
-    # -- per-group queries -------------------------------------------------------------
-
-    def _kg(self, kernel_group_idx: int) -> int:
-        n = self._manager.num_kernel_groups
-        if not is_int(kernel_group_idx) or not 0 <= kernel_group_idx < n:
-            raise TransferError(f"kernel group {kernel_group_idx!r} out of range 0..{n - 1}")
-        return kernel_group_idx
-
-    def _kernel_group(self, kernel_group_idx: int) -> KernelGroup:
-        return self._manager.kernel_groups[self._kg(kernel_group_idx)]
+    # -- per-group queries (the rest in queries.py) ------------------------------------
 
     def _slot(self, slot: int) -> int:
         self._check_open()
@@ -453,67 +451,6 @@ class BaseCacheContext(abc.ABC):  # noqa: B024 - abstract through device_type, s
         if not is_int(slot) or not 0 <= slot < n:
             raise TransferError(f"staging slot {slot!r} out of range 0..{n - 1}")
         return slot
-
-    def get_kernel_group_kv_pointers(self, kernel_group_idx: int) -> torch.Tensor:
-        """1-D int64 tensor of the group's layer base addresses, on :attr:`device`."""
-        self._check_open()
-        return self._kv_pointers[self._kg(kernel_group_idx)]
-
-    def get_engine_kv_format(self, kernel_group_idx: int) -> KVFormat:
-        """The KV format of the group's layers, as discovered from the engine's tensors."""
-        return self._kernel_group(kernel_group_idx).kv_format
-
-    def tokens_kept_per_chunk(self, kernel_group_idx: int) -> int:
-        """Tokens of a full chunk the group keeps (fewer than a chunk for a trimmed window)."""
-        return self._kernel_group(kernel_group_idx).tokens_per_slot
-
-    def get_slots_per_chunk_in_sw(self, kernel_group_idx: int) -> int:
-        """Upstream LMCache's name for :meth:`tokens_kept_per_chunk` (it counts tokens, not
-        staging slots); kept so ported code runs."""
-        return self.tokens_kept_per_chunk(kernel_group_idx)
-
-    def get_kernel_group_shape_dtype(
-        self, num_tokens: int, kernel_group_idx: int
-    ) -> tuple[torch.Size, torch.dtype]:
-        """Shape and dtype of ``num_tokens`` tokens of the group in chunk layout.
-
-        The shape is ``[kv, layers, kept, hidden]``: ``kv`` is 2 (1 for MLA), and
-        ``kept`` the tokens the group keeps when ``num_tokens`` is cut into chunks
-        (all of them, unless the group is a trimmed sliding window).
-        """
-        import torch
-
-        kg = self._kernel_group(kernel_group_idx)
-        if not is_int(num_tokens) or num_tokens < 0:
-            raise TransferError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        kept = self._manager.kept_tokens(num_tokens, kg.index)
-        return torch.Size((kg.kv_size, kg.num_layers, kept, kg.hidden_dim)), kg.dtype
-
-    def calculate_num_blocks(self, num_tokens: int, kernel_group_idx: int) -> int:
-        """Block ids covering a chunk of ``num_tokens`` tokens in the group's engine group."""
-        self._kg(kernel_group_idx)
-        if not is_int(num_tokens) or num_tokens < 0:
-            raise TransferError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        return self._manager.blocks_for(num_tokens, kernel_group_idx)
-
-    def get_temp_kernel_group_buffer(self, slot: int, kernel_group_idx: int) -> torch.Tensor:
-        """Typed staging view ``[kv, layers, tokens_per_slot, hidden]`` of one group in a slot.
-
-        In the ``"blocks"`` chunk format the same bytes hold the group's whole blocks
-        (``[layers, tensors, *outer, blocks, *inner]``; see ``report_status()``'s ``block_order``).
-        """
-        return self._slot_kg_views[self._slot(slot)][self._kg(kernel_group_idx)]
-
-    def get_temp_object_group_buffer(self, slot: int, object_group_idx: int) -> torch.Tensor:
-        """Flat uint8 view spanning exactly the object group's kernel-group regions in a slot."""
-        n = self._manager.num_object_groups
-        if not is_int(object_group_idx) or not 0 <= object_group_idx < n:
-            raise TransferError(f"object group {object_group_idx!r} out of range 0..{n - 1}")
-        return self._object_group_view(self._slot(slot), object_group_idx)
-
-    def cache_size_per_token(self) -> int:
-        """Bytes one token occupies in the engine's paged caches, over all layers."""
-        return sum(kg.bytes_per_token for kg in self._manager.kernel_groups)
 
     def report_status(self) -> dict[str, Any]:
         """A JSON-ready summary of the layout, groups and staging buffer."""

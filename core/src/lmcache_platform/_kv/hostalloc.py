@@ -1,38 +1,44 @@
-"""Host memory for chunk payloads that fills at copy speed.
+"""Host memory for chunk payloads, prepared before the stores need it.
 
-A server keeps every chunk it stores in host memory of its own. A chunk-sized
-``torch.empty`` is a fresh anonymous mapping, and its first write faults it in 4 KiB at a
-time: on the development machine, a store into fresh 32 MiB buffers ran at a seventh of
-the speed of the same store into used ones, so allocation, not the copy, bounded it.
-Two measures:
+A server keeps every chunk it stores in host memory of its own. Fresh anonymous memory
+costs its first touch: the kernel zeroes each page, and on a VM whose host never backed
+the memory far more (0.4-0.5 GB/s on the development VM, against several GB/s for a copy
+into used memory). Three measures:
 
-* Buffers from 2 MiB on are anonymous mappings with transparent huge pages requested
-  (``MADV_HUGEPAGE``): they fault in 2 MiB at a time. Fresh pages still cost the kernel's
-  zeroing (a store into them ran about a third slower than into used memory), and on a
-  VM memory the host never backed costs far more on first touch.
-* :class:`HostBufferPool` hands out the mappings of buffers nobody uses any more (a chunk
-  evicted, a context's chunks dropped) before it maps fresh ones: the used-memory speed.
-* **Prepared ahead.** A server tells the pool its chunk size and its memory bound
-  (:meth:`HostBufferPool.prepare`): a background thread maps and faults in mappings
-  (``MADV_POPULATE_WRITE``) off the request path, staying ``ahead`` bytes ahead of use
-  (``serve --host-memory ahead``, the default) or filling the whole bound
-  (``--host-memory eager``). A store that finds no ready mapping maps a fresh one on its
-  own path, correct but slower, and is counted (``slow_takes``).
-* **Registered once with a device.** A device context registers each mapping with its
-  device the first time it uses it (CUDA: ``cuMemHostRegister``, see
-  ``BaseCacheContext.register_host_memory``) and the pool undoes that before unmapping:
-  no per-chunk pinned allocation.
+* **Slabs, prepared ahead.** :meth:`HostBufferPool.prepare` starts a background thread
+  that maps *slabs* (:data:`SLAB_BYTES`, huge pages requested) and faults them in
+  (``MADV_POPULATE_WRITE``) off the request path, one call per slab without the GIL. Slabs do not
+  depend on any chunk size, so a server starts preparing when it starts, before any
+  engine registers (``serve --host-memory eager``, the default: its whole
+  ``--max-host-bytes``; ``ahead``: 256 MiB of ready memory ahead of use), and stops
+  short of the host's memory headroom.
+* **Chunks carved from slabs, reused once unused.** :meth:`HostBufferPool.take` hands
+  out a free buffer of the size asked: an idle one of that size first (a chunk evicted,
+  a context's chunks dropped), else one carved from a slab's free space, else the free
+  space of idle buffers of other sizes; only when the slabs are spent does a take map
+  memory on its own path, correct but slower, counted (``slow_takes``).
+* **Registered with a device as it is prepared.** Once a device context tells the pool
+  how (:meth:`HostBufferPool.use_device`; CUDA: ``cuMemHostRegister``, portable, see
+  ``BaseCacheContext.register_host_memory``), the preparing thread registers every slab,
+  those mapped before included, once each: never on a take's path, never under the
+  pool's lock. The registration is undone before a slab is unmapped.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
+import inspect
 import logging
 import mmap
+import os
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,10 +47,19 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 #: Below this a buffer is plain ``torch.empty`` (the allocator's heap reuses such sizes).
 HUGE_PAGE_BYTES = 2 << 20
+#: The preparing thread's unit: one mapping, faulted in and registered as a whole.
+SLAB_BYTES = 256 << 20
 #: What :meth:`HostBufferPool.stats` counts besides its mappings.
 _COUNTERS = ("takes", "slow_takes", "prepared_bytes", "registered_bytes", "register_failures", "kept_mapped")
 #: How far ahead of use :meth:`HostBufferPool.prepare` keeps ready memory by default.
 DEFAULT_AHEAD_BYTES = 256 << 20
+#: Host memory the preparing thread leaves free for everything else (see :meth:`HostBufferPool._room`).
+HEADROOM_RESERVE_BYTES = 1 << 30
+#: Seconds before the host's headroom is read again once it was short.
+_ROOM_RETRY_S = 5.0
+
+#: ``register(address, nbytes)``: a device registration of host memory, and what undoes it.
+Register = Callable[[int, int], "Callable[[], None] | None"]
 
 
 @functools.cache
@@ -64,224 +79,413 @@ def huge_pages_available() -> bool:
     return True
 
 
-class HostBufferPool:
-    """Anonymous mappings for host buffers, reused once nothing uses them any more.
+@dataclass(eq=False)
+class _Slab:
+    """One mapping chunk buffers are carved from: its free ranges and device registration."""
 
-    A buffer is ``torch.frombuffer`` over a private mapping (an ``mmap`` object). Its
-    storage holds the mapping through the buffer protocol, one reference for as long as
-    any tensor or view of it lives, so a mapping only the pool references is free: no
-    tensor can reach its bytes. :meth:`take` hands out a free mapping of the size asked,
-    looking from where its last search ended, before it maps a fresh one; mapping a fresh
-    one first unmaps the free mappings of every other size, so what the pool keeps idle
-    stays below one size's peak use.
+    region: mmap.mmap
+    address: int
+    size: int
+    #: Free ``(offset, length)`` ranges, sorted and merged.
+    free: list[tuple[int, int]]
+    #: What ends its device registration; None: not registered (yet, or refused).
+    undo: list[Callable[[], None]] | None = None
+    #: The preparing thread is registering it (without the lock): not unmapped meanwhile.
+    registering: bool = False
+    #: Mapped on a take's path, past the bound: unmapped again once wholly free.
+    extra: bool = False
+    #: Buffers carved from it that the pool still lists.
+    views: int = 0
+
+    def carve(self, nbytes: int) -> int | None:
+        """Take ``nbytes`` from the first free range that holds them; its offset, or None."""
+        for i, (offset, length) in enumerate(self.free):
+            if length >= nbytes:
+                if length == nbytes:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + nbytes, length - nbytes)
+                return offset
+        return None
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Return a range to the free list, merged with its neighbours."""
+        i = bisect.bisect(self.free, (offset, nbytes))
+        self.free.insert(i, (offset, nbytes))
+        if i + 1 < len(self.free) and offset + nbytes == self.free[i + 1][0]:
+            self.free[i] = (offset, nbytes + self.free.pop(i + 1)[1])
+        if i and self.free[i - 1][0] + self.free[i - 1][1] == offset:
+            start, length = self.free.pop(i - 1)
+            self.free[i - 1] = (start, length + self.free[i - 1][1])
+
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self.free)
+
+
+class HostBufferPool:
+    """Slabs of host memory, carved into chunk buffers that are reused once nothing uses them.
+
+    A buffer is ``torch.frombuffer`` over a ``memoryview`` of a slab (an ``mmap``). The
+    tensor's storage holds that view through the buffer protocol, one reference for as
+    long as any tensor or view of it lives, so a view only the pool references is idle:
+    no tensor can reach its bytes. Each view is indexed to its slab and offset, so
+    giving it back is a dict lookup.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._regions: dict[int, list[mmap.mmap]] = {}
+        self._slabs: list[_Slab] = []
+        #: The slabs with free space, in the order they were mapped.
+        self._roomy: list[_Slab] = []
+        #: Buffers by size, as views of slabs; ``_hand`` is where the last search ended.
+        self._views: dict[int, list[memoryview]] = {}
         self._hand: dict[int, int] = {}
-        #: id(mapping) -> what undoes its registration with a device, called before unmapping.
-        self._undo: dict[int, list[Callable[[], None]]] = {}
-        #: Mappings whose registration could not be ended: never unmapped (see :meth:`_unmap`).
-        self._kept: list[mmap.mmap] = []
+        #: id(view) -> the slab it was carved from and its offset there.
+        self._where: dict[int, tuple[_Slab, int]] = {}
+        #: Slabs whose registration could not be ended: never unmapped (see :meth:`_unmap`).
+        self._kept: list[_Slab] = []
         self._counts: collections.Counter[str] = collections.Counter()
-        #: What :meth:`prepare` asked: chunk sizes to keep ready, the bound, ahead or eager.
-        self._sizes: list[int] = []
+        self._register: Callable[[], Register | None] = lambda: None
+        #: What :meth:`prepare` asked: the bound, ahead or eager.
         self._limit = 0
         self._ahead = 0
+        self._largest = 0  # the largest chunk size asked for: slabs hold at least one
         self._eager = False
+        self._said = False  # the preparing thread's outcome is logged once
+        self._room_retry_at = 0.0
+        self._since = time.monotonic()
         self._thread: threading.Thread | None = None
 
+    # -- the request path --------------------------------------------------------------
+
     def take(self, nbytes: int) -> torch.Tensor:
-        """An uninitialised 1-D uint8 tensor of ``nbytes`` over a free or fresh mapping."""
+        """An uninitialised 1-D uint8 tensor of ``nbytes``: a free buffer, carved, or fresh."""
         import torch
 
         with self._lock:
-            regions = self._regions.setdefault(nbytes, [])
-            start = self._hand.get(nbytes, 0)
             self._counts["takes"] += 1
-            for k in range(len(regions)):
-                i = (start + k) % len(regions)
-                if _idle(regions, i):
-                    self._hand[nbytes] = i + 1
-                    self._wake.notify()  # the preparer tops the ready memory up again
-                    return torch.frombuffer(regions[i], dtype=torch.uint8)
-            self._counts["slow_takes"] += 1  # mapped on the caller's path; its pages fault in on use
-            self._trim(nbytes)
-            regions.append(_fresh(nbytes))
-            self._wake.notify()
-            return torch.frombuffer(regions[-1], dtype=torch.uint8)  # the storage holds the mapping
+            view = self._idle_view(nbytes)
+            if view is None:
+                view = self._carve(nbytes)
+            if view is None:
+                self._dissolve_idle(keep=nbytes)
+                view = self._carve(nbytes)
+            if view is None:  # the slabs are spent: mapped on the caller's path, pages fault on use
+                self._counts["slow_takes"] += 1
+                slab = _new_slab(nbytes, extra=self._mapped_bytes() + nbytes > self._limit)
+                self._slabs.append(slab)
+                self._roomy.append(slab)
+                view = self._carve(nbytes, only=slab)
+                assert view is not None
+            self._wake.notify_all()  # the preparer tops ready memory up again, registers new slabs
+            return torch.frombuffer(view, dtype=torch.uint8)  # the storage holds the view
+
+    def _idle_view(self, nbytes: int) -> memoryview | None:
+        views = self._views.get(nbytes, [])
+        start = self._hand.get(nbytes, 0)
+        for k in range(len(views)):
+            i = (start + k) % len(views)
+            if _idle(views, i):
+                self._hand[nbytes] = i + 1
+                return views[i]
+        return None
+
+    def _carve(self, nbytes: int, only: _Slab | None = None) -> memoryview | None:
+        """A new buffer from the first slab with room (registered ones first). Lock held.
+
+        Only slabs with free space are looked at (``_roomy``): once the pool is carved, a
+        take costs the same whatever the bound.
+        """
+        slabs = [only] if only is not None else sorted(self._roomy, key=lambda s: s.undo is None)
+        for slab in slabs:
+            offset = slab.carve(_footprint(nbytes))
+            if not slab.free and slab in self._roomy:
+                self._roomy.remove(slab)
+            if offset is not None:
+                view = memoryview(slab.region)[offset : offset + nbytes]
+                slab.views += 1
+                self._views.setdefault(nbytes, []).append(view)
+                self._where[id(view)] = (slab, offset)
+                return view
+        return None
+
+    def _dissolve_idle(self, keep: int) -> None:
+        """Give the idle buffers of every size but ``keep`` back to their slabs' free space;
+        unmap extra slabs left wholly free. Lock held."""
+        for nbytes, views in self._views.items():
+            if nbytes == keep:
+                continue
+            for i in reversed(range(len(views))):
+                if _idle(views, i):
+                    self._drop_view(views.pop(i), nbytes)
+            self._hand[nbytes] = 0
+        for slab in [s for s in self._slabs if s.extra and not s.views and not s.registering]:
+            self._slabs.remove(slab)
+            self._roomy.remove(slab)
+            self._unmap(slab)
+
+    def _drop_view(self, view: memoryview, nbytes: int) -> None:
+        slab, offset = self._where.pop(id(view))
+        view.release()
+        slab.views -= 1
+        slab.give_back(offset, _footprint(nbytes))
+        if slab not in self._roomy:
+            self._roomy.append(slab)
+
+    # -- preparing ---------------------------------------------------------------------
 
     def prepare(
-        self, nbytes: int, *, limit: int, ahead: int = DEFAULT_AHEAD_BYTES, eager: bool = False
+        self,
+        nbytes: int = 0,
+        *,
+        limit: int,
+        ahead: int = DEFAULT_AHEAD_BYTES,
+        eager: bool = False,
     ) -> None:
-        """Keep mappings of ``nbytes`` mapped and faulted in ahead of :meth:`take`, off its path.
+        """Keep host memory mapped and faulted in ahead of :meth:`take`, off its path.
 
-        A background thread (started on the first call) maps fresh mappings and populates
-        their pages until ``ahead`` bytes of them are idle (at least one mapping), or,
-        ``eager``, until the pool holds ``limit`` bytes; never past ``limit`` in all.
+        A background thread (started on the first call) maps slabs and populates their
+        pages until ``ahead`` bytes are ready (free in slabs or idle; at least one
+        ``nbytes`` buffer), or, ``eager``, until the pool holds ``limit``; never past
+        ``limit``, nor into the last :data:`HEADROOM_RESERVE_BYTES` of the host's memory.
+        ``nbytes``, a chunk size if known, sets the least ready memory, and the least size of
+        the slabs mapped from then on (a chunk never spans two). Never blocks.
         """
-        if nbytes < HUGE_PAGE_BYTES:
-            return
         with self._lock:
-            if nbytes not in self._sizes:
-                self._sizes.append(nbytes)
-            self._limit, self._ahead, self._eager = limit, ahead, eager
+            self._limit, self._ahead, self._eager = limit, max(ahead, nbytes), eager
+            self._largest = max(self._largest, nbytes)
             if self._thread is None:
+                self._since = time.monotonic()
                 self._thread = threading.Thread(
                     target=self._prepare_loop, name="lmcache-host-arena", daemon=True
                 )
                 self._thread.start()
-            self._wake.notify()
+            self._wake.notify_all()
 
-    def register_once(
-        self, buffer: torch.Tensor, register: Callable[[int, int], Callable[[], None] | None]
-    ) -> None:
-        """Call ``register(address, nbytes)`` of the mapping under ``buffer`` the first time a device uses it.
+    def use_device(self, register: Register) -> None:
+        """Have every slab registered with a device by ``register(address, nbytes)``, once.
 
-        What it returns is called before the mapping is unmapped (a device registration
-        must end before its memory goes). A ``register`` that raises leaves the mapping
-        unregistered (pageable: copies work, slower): logged, counted
-        (``register_failures``) and not tried again. Buffers not from the pool are left alone.
+        The first caller's ``register`` is kept (a portable registration serves every
+        device); the preparing thread registers the slabs mapped so far and each new one.
+        What ``register`` returns is called before a slab is unmapped. A ``register`` that
+        raises leaves that slab pageable (copies work, slower): logged, counted
+        (``register_failures``) and not tried again.
         """
-        ptr = buffer.data_ptr()
         with self._lock:
-            for regions in self._regions.values():
-                for region in regions:
-                    address = _address(region)
-                    if address <= ptr < address + len(region):
-                        key = id(region)
-                        if key in self._undo:
-                            return
-                        try:
-                            undo = register(address, len(region))
-                        except Exception as exc:  # the copies still work, from pageable memory
-                            # logged as text: the exception's frames would keep the buffer alive
-                            why = f"{type(exc).__name__}: {exc}"
-                            _log.warning("a %d-byte chunk mapping stays unregistered: %s", len(region), why)
-                            self._undo[key] = []
-                            self._counts["register_failures"] += 1
-                            return
-                        self._undo[key] = [undo] if undo is not None else []
-                        self._counts["registered_bytes"] += len(region)
-                        return
+            if self._registrar() is not None:
+                return
+            # Weakly, when a context's method: the pool must not keep a closed context alive
+            # (the next device context takes over once it is gone).
+            self._register = weakref.WeakMethod(register) if inspect.ismethod(register) else lambda: register
+            if self._thread is None:  # no preparing asked for: a thread to register what is mapped
+                self._thread = threading.Thread(
+                    target=self._prepare_loop, name="lmcache-host-arena", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify_all()
+
+    def wait_registered(self, timeout: float) -> bool:
+        """Until every slab is registered (or refused); False on timeout. For tests and tools."""
+        with self._lock:
+            return self._wake.wait_for(lambda: self._unregistered() is None, timeout)
+
+    def _prepare_loop(self) -> None:
+        # At the default priority: a lower one would let the scheduler leave this thread
+        # waiting while it holds the GIL between slabs, stalling the server's own threads
+        # (a priority inversion: hundreds of ms on a loaded 2-vCPU VM). Its CPU is the
+        # kernel's, backing fresh pages, inside one GIL-free madvise call per slab.
+        while True:
+            with self._lock:
+                while True:
+                    register = self._registrar()
+                    slab = self._unregistered() if register is not None else None
+                    if slab is not None:
+                        slab.registering = True
+                        break
+                    nbytes = self._next_slab()
+                    if nbytes:
+                        break
+                    self._wake.wait(1.0)
+            if slab is not None:
+                assert register is not None
+                self._register_slab(slab, register)
+                continue
+            slab = _new_slab(nbytes, extra=False)  # mapped and faulted in without the lock
+            _populate(slab)
+            with self._lock:
+                self._slabs.append(slab)
+                self._roomy.append(slab)
+                self._counts["prepared_bytes"] += nbytes
+                self._wake.notify_all()
+                if self._eager and self._limit - self._mapped_bytes() < HUGE_PAGE_BYTES:
+                    self._say_prepared("")
+
+    def _registrar(self) -> Register | None:
+        return self._register()
+
+    def _unregistered(self) -> _Slab | None:
+        """A slab to register now, or None. Lock held."""
+        if self._registrar() is None:
+            return None
+        return next((s for s in self._slabs if s.undo is None and not s.registering), None)
+
+    def _register_slab(self, slab: _Slab, register: Register) -> None:
+        try:
+            undo = register(slab.address, slab.size)
+        except Exception as exc:  # the copies still work, from pageable memory
+            why = f"{type(exc).__name__}: {exc}"  # as text: the frames would keep the slab alive
+            _log.warning("a %d-byte host slab stays unregistered: %s", slab.size, why)
+            done: list[Callable[[], None]] = []
+            failed = True
+        else:
+            done = [undo] if undo is not None else []
+            failed = False
+        with self._lock:
+            slab.undo, slab.registering = done, False
+            self._counts["register_failures" if failed else "registered_bytes"] += 1 if failed else slab.size
+            self._wake.notify_all()
+
+    def _next_slab(self) -> int:
+        """Bytes of the next slab to prepare now, or 0. Lock held."""
+        total = self._mapped_bytes()
+        size = min(max(SLAB_BYTES, self._largest), self._limit - total)
+        if size < HUGE_PAGE_BYTES:
+            return 0
+        if not self._eager:
+            ready = sum(s.free_bytes() for s in self._slabs if not s.extra)
+            ready += sum(n for n, views in self._views.items() for i in range(len(views)) if _idle(views, i))
+            if ready >= self._ahead:
+                return 0
+        return size if self._room(size) else 0
+
+    def _room(self, size: int) -> bool:
+        """Whether the host has ``size`` more bytes to spare beyond the reserve (said once if not).
+
+        Short, it is asked again after :data:`_ROOM_RETRY_S` (memory may be freed), not on
+        every take that wakes the preparing thread.
+        """
+        from ..hostmem import memory_headroom
+
+        now = time.monotonic()
+        if now < self._room_retry_at:
+            return False
+        room = memory_headroom()
+        if room is None or room.free - size >= HEADROOM_RESERVE_BYTES:
+            return True
+        self._room_retry_at = now + _ROOM_RETRY_S
+        self._say_prepared(f"; stopped {HEADROOM_RESERVE_BYTES >> 20} MiB short of {room.limit}'s limit")
+        return False
+
+    def _say_prepared(self, short: str) -> None:
+        """Log, once, that the preparing thread reached its goal (or the host's limit). Lock held."""
+        if self._said:
+            return
+        self._said = True
+        nbytes, seconds = self._mapped_bytes(), round(time.monotonic() - self._since, 3)
+        _log.info(
+            f"host memory prepared: {nbytes >> 20} MiB of {self._limit >> 20} MiB in {seconds:.1f} s{short}",
+            extra={
+                "event": "host_memory",
+                "fields": {"bytes": nbytes, "limit": self._limit, "seconds": seconds},
+            },
+        )
+
+    # -- accounting --------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Mappings the pool holds, how many nothing uses now, their bytes, and the counters.
+        """Buffers the pool holds, how many nothing uses now, its bytes, and the counters.
 
-        ``takes``: buffers handed out; ``slow_takes``: of those, mapped on the caller's path
-        because no ready mapping was idle; ``prepared_bytes``: bytes the background thread
-        mapped and faulted in; ``registered_bytes``: bytes registered with a device;
-        ``register_failures``: mappings a device refused to register (left pageable);
-        ``kept_mapped``: mappings never unmapped because ending their registration failed
-        (their bytes stay in ``bytes``, and count against the bound).
+        ``bytes``: mapped (slabs, kept ones included); ``ready_bytes``: of those, free to
+        hand out now (slab space no buffer holds, idle buffers); ``target_bytes``: what
+        the preparing thread aims at; ``takes``: buffers handed out; ``slow_takes``: of
+        those, mapped on the caller's path; ``prepared_bytes``: mapped and faulted in by
+        the preparing thread; ``registered_bytes``: registered with a device;
+        ``register_failures``: slabs a device refused (left pageable); ``kept_mapped``:
+        slabs never unmapped because ending their registration failed.
         """
         with self._lock:
-            lists = list(self._regions.values())
+            lists = list(self._views.values())
+            idle = [(len(v[i]), _idle(v, i)) for v in lists for i in range(len(v))]
             return {
-                "mappings": sum(len(regions) for regions in lists),
-                "idle": sum(_idle(regions, i) for regions in lists for i in range(len(regions))),
+                "mappings": len(idle),
+                "idle": sum(flag for _, flag in idle),
                 "bytes": self._mapped_bytes(),
+                "ready_bytes": sum(s.free_bytes() for s in self._slabs) + sum(n for n, f in idle if f),
+                "target_bytes": self._limit if self._eager else min(self._limit, self._ahead),
                 **{k: self._counts[k] for k in _COUNTERS},
             }
 
+    def server_counters(self) -> dict[str, int]:
+        """:meth:`stats` as a server reports them (``status``, ``/metrics``): ``host_`` names."""
+        stats = self.stats()
+        names = {"bytes": "mapped_bytes", "target_bytes": "prepare_target_bytes"}
+        keys = ("bytes", "ready_bytes", "target_bytes", *(k for k in _COUNTERS if k != "takes"))
+        return {f"host_{names.get(k, k)}": stats[k] for k in keys}
+
     def _mapped_bytes(self) -> int:
         """Bytes the pool holds mapped, kept ones included (they count against the bound)."""
-        mapped = sum(len(r) for regions in self._regions.values() for r in regions)
-        return mapped + sum(len(r) for r in self._kept)
+        return sum(s.size for s in self._slabs) + sum(s.size for s in self._kept)
 
-    def _trim(self, keep: int) -> None:
-        """Unmap the idle mappings of every size but ``keep`` (and of no size being prepared)."""
-        for nbytes, regions in self._regions.items():
-            if nbytes == keep or nbytes in self._sizes:
-                continue
-            for i in reversed(range(len(regions))):
-                if _idle(regions, i):
-                    self._unmap(regions.pop(i))
-            self._hand[nbytes] = 0
-
-    def _unmap(self, region: mmap.mmap) -> None:
-        """Unmap ``region`` once its device registrations ended; a failure keeps it mapped.
+    def _unmap(self, slab: _Slab) -> None:
+        """Unmap ``slab`` once its device registration ended; a failure keeps it mapped.
 
         A device may still copy into memory it holds registered, so memory whose
         registration did not end is never unmapped (nor handed out again): it stays
         with the pool, counted (``kept_mapped``), until the process exits.
         """
-        for undo in self._undo.pop(id(region), ()):
+        for undo in slab.undo or ():
             try:
                 undo()
             except Exception:
-                what = "ending a device registration of a %d-byte host mapping failed: it stays mapped"
-                _log.exception(what, len(region))
-                self._kept.append(region)
+                what = "ending a device registration of a %d-byte host slab failed: it stays mapped"
+                _log.exception(what, slab.size)
+                self._kept.append(slab)
                 self._counts["kept_mapped"] += 1
                 return
-        region.close()
+        slab.region.close()
 
-    def _prepare_loop(self) -> None:
-        while True:
-            with self._lock:
-                nbytes = self._next_to_prepare()
-                while nbytes is None:
-                    self._wake.wait(1.0)
-                    nbytes = self._next_to_prepare()
-            region = _fresh(nbytes)  # mapped and faulted in without the lock: takes go on meanwhile
-            _populate(region)
-            with self._lock:
-                self._regions.setdefault(nbytes, []).append(region)
-                self._counts["prepared_bytes"] += nbytes
-            del region
 
-    def _next_to_prepare(self) -> int | None:
-        """A chunk size to map one more mapping of now, or None. Caller holds the lock."""
-        total = self._mapped_bytes()
-        for nbytes in self._sizes:
-            if total + nbytes > self._limit:
-                continue
-            if self._eager:
-                return nbytes
-            regions = self._regions.get(nbytes, [])
-            idle = sum(_idle(regions, i) for i in range(len(regions))) * nbytes
-            if idle < max(self._ahead, nbytes):
-                return nbytes
-        return None
+def _footprint(nbytes: int) -> int:
+    """Bytes a buffer of ``nbytes`` takes in a slab: whole pages, so every buffer is page aligned."""
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _new_slab(nbytes: int, *, extra: bool) -> _Slab:
+    nbytes = _footprint(nbytes)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages_available():
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return _Slab(region, _address(region), nbytes, [(0, nbytes)], extra=extra)
 
 
 def _address(region: mmap.mmap) -> int:
     """Where ``region`` is mapped (the temporary view is gone before this returns)."""
-    import torch
+    import ctypes
 
-    view = torch.frombuffer(region, dtype=torch.uint8)
+    holder = ctypes.c_char.from_buffer(region)
     try:
-        return int(view.data_ptr())
+        return ctypes.addressof(holder)
     finally:
-        del view
+        del holder
 
 
-def _fresh(nbytes: int) -> mmap.mmap:
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages_available():
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return region
+def _populate(slab: _Slab) -> None:
+    """Fault every page of ``slab`` in now, in one ``madvise`` call without the GIL.
 
-
-def _populate(region: mmap.mmap) -> None:
-    """Fault every page of ``region`` in now, without holding the GIL (ctypes releases it).
-
-    A kernel without ``MADV_POPULATE_WRITE`` (before 5.14): the pages are written instead.
+    One call, not one per piece: the thread holds the GIL only between slabs, so the
+    server's own threads hardly wait for it. A kernel without ``MADV_POPULATE_WRITE``
+    (before 5.14): the pages are written instead.
     """
-    from ..hostmem._populate import populate
+    import ctypes
 
-    try:
-        populate(_address(region), len(region), lock=_NO_LOCK, stopped=lambda: False)
-    except OSError:
-        for offset in range(0, len(region), mmap.PAGESIZE):
-            region[offset] = 0
+    from ..hostmem._populate import MADV_POPULATE_WRITE, _libc
 
-
-#: ``populate`` takes a lock for its owner's unmapping; a mapping being prepared has no other user.
-_NO_LOCK = threading.Lock()
+    if _libc().madvise(slab.address, slab.size, MADV_POPULATE_WRITE) == 0:
+        return
+    _log.debug("madvise(MADV_POPULATE_WRITE): %s; writing the pages", os.strerror(ctypes.get_errno()))
+    for offset in range(0, slab.size, mmap.PAGESIZE):
+        slab.region[offset] = 0
 
 
 def _refs(items: list[Any], i: int) -> int:
@@ -293,12 +497,12 @@ def _refs(items: list[Any], i: int) -> int:
 _ONLY_LISTED = _refs([bytearray()], 0)
 
 
-def _idle(regions: list[mmap.mmap], i: int) -> bool:
-    """Whether only ``regions`` references mapping ``i``: no tensor can reach its bytes."""
-    return _refs(regions, i) == _ONLY_LISTED
+def _idle(views: list[memoryview], i: int) -> bool:
+    """Whether only ``views`` references buffer ``i``: no tensor can reach its bytes."""
+    return _refs(views, i) == _ONLY_LISTED
 
 
-#: The process's pool of chunk-buffer mappings.
+#: The process's pool of chunk buffers.
 POOL = HostBufferPool()
 
 
@@ -306,8 +510,8 @@ def host_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """An uninitialised 1-D uint8 host tensor of ``nbytes``, page aligned from 2 MiB on.
 
     ``pin``: page-locked, for a device's asynchronous copies. Otherwise, from
-    :data:`HUGE_PAGE_BYTES` on, a mapping from :data:`POOL` (reused once no tensor uses
-    it; fresh ones with huge pages requested).
+    :data:`HUGE_PAGE_BYTES` on, a buffer from :data:`POOL` (reused once no tensor uses
+    it; carved from prepared slabs).
     """
     import torch
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -133,6 +134,43 @@ def _recv_exact(
     return bytes(buf)
 
 
+#: What an operator does about a server out of fds.
+RAISE_FD_LIMIT = "raise the server's limit (ulimit -n before serve, or LimitNOFILE= in its systemd unit)"
+
+
+def fd_usage() -> tuple[int, int]:
+    """This process's open fds and its soft ``RLIMIT_NOFILE`` (-1 for what cannot be read)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = -1 if soft == resource.RLIM_INFINITY else int(soft)
+    try:
+        open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    except OSError as exc:  # listing takes an fd too: none left is the answer
+        open_now = limit if exc.errno in (errno.EMFILE, errno.ENFILE) else -1
+    return open_now, limit
+
+
+def _dropped_fds_reason(received: int) -> str:
+    """Why the kernel dropped fds that came with a message: this process's fd limit, most often.
+
+    The kernel truncates what it cannot install (``MSG_CTRUNC``) when the receiver has no
+    fd numbers left under its soft ``RLIMIT_NOFILE``, as when a sender attaches more
+    than a message's room.
+    """
+    open_now, soft = fd_usage()
+    if soft >= 0 and open_now >= 0 and open_now + FDS_PER_MESSAGE > soft:
+        return (
+            f"file descriptors were dropped: the server has {open_now} open of its limit of {soft} "
+            f"(RLIMIT_NOFILE), so the kernel could not give it those that came with the message; "
+            f"{RAISE_FD_LIMIT} and register again"
+        )
+    return (
+        f"file descriptors were dropped: more arrived with one message than allowed "
+        f"({received} received; at most {FDS_PER_MESSAGE} per message)"
+    )
+
+
 def _recv_with_fds(sock: socket.socket, into: memoryview, fds: list[int]) -> int:
     """One ``recvmsg`` into ``into``; the fds it brings go to ``fds`` before anything is checked."""
     room = socket.CMSG_SPACE(FDS_PER_MESSAGE * _FD_SIZE)
@@ -143,7 +181,7 @@ def _recv_with_fds(sock: socket.socket, into: memoryview, fds: list[int]) -> int
             got.frombytes(data[: len(data) - len(data) % _FD_SIZE])
             fds.extend(got)
     if flags & socket.MSG_CTRUNC:
-        raise WireFormatError("file descriptors were dropped: more arrived with one message than allowed")
+        raise WireFormatError(_dropped_fds_reason(len(fds)))
     if len(fds) > MAX_FRAME_FDS:
         raise WireFormatError(f"more than {MAX_FRAME_FDS} file descriptors arrived with one frame")
     return int(k)

@@ -11,11 +11,15 @@ replaced; one a live server answers on is never touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import socket
 import stat
+import struct
+import threading
+import time
 
 from .._errors import ServerError
 
@@ -37,6 +41,7 @@ class Listener:
     def __init__(self, socket_path: str, *, backlog: int = 16) -> None:
         self.path = socket_path
         self.lock_path = socket_path + ".lock"
+        self._fds_logged = -1e9  # when running out of fds was last logged
         check_private_dir(os.path.dirname(socket_path) or ".")
         self._lock_fd = _take_lock(self.lock_path, socket_path)
         try:
@@ -46,6 +51,42 @@ class Listener:
         except BaseException:
             self._release_lock()
             raise
+
+    def accept(self, wait: threading.Event) -> socket.socket | None:
+        """The next client, or None: the poll timed out, or no fd was left to accept it with.
+
+        Out of fds, the server says so naming the limit (at most every 10 s) and waits a
+        moment on ``wait`` (its stop event); the client stays in the backlog meanwhile.
+        """
+        try:
+            client, _ = self.sock.accept()
+        except TimeoutError:
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self._out_of_fds(exc)
+            wait.wait(0.05)
+            return None
+        return client
+
+    def _out_of_fds(self, exc: OSError) -> None:
+        from ..protocol._frames import RAISE_FD_LIMIT, fd_usage
+        from ._log import log_event
+
+        now = time.monotonic()
+        if now - self._fds_logged < 10.0:
+            return
+        self._fds_logged = now
+        open_now, soft = fd_usage()
+        log_event(
+            logging.WARNING,
+            "out_of_fds",
+            f"cannot accept a connection ({exc.strerror}): {open_now} files open of the limit of "
+            f"{soft} (RLIMIT_NOFILE); {RAISE_FD_LIMIT}",
+            open=open_now,
+            limit=soft,
+        )
 
     def close(self) -> None:
         """Stop listening and remove the socket and the lock file. Idempotent."""
@@ -124,3 +165,17 @@ def _bind(socket_path: str) -> socket.socket:
         os.umask(old)
     os.chmod(socket_path, 0o600)
     return sock
+
+
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_of(sock: socket.socket) -> tuple[str, int]:
+    """``("pid N uid M", M)`` of the process at the other end (Linux); uid -1 when unknown."""
+    try:
+        pid, uid, _gid = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+    except (AttributeError, OSError):  # not Linux, or the peer is already gone
+        return "unknown peer", -1
+    return f"pid {pid} uid {uid}", uid

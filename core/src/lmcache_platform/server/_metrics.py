@@ -82,6 +82,12 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "lease_unread_chunks",
         "Chunks leased lookups found that no get read before the lease expired or its connection closed.",
     ),
+    "torch_path_contexts_total": (
+        "counter",
+        "torch_path_contexts",
+        "Contexts registered whose transfers take the generic torch path instead of the backend's "
+        "kernels (a kernel build that failed, say; status says why).",
+    ),
     "host_mapped_bytes": (
         "gauge",
         "host_mapped_bytes",
@@ -91,6 +97,16 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "counter",
         "host_prepared_bytes",
         "Host memory mapped and faulted in ahead of use, off the request path.",
+    ),
+    "host_ready_bytes": (
+        "gauge",
+        "host_ready_bytes",
+        "Host memory prepared and free to hand out to the next stores now.",
+    ),
+    "host_prepare_target_bytes": (
+        "gauge",
+        "host_prepare_target_bytes",
+        "Host memory the server prepares in the background: its bound (eager) or what it keeps ahead.",
     ),
     "host_slow_takes_total": (
         "counter",
@@ -184,6 +200,12 @@ def prometheus_text(counters: Mapping[str, Any]) -> str:
             lines += [f'{full}{{op="{_label(op)}"}} {_number(n)}' for op, n in sorted(value.items())]
         else:
             lines.append(f"{full} {_number(value)}")
+    if "device_failed" in counters:  # a reason or None: the metric says whether
+        full = PREFIX + "device_failed"
+        lines += _head(
+            full, "1 once a device failed for good (a sticky CUDA error): the server stops.", "gauge"
+        )
+        lines.append(f"{full} {int(counters['device_failed'] is not None)}")
     remote = counters.get("remote")
     if isinstance(remote, Mapping):
         lines += _remote_lines(remote)

@@ -1,6 +1,6 @@
 """The reference server in a process of its own: :class:`ServerProcess` (spawn), and what a
 server process does once at start (``freeze_startup_objects``), which ``lmcache-platform
-serve`` does too.
+serve`` does too, as ``raise_fd_limit``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,34 @@ def freeze_startup_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; ``(before, after)``.
+
+    A server holds an fd per engine connection and, while an engine registers, one per
+    physical allocation it shares (vLLM 0.34 exports one per layer, 32 to 80 a worker);
+    the soft limit is often 1,024 where the hard one is far higher. An unlimited hard
+    limit stops at the kernel's ``fs.nr_open``. Not Linux, or not allowed: unchanged.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            return soft, soft
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            logger.debug("RLIMIT_NOFILE stays at %d: %s", soft, exc)
+            return soft, soft
+        return soft, target
+    return soft, soft
 
 
 def _child_main(

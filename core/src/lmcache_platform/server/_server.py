@@ -49,19 +49,18 @@ import itertools
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from .._errors import LMCachePlatformError, TransferError, WireFormatError
+from .._errors import DeviceFailedError, LMCachePlatformError, TransferError, WireFormatError
 from ..protocol import _frames, _messages, _ops
 from ..protocol._ops import Json
 from ._index import ChunkIndex
 from ._leases import LeaseTable
-from ._listen import Listener
+from ._listen import Listener, peer_of
 from ._log import log_event
 from ._namespaces import Bindings, layout_of, plain, show_namespace
 from ._registration import open_context, prefault
@@ -87,8 +86,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How a server prepares chunk memory: ahead of use (default) or all of its bound at once.
-HOST_MEMORY_MODES = ("ahead", "eager")
+#: How a server prepares chunk memory from its start: all of its bound, or some ahead of use.
+HOST_MEMORY_MODES = ("eager", "ahead")
 #: Default cap on the host memory the server uses for stored chunks.
 DEFAULT_MAX_HOST_BYTES = 8 << 30
 SOCKET_NAME = "kv.sock"
@@ -139,6 +138,9 @@ class _Stats:
     remote_hits: int = 0
     #: Chunks gets asked for and could load from neither tier (the engine recomputes them).
     get_missing: int = 0
+    #: Contexts registered whose transfers take the generic torch path where the backend has
+    #: kernels (``report_status()["transfers"]``: a build that failed, say).
+    torch_path_contexts: int = 0
     drops_unlogged: int = 0
     last_drop_log_ns: int = 0
     #: Nanoseconds from listening to the first registration and the first lookup hit:
@@ -192,6 +194,9 @@ class ReferenceServer:
         self._stats = _Stats()
         self._stats_lock = threading.Lock()
         self._started_ns = self._listening_ns = time.monotonic_ns()
+        #: Why a device failed for good, as a sticky CUDA error leaves it; the server then stops
+        #: and ``serve`` exits 3. None while the devices work.
+        self.device_failed: str | None = None
         self._entries: dict[int, Entry] = {}
         self._bindings = Bindings()
         self._connections: set[_Connection] = set()
@@ -210,6 +215,10 @@ class ReferenceServer:
         self._listener = Listener(self.socket_path)
         self._listener.sock.settimeout(_ACCEPT_POLL_S)
         self._listening_ns = time.monotonic_ns()
+        from .._kv.hostalloc import POOL
+
+        # From the start, in the background: the engines' first stores find memory ready.
+        POOL.prepare(limit=self.max_host_bytes, eager=self.host_memory == "eager")
         log_event(
             logging.INFO,
             "listening",
@@ -228,9 +237,8 @@ class ReferenceServer:
         self._leases.start()
         try:
             while not self._stop.is_set():
-                try:
-                    client, _ = self._listener.sock.accept()
-                except TimeoutError:
+                client = self._listener.accept(self._stop)  # None: a poll's timeout, or out of fds
+                if client is None:
                     continue
                 if self._stop.is_set():  # the wake-up from stop(), or a late client
                     client.close()
@@ -240,7 +248,7 @@ class ReferenceServer:
             self._teardown()
 
     def _accept(self, client: socket.socket) -> None:
-        peer, uid = _peer(client)
+        peer, uid = peer_of(client)
         with self._lock:
             busy = len(self._connections) >= self.max_connections
         if busy:  # bound the memory clients can pin with announced frames
@@ -374,6 +382,9 @@ class ReferenceServer:
         except DeadlineExceeded as exc:  # counted, and logged at most once per period
             self._dropped(req, conn, exc)
             return _messages.encode_error(req.request_id, type(exc).__name__, str(exc))
+        except DeviceFailedError as exc:  # nothing can move any more: answer, then stop
+            self._device_failed(req, conn, exc)
+            return _messages.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
         except (LMCachePlatformError, ValueError) as exc:  # the request's fault
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True, refused=req.op)
@@ -415,6 +426,23 @@ class ReferenceServer:
             case _ops.ShutdownRequest():
                 return self._shutdown(req, conn)
         raise WireFormatError(f"{req.op} request: this server has no handler for it")
+
+    def _device_failed(self, req: _ops.Request[Any], conn: _Connection, exc: DeviceFailedError) -> None:
+        """A device failed for good: say so in status and the log, and stop after this reply."""
+        self._count(None, error=True, refused=req.op)
+        with self._stats_lock:
+            first = self.device_failed is None
+            if first:
+                self.device_failed = str(exc)
+        if first:
+            log_event(
+                logging.ERROR,
+                "device_failed",
+                f"{req.op} request {req.request_id}: {exc}; stopping (exit status 3) for a fresh start",
+                op=req.op,
+                error=str(exc),
+            )
+        conn.stop_after_reply = True
 
     def _count(self, op: str | None, *, error: bool = False, refused: str | None = None) -> None:
         with self._stats_lock:
@@ -514,6 +542,10 @@ class ReferenceServer:
 
         if isinstance(ctx, _Base):  # chunk memory mapped and faulted in ahead of the stores
             ctx.prepare_host_memory(self.max_host_bytes, eager=self.host_memory == "eager")
+        transfers = ctx.report_status().get("transfers")  # a backend with kernels says which path
+        if isinstance(transfers, dict) and transfers.get("path") == "torch":
+            with self._stats_lock:
+                self._stats.torch_path_contexts += 1
         self._first("register")
         log_event(
             logging.INFO,
@@ -691,6 +723,8 @@ class ReferenceServer:
                 "errors": self._stats.errors,
                 "deadline_drops": self._stats.deadline_drops,
                 "get_missing": self._stats.get_missing,
+                "torch_path_contexts": self._stats.torch_path_contexts,
+                "device_failed": self.device_failed,
                 "remote_hits": self._stats.remote_hits,
                 "refused": dict(sorted(self._stats.refused.items())),
             }
@@ -702,14 +736,8 @@ class ReferenceServer:
             own["remote"] = {"store": self.tier.name, **self.tier.stats()}  # a chain adds "tiers"
         from .._kv.hostalloc import POOL
 
-        pool = POOL.stats()
         own["host_memory"] = self.host_memory
-        own["host_mapped_bytes"] = pool["bytes"]
-        own["host_prepared_bytes"] = pool["prepared_bytes"]
-        own["host_slow_takes"] = pool["slow_takes"]
-        own["host_registered_bytes"] = pool["registered_bytes"]
-        own["host_register_failures"] = pool["register_failures"]
-        own["host_kept_mapped"] = pool["kept_mapped"]
+        own.update(POOL.server_counters())
         with self._lock:
             return {
                 "pid": os.getpid(),
@@ -762,20 +790,6 @@ class ReferenceServer:
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-_PEERCRED = struct.Struct("3i")
-
-
-def _peer(sock: socket.socket) -> tuple[str, int]:
-    """``("pid N uid M", M)`` of the process at the other end (Linux); uid -1 when unknown."""
-    try:
-        pid, uid, _gid = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
-    except (AttributeError, OSError):  # not Linux, or the peer is already gone
-        return "unknown peer", -1
-    return f"pid {pid} uid {uid}", uid
 
 
 def _take(fds: list[int]) -> list[int]:
