@@ -125,11 +125,11 @@ def test_a_chunk_larger_than_a_slab_makes_the_later_slabs_hold_it() -> None:
 
 
 def test_preparing_stops_short_of_the_hosts_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmcache_platform import hostmem
+    from lmcache_platform import _headroom
 
     free = [20 * MiB]  # what the host has left, a slab's worth less per slab prepared
     monkeypatch.setattr(hostalloc, "HEADROOM_RESERVE_BYTES", 4 * MiB)
-    monkeypatch.setattr(hostmem, "memory_headroom", lambda: hostmem.Headroom(free[0], "the test's host"))
+    monkeypatch.setattr(_headroom, "memory_headroom", lambda: _headroom.Headroom(free[0], "the test's host"))
     pool = HostBufferPool()
     real_new_slab = hostalloc._new_slab
 

@@ -22,7 +22,7 @@ MAX_LINES = 800
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
-        "_errors _version _units _lazy _env _events _checks _codec _tinymodel",
+        "_errors _version _units _lazy _env _events _checks _codec _tinymodel _libc _headroom",
         "_types _ipc_wrapper",
         "_kv",
         "hostmem hookspecs",

@@ -19,7 +19,8 @@ import torch
 
 import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, create_cache_context, wire
-from lmcache_platform.hostmem import HostMemoryCacheContext, PopulateUnsupported, _populate
+from lmcache_platform import _libc as _populate
+from lmcache_platform.hostmem import HostMemoryCacheContext, PopulateUnsupported
 from lmcache_platform.server import ServerClient
 from lmcache_platform.server._registration import prefault
 from lmcache_platform.server._transfers import Entry

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_platform import DescriptorError, WireField, hostmem
+from lmcache_platform import DescriptorError, WireField, _headroom, hostmem
 from lmcache_platform.hostmem import (
     HostMemoryIPCWrapper,
     InPlaceStore,
@@ -232,7 +232,7 @@ def fake_cgroups(root: Path, limit: int, usage: int, inactive: int) -> str:
 def test_memory_headroom_is_the_tightest_cgroup_limit_less_usage_with_cache_counted_free(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(hostmem._headroom, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(_headroom, "CGROUP_ROOT", str(tmp_path))
     leaf = fake_cgroups(tmp_path, limit=64 << 20, usage=60 << 20, inactive=8 << 20)
     room = hostmem.memory_headroom()
     assert room is not None and room.free == 12 << 20, room

@@ -365,7 +365,7 @@ class HostBufferPool:
         Short, it is asked again after :data:`_ROOM_RETRY_S` (memory may be freed), not on
         every take that wakes the preparing thread.
         """
-        from ..hostmem import memory_headroom
+        from .._headroom import memory_headroom
 
         now = time.monotonic()
         if now < self._room_retry_at:
@@ -479,7 +479,7 @@ def _populate(slab: _Slab) -> None:
     """
     import ctypes
 
-    from ..hostmem._populate import MADV_POPULATE_WRITE, _libc
+    from .._libc import MADV_POPULATE_WRITE, _libc
 
     if _libc().madvise(slab.address, slab.size, MADV_POPULATE_WRITE) == 0:
         return

@@ -53,11 +53,11 @@ gc hooks may use this module without loading torch.
 
 from __future__ import annotations
 
+from .._headroom import CGROUP_ROOT as CGROUP_ROOT  # constants: importable, not curated
+from .._headroom import Headroom, memory_headroom
+from .._libc import PopulateUnsupported
 from ._context import HostMemoryCacheContext
-from ._headroom import CGROUP_ROOT as CGROUP_ROOT  # constants: importable, not curated
-from ._headroom import Headroom, memory_headroom
 from ._names import SegmentNames, find_stale, pid_namespace, producer_alive
-from ._populate import PopulateUnsupported
 from ._store import STORE_MEMBERS as STORE_MEMBERS
 from ._store import Handle, HostMemoryStore, InPlaceStore, SideBySideStore
 from ._wrapper import HOST_UUID as HOST_UUID

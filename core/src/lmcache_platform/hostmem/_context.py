@@ -6,7 +6,7 @@ import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._kv.context import BaseCacheContext
-from ._populate import populate
+from .._libc import populate
 from ._wrapper import HostMemoryIPCWrapper
 
 if TYPE_CHECKING:

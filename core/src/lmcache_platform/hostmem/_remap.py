@@ -45,6 +45,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from .._libc import _libc as _libc  # the C library's memory calls, typed once
+
 if TYPE_CHECKING:
     import torch
 
@@ -230,25 +232,3 @@ def unmap(address: int, length: int) -> None:
 _MAP_FIXED = 0x10  # Linux, every architecture
 _PROT_NONE = 0
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        libc.munmap.restype = ctypes.c_int
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.restype = ctypes.c_int
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _LIBC = libc
-    return _LIBC

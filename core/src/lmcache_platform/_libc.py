@@ -1,4 +1,8 @@
-"""Map a range of shared memory into this process's page tables ahead of use.
+"""The C library's memory calls (``mmap``, ``munmap``, ``madvise``), typed once, and
+:func:`populate`: a range of shared memory mapped into this process's page tables ahead of use.
+
+On the ground floor: host memory of the cache contexts (``_kv``) and of the host-memory
+kit (``hostmem``) both use them.
 
 A server reopens an engine's KV cache as a fresh mapping: every page of it is first
 touched inside a transfer, and each 4 KiB page costs a page fault there. For a cache of
@@ -18,12 +22,35 @@ import os
 import threading
 from collections.abc import Callable
 
-from ._remap import _libc as _libc  # re-bound here so a test can stand in for madvise
-
 #: ``MADV_POPULATE_WRITE`` from ``<linux/mman.h>`` (every architecture).
 MADV_POPULATE_WRITE = 23
 #: Bytes per ``madvise`` call: how long a closing context waits for one (a few ms).
 STEP_BYTES = 16 << 20
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    """The C library, its memory calls typed (loaded once; a test may stand in for it here)."""
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _LIBC = libc
+    return _LIBC
 
 
 class PopulateUnsupported(OSError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .._units import format_bytes
+from ._units import format_bytes
 
 #: Where cgroup file systems are mounted (Linux).
 CGROUP_ROOT = "/sys/fs/cgroup"
