@@ -54,6 +54,7 @@ gc hooks may use this module without loading torch.
 from __future__ import annotations
 
 from ._context import HostMemoryCacheContext
+from ._filemap import FileMapIPCWrapper
 from ._headroom import CGROUP_ROOT as CGROUP_ROOT  # constants: importable, not curated
 from ._headroom import Headroom, memory_headroom
 from ._names import SegmentNames, find_stale, pid_namespace, producer_alive
@@ -64,6 +65,7 @@ from ._wrapper import HOST_UUID as HOST_UUID
 from ._wrapper import HostMemoryIPCWrapper
 
 __all__ = [
+    "FileMapIPCWrapper",
     "Handle",
     "Headroom",
     "HostMemoryCacheContext",
