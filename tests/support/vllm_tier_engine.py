@@ -10,17 +10,20 @@ tier, then reads the rows vLLM names and compares them with the expected bytes.
 It prints one JSON line: counts, digests, timings and the longest call into each
 secondary tier (every tier method is timed, as the scheduler thread calls it).
 
-Spec keys: ``mode`` (store | load | both), ``engine_id``, ``model``, ``chunks``,
-``chunk_bytes`` (per worker), ``world`` (workers, 1), ``seed``, ``tiers`` (vLLM's
-``secondary_tiers``), ``timeout_s`` (60), ``hold_s`` (seconds to keep stepping
-before the final drain: a fault injected meanwhile lands mid-jobs), ``expect_hits``
-(load: fail unless every chunk hits; default true).
+Spec keys: ``engine_id``, ``model``, ``chunks``, ``chunk_bytes`` (per worker), ``world``
+(workers, 1), ``agnostic``, ``tiers`` (vLLM's ``secondary_tiers``), ``timeout_s`` (60),
+and ``phases``, each run in turn in this one process (or the spec itself as the only
+phase): ``mode`` (store | load | both), ``seed``, ``wait_file`` (wait, stepping, until it
+exists), ``ready_file`` (written once the store phase settled), ``hold_s`` (keep stepping
+that long after a store: a fault injected meanwhile lands mid-jobs), ``drain`` (call
+``drain_jobs`` with the cascade in flight). The test judges the printed report.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -116,81 +119,107 @@ def step_until(mgr: Any, done: Any, timeout: float) -> bool:
     return False
 
 
+def store(
+    mgr: Any, view: Any, hashes: list[bytes], keys: list[Any], phase: dict[str, Any], out: dict[str, Any]
+) -> None:
+    req = ReqContext(req_id=f"store-{phase.get('seed', 0)}")
+    mgr.on_new_request(req)
+    t = time.monotonic()
+    prepared = mgr.prepare_store(keys, req)
+    rows = [int(r) for r in prepared.store_spec.block_ids]
+    for h, r in zip(hashes, rows, strict=True):
+        view[r, :] = payload(h, view.shape[1])
+    mgr.complete_store(keys, req)
+    mgr.on_request_finished(req)
+    if phase.get("drain"):  # vLLM's reset_cache path: drain_jobs with the cascade in flight
+        mgr.on_schedule_end(STEP)  # the cascade's jobs are submitted here
+        tiers = mgr.secondary_tiers
+        out["in_flight_before_drain"] = sum(t._jobs.in_flight() for t in tiers)
+        for tier in tiers:
+            tier.drain_jobs()
+        out["in_flight_after_drain"] = sum(t._jobs.in_flight() for t in tiers)
+        out["finished_after_drain"] = sum(len(t._jobs._finished) for t in tiers)
+    if phase.get("hold_s"):
+        step_until(mgr, lambda: False, float(phase["hold_s"]))
+    out["store_settled"] = step_until(
+        mgr, lambda: not mgr.has_pending_work(), float(phase.get("timeout_s", 60))
+    )
+    out["store_s"] = time.monotonic() - t
+
+
+def load(
+    mgr: Any, view: Any, hashes: list[bytes], keys: list[Any], phase: dict[str, Any], out: dict[str, Any]
+) -> None:
+    n = len(keys)
+    req = ReqContext(req_id=f"load-{phase.get('seed', 0)}")
+    mgr.on_new_request(req)
+    t = time.monotonic()
+    results: dict[int, Any] = {}
+
+    def all_known() -> bool:
+        for i, k in enumerate(keys):
+            if results.get(i) not in (LookupResult.HIT, LookupResult.MISS):
+                results[i] = mgr.lookup(k, req)
+        return all(r in (LookupResult.HIT, LookupResult.MISS) for r in results.values())
+
+    out["load_settled"] = step_until(mgr, all_known, float(phase.get("timeout_s", 60)))
+    hits = [i for i, r in results.items() if r is LookupResult.HIT]
+    out["load_s"] = time.monotonic() - t
+    out["hits"] = len(hits)
+    out["states"] = sorted({str(r) for r in results.values()})
+    good = bad = 0
+    if hits:
+        hit_keys = [keys[i] for i in hits]
+        load_spec = mgr.prepare_load(hit_keys, req)
+        for i, r in zip(hits, load_spec.block_ids, strict=True):
+            if np.array_equal(view[int(r)], payload(hashes[i], view.shape[1])):
+                good += 1
+            else:
+                bad += 1
+        mgr.complete_load(hit_keys, req)
+    out["identical"], out["wrong"] = good, bad
+    mgr.on_request_finished(req)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    n, mode, timeout = int(spec["chunks"]), spec["mode"], float(spec.get("timeout_s", 60))
     t0 = time.monotonic()
-    offload = TieringOffloadingSpec(config(spec))
-    mgr = offload.get_manager()
+    mgr = TieringOffloadingSpec(config(spec)).get_manager()
     timers = [Timer(t) for t in mgr.secondary_tiers]
     view = np.asarray(mgr.primary_tier.get_kv_memoryview()).view(np.uint8)
-    row_bytes = view.shape[1]
-    out: dict[str, Any] = {
+    report: dict[str, Any] = {
         "rows": int(view.shape[0]),
-        "row_bytes": int(row_bytes),
+        "row_bytes": int(view.shape[1]),
         "start_s": time.monotonic() - t0,
     }
-    hashes = [chunk_hash(int(spec.get("seed", 0)), i) for i in range(n)]
-    keys = [make_offload_key(h, 0) for h in hashes]
-    failures: list[str] = []
-    if mode in ("store", "both"):
-        req = ReqContext(req_id="store")
-        mgr.on_new_request(req)
-        t = time.monotonic()
-        prepared = mgr.prepare_store(keys, req)
-        rows = [int(r) for r in prepared.store_spec.block_ids]
-        for h, r in zip(hashes, rows, strict=True):
-            view[r, :] = payload(h, row_bytes)
-        mgr.complete_store(keys, req)
-        mgr.on_request_finished(req)
-        if spec.get("hold_s"):
-            step_until(mgr, lambda: False, float(spec["hold_s"]))
-        finished = step_until(mgr, lambda: not mgr.has_pending_work(), timeout)
-        out["store_s"] = time.monotonic() - t
-        out["store_settled"] = finished
-    if mode in ("load", "both"):
-        req = ReqContext(req_id="load")
-        mgr.on_new_request(req)
-        t = time.monotonic()
-        results: dict[int, Any] = {}
-
-        def all_known() -> bool:
-            for i, k in enumerate(keys):
-                if results.get(i) in (LookupResult.HIT, LookupResult.MISS):
-                    continue
-                results[i] = mgr.lookup(k, req)
-            return (
-                all(r in (LookupResult.HIT, LookupResult.MISS) for r in results.values())
-                and len(results) == n
-            )
-
-        settled = step_until(mgr, all_known, timeout)
-        hits = [i for i, r in results.items() if r is LookupResult.HIT]
-        out["load_s"] = time.monotonic() - t
-        out["load_settled"] = settled
-        out["hits"] = len(hits)
-        out["states"] = sorted({str(r) for r in results.values()})
-        good = bad = 0
-        if hits:
-            hit_keys = [keys[i] for i in hits]
-            load_spec = mgr.prepare_load(hit_keys, req)
-            for i, r in zip(hits, load_spec.block_ids, strict=True):
-                if np.array_equal(view[int(r)], payload(hashes[i], row_bytes)):
-                    good += 1
-                else:
-                    bad += 1
-            mgr.complete_load(hit_keys, req)
-        out["identical"], out["wrong"] = good, bad
-        mgr.on_request_finished(req)
-        if spec.get("expect_hits", True) and good != n:
-            failures.append(f"{good} of {n} chunks loaded identical ({bad} wrong, states {out['states']})")
-    step_until(mgr, lambda: not mgr.has_pending_work(), timeout)
-    out["tier_calls"] = [t.summary() for t in timers]
-    out["stats"] = [repr(getattr(t, "_stats", None) and t._stats.counts) for t in mgr.secondary_tiers]
+    phases = spec.get("phases") or [spec]
+    report["phases"] = []
+    for phase in phases:
+        out: dict[str, Any] = {}
+        if phase.get("wait_file"):
+            deadline = time.monotonic() + 120
+            while not os.path.exists(phase["wait_file"]) and time.monotonic() < deadline:
+                mgr.on_schedule_end(STEP)
+                time.sleep(0.01)
+        hashes = [
+            chunk_hash(int(phase.get("seed", spec.get("seed", 0))), i) for i in range(int(spec["chunks"]))
+        ]
+        keys = [make_offload_key(h, 0) for h in hashes]
+        if phase["mode"] in ("store", "both"):
+            store(mgr, view, hashes, keys, phase, out)
+        if phase.get("ready_file"):
+            with open(phase["ready_file"], "w") as f:
+                f.write("stored")
+        if phase["mode"] in ("load", "both"):
+            load(mgr, view, hashes, keys, phase, out)
+        report["phases"].append(out)
+    step_until(mgr, lambda: not mgr.has_pending_work(), float(spec.get("timeout_s", 60)))
+    report["tier_calls"] = [t.summary() for t in timers]
+    report["stats"] = [dict(t._stats.counts) for t in mgr.secondary_tiers if hasattr(t, "_stats")]
+    report["last_error"] = [t._jobs.last_error for t in mgr.secondary_tiers if hasattr(t, "_jobs")]
     del view  # vLLM unmaps the region at shutdown: no export of it may be left
     mgr.shutdown()
-    out["failures"] = failures
-    print(json.dumps(out), flush=True)
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

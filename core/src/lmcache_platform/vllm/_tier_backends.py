@@ -70,7 +70,7 @@ class _Pacer:
 
 
 class _Lane:
-    """One connection of one of the tier's threads, registered with the region if it moves rows."""
+    """One connection of one of the tier's threads, with the region registered on it."""
 
     def __init__(self, owner: ServerRows, *, register: bool, deadline_ms: float) -> None:
         self.owner = owner
@@ -135,7 +135,8 @@ class ServerRows:
         self.pacer = _Pacer()
         self.closed = False
         self._lanes = {
-            "lookup": _Lane(self, register=False, deadline_ms=lookup_ms),
+            # registered too: a server knows a namespace's name in its own tiers only from a context
+            "lookup": _Lane(self, register=True, deadline_ms=lookup_ms),
             "load": _Lane(self, register=True, deadline_ms=transfer_ms),
             "store": _Lane(self, register=True, deadline_ms=transfer_ms),
         }
@@ -195,12 +196,17 @@ class StoreRows:
         return time.monotonic_ns() + int(self.timeout_ms * 1e6)
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the store holds (a store still connecting is waited for, within the deadline)."""
+        self._ready()
         return held(keys, lambda ks: self.tier.lookup_more(self.namespace, ks, self._deadline()))
+
+    def _ready(self) -> None:
+        if self.tier.state != "healthy" and not self.tier.wait_ready(self.timeout_ms / 1e3):
+            raise TierUnavailable(f"the store is {self.tier.state} ({getattr(self.tier, '_why', '')})")
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int]) -> None:
         """Each row copied out (vLLM may reuse it once the job ends), queued, and written before return."""
-        if self.tier.state != "healthy":
-            raise TierUnavailable(f"the store is {self.tier.state}")
+        self._ready()
         for key, row in zip(keys, rows, strict=True):
             if not self.tier.write_behind(self.namespace, key, [self._rows[row].clone()]):
                 raise TierUnavailable("the store's write queue is full or the store is down")
@@ -211,6 +217,7 @@ class StoreRows:
 
     def load(self, keys: Sequence[bytes], rows: Sequence[int]) -> int:
         """Leading entries fetched, checked (identity, checksum, shape) and copied into their rows."""
+        self._ready()
         got = self.tier.fetch(self.namespace, list(keys), self._deadline(), expect=self._expect)
         done = 0
         for chunk, row in zip(got, rows, strict=True):

@@ -88,6 +88,8 @@ class Runner:
         self._busy = 0
         self._finished: collections.deque[Done] = collections.deque()
         self._closing = False
+        #: The latest failure's reason (status and tests; the jobs themselves only fail).
+        self.last_error = ""
         self._threads = [
             threading.Thread(target=self._loop, args=(kind,), name=f"lmcache-tier-{kind}", daemon=True)
             for kind in self._queues
@@ -151,6 +153,7 @@ class Runner:
                 ok = self._run(job)
             except Exception as exc:  # a failed job, reported as one; never raised into vLLM
                 ok, error = 0, f"{type(exc).__name__}: {exc}"
+                self.last_error = error
                 logger.debug("lmcache-platform tier: %s job %d failed: %s", kind, job.job_id, error)
             seconds = time.monotonic() - start
             self._account(kind, job, ok, seconds, error)
