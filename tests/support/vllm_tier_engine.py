@@ -150,7 +150,6 @@ def store(
 def load(
     mgr: Any, view: Any, hashes: list[bytes], keys: list[Any], phase: dict[str, Any], out: dict[str, Any]
 ) -> None:
-    n = len(keys)
     req = ReqContext(req_id=f"load-{phase.get('seed', 0)}")
     mgr.on_new_request(req)
     t = time.monotonic()
