@@ -18,6 +18,7 @@ failed job or a miss.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 from .. import KVFormat, LayoutHints
 from ..server import ServerClient, ServerUnavailable
 from ._tier_region import Rows, rows_wrapper
+
+logger = logging.getLogger("lmcache_platform.vllm.tier")
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +81,7 @@ class _Lane:
         self.deadline_ms = deadline_ms
         self.client: ServerClient | None = None
         self.context = 0
+        self.lock = threading.Lock()  # the lane's thread, and the warm-up at start
 
     def call(self, fn: Any) -> Any:
         """``fn(client, context)`` on a live connection; any failure drops it and raises TierUnavailable."""
@@ -85,14 +89,15 @@ class _Lane:
         if owner.closed:
             raise TierUnavailable("the tier is shut down")
         owner.pacer.check()
-        try:
-            if self.client is None:
-                self.client = self._dial()
-            result = fn(self.client, self.context)
-        except Exception as exc:
-            self.drop()
-            owner.pacer.failed(f"{type(exc).__name__}: {exc}")
-            raise TierUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        with self.lock:
+            try:
+                if self.client is None:
+                    self.client = self._dial()
+                result = fn(self.client, self.context)
+            except Exception as exc:
+                self.drop()
+                owner.pacer.failed(f"{type(exc).__name__}: {exc}")
+                raise TierUnavailable(f"{type(exc).__name__}: {exc}") from exc
         owner.pacer.worked()
         return result
 
@@ -140,6 +145,17 @@ class ServerRows:
             "load": _Lane(self, register=True, deadline_ms=transfer_ms),
             "store": _Lane(self, register=True, deadline_ms=transfer_ms),
         }
+        # Connect and register now, beside vLLM's start-up, so the first job pays for neither
+        # (the server maps the region's pages ahead of the first copies).
+        threading.Thread(target=self._warm, name="lmcache-tier-connect", daemon=True).start()
+
+    def _warm(self) -> None:
+        for lane in self._lanes.values():
+            try:
+                lane.call(lambda c, ctx: None)
+            except TierUnavailable as exc:  # the jobs will try again, paced
+                logger.info("lmcache-platform tier: server %s not reachable yet: %s", self.socket_path, exc)
+                return
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the server holds (its memory, then its tiers): leading runs, one call each."""
