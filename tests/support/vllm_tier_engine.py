@@ -215,7 +215,9 @@ def main() -> None:
     step_until(mgr, lambda: not mgr.has_pending_work(), float(spec.get("timeout_s", 60)))
     report["tier_calls"] = [t.summary() for t in timers]
     report["stats"] = [dict(t._stats.counts) for t in mgr.secondary_tiers if hasattr(t, "_stats")]
-    report["job_s"] = [{k: sum(v) for k, v in t._stats.latency.items()} for t in mgr.secondary_tiers if hasattr(t, "_stats")]
+    report["job_s"] = [
+        {k: sum(v) for k, v in t._stats.latency.items()} for t in mgr.secondary_tiers if hasattr(t, "_stats")
+    ]
     report["last_error"] = [t._jobs.last_error for t in mgr.secondary_tiers if hasattr(t, "_jobs")]
     del view  # vLLM unmaps the region at shutdown: no export of it may be left
     mgr.shutdown()
