@@ -109,10 +109,17 @@ class Timer:
         }
 
 
+#: Keys the tiers reported through take_events: stored and removed.
+EVENTS = {"stored": 0, "removed": 0}
+
+
 def step_until(mgr: Any, done: Any, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         mgr.on_schedule_end(STEP)
+        for tier in mgr.secondary_tiers:  # what vLLM's KV-event publisher would take
+            for event in tier.take_events():
+                EVENTS["removed" if event.removed else "stored"] += len(event.keys)
         if done():
             return True
         time.sleep(0.001)
@@ -180,6 +187,18 @@ def load(
     mgr.on_request_finished(req)
 
 
+def prometheus(tier: Any) -> dict[str, float]:
+    """The tier's ``get_stats`` as vLLM's exporter gets it: each metric summed over its labels."""
+    stats = tier.get_stats()
+    if stats is None:
+        return {}
+    out: dict[str, float] = {}
+    for name, by_label in stats.data["data"].items():
+        values = by_label.values()
+        out[name] = sum(sum(v) if isinstance(v, list) else v for v in values)
+    return out
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     t0 = time.monotonic()
@@ -215,6 +234,8 @@ def main() -> None:
     step_until(mgr, lambda: not mgr.has_pending_work(), float(spec.get("timeout_s", 60)))
     report["tier_calls"] = [t.summary() for t in timers]
     report["stats"] = [dict(t._stats.counts) for t in mgr.secondary_tiers if hasattr(t, "_stats")]
+    report["events"] = EVENTS
+    report["prometheus"] = [prometheus(t) for t in mgr.secondary_tiers]
     report["job_s"] = [
         {k: sum(v) for k, v in t._stats.latency.items()} for t in mgr.secondary_tiers if hasattr(t, "_stats")
     ]

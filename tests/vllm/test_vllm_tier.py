@@ -220,3 +220,17 @@ def test_an_engine_of_two_workers_shares_rows_holding_both_ranks(serve: Serve) -
     assert a["row_bytes"] >= 2 * CHUNK_BYTES, a  # each row holds both workers' parts
     loaded_all(engine({"mode": "load", "tiers": tiers, "world": 2}))
     missed_all(engine({"mode": "load", "tiers": tiers, "world": 1}))  # another parallel layout
+
+
+def test_events_and_metrics_report_stored_and_evicted_chunks(tmp_path: Path) -> None:
+    sock = private_dir(tmp_path) / "kv.sock"
+    with Serve(sock, "--max-host-bytes", str(20 * CHUNK_BYTES)):  # the second store evicts the first's
+        tiers = tier(socket=str(sock), enable_kv_events=True, locality="LOCAL")
+        phases = [{"mode": "store", "seed": 1}, {"mode": "store", "seed": 2, "hold_s": 2.5}]
+        report = engine({"tiers": tiers, "events": True, "phases": phases})
+    assert report["events"]["stored"] == 2 * CHUNKS, (report["events"], report["last_error"])
+    assert report["events"]["removed"] >= CHUNKS - 4, report["events"]  # from the server's removal log
+    metrics = report["prometheus"][0]
+    assert metrics["lmcache_platform_tier_stored_chunks"] == 2 * CHUNKS, metrics
+    assert metrics["lmcache_platform_tier_stored_bytes"] == 2 * CHUNKS * report["row_bytes"], metrics
+    assert metrics["lmcache_platform_tier_job_seconds"] > 0, metrics

@@ -18,6 +18,7 @@ failed job or a miss.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -156,6 +157,26 @@ class ServerRows:
             except TierUnavailable as exc:  # the jobs will try again, paced
                 logger.info("lmcache-platform tier: server %s not reachable yet: %s", self.socket_path, exc)
                 return
+
+    def watch_removals(self, period_s: float = 1.0) -> collections.deque[bytes]:
+        """Keys the server evicts from its memory, appended by a thread reading its removal log."""
+        removed: collections.deque[bytes] = collections.deque()
+        lane = _Lane(self, register=False, deadline_ms=self._lanes["lookup"].deadline_ms)
+
+        def poll() -> None:
+            cursor = 0
+            while not self.closed:
+                try:
+                    res = lane.call(lambda c, _, since=cursor: c.removals([self.namespace], since))
+                    removed.extend(key for _, key in res.removed)
+                    cursor = res.cursor
+                except TierUnavailable:  # a new server starts its log afresh
+                    cursor = 0
+                time.sleep(period_s)
+            lane.drop()
+
+        threading.Thread(target=poll, name="lmcache-tier-removals", daemon=True).start()
+        return removed
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the server holds (its memory, then its tiers): leading runs, one call each."""

@@ -30,6 +30,7 @@ failed jobs and misses, never an exception into vLLM; the tier dials again by it
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -162,6 +163,9 @@ class LMCachePlatformTier(SecondaryTierManager):  # type: ignore[misc]
         self._events: list[OffloadingEvent] | None = (
             [] if config.get("enable_kv_events") and events_on else None
         )
+        self._removed: collections.deque[bytes] | None = None
+        if self._events is not None and isinstance(self._backend, ServerRows):
+            self._removed = self._backend.watch_removals()
         self._jobs = Runner(self._run, row_bytes, self._stats)
         self._keys: dict[int, list[OffloadKey]] = {}
         self._lookups = _Lookups(self, tier_type)
@@ -225,9 +229,16 @@ class LMCachePlatformTier(SecondaryTierManager):  # type: ignore[misc]
         return self._jobs.pending()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if not self._events:
+        """Chunks stored since the last call and, through a server, those it evicted."""
+        if self._events is None:
             return ()
         events, self._events = self._events, []
+        removed = self._removed
+        if removed:
+            keys = [OffloadKey(removed.popleft()) for _ in range(len(removed))]
+            events.append(
+                OffloadingEvent(keys=keys, medium=self.medium, removed=True, locality=self.locality)
+            )
         return events
 
     def on_request_finished(self, req_context: ReqContext) -> None:
