@@ -95,8 +95,9 @@ def main() -> None:
         time.sleep(args.settle_s)  # --host-memory eager maps the server's memory in the background
         (work / "store").mkdir()
         (work / "fs").mkdir()
-        tiers = {
+        tiers: dict[str, dict[str, Any]] = {
             "LMCachePlatformTier via serve": {"socket": str(sock)},
+            "  the same, 1 request at a time": {"socket": str(sock), "parallel_requests": 1},
             "LMCachePlatformTier file://": {"remote": f"file://{work / 'store'}"},
         }
         rows = []

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .. import KVFormat, LayoutHints
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 #: Keys per server request (a request's frame stays small; the server copies a batch at a time).
 _BATCH = 256
+#: Fewest chunks in a part of a job split over lanes (smaller jobs take one lane).
+_MIN_PART = 16
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.25, 5.0
 
 
@@ -133,19 +136,29 @@ class ServerRows:
     medium = "CPU"
 
     def __init__(
-        self, socket_path: str, rows: Rows, namespace: bytes, *, lookup_ms: float, transfer_ms: float
+        self,
+        socket_path: str,
+        rows: Rows,
+        namespace: bytes,
+        *,
+        lookup_ms: float,
+        transfer_ms: float,
+        parallel: int = 2,
     ) -> None:
         self.socket_path = socket_path
         self.rows = rows
         self.namespace = namespace
         self.pacer = _Pacer()
         self.closed = False
-        self._lanes = {
-            # registered too: a server knows a namespace's name in its own tiers only from a context
-            "lookup": _Lane(self, register=True, deadline_ms=lookup_ms),
-            "load": _Lane(self, register=True, deadline_ms=transfer_ms),
-            "store": _Lane(self, register=True, deadline_ms=transfer_ms),
-        }
+        self.parallel = max(1, parallel)
+        # Every lane is registered: the server knows a namespace's name in its own tiers only from
+        # a context, and each context copies beside the others (the server's transfers run in
+        # parallel per context), so a large job is split over ``parallel`` lanes.
+        self._lanes = {"lookup": _Lane(self, register=True, deadline_ms=lookup_ms)}
+        for kind in ("load", "store"):
+            for i in range(self.parallel):
+                self._lanes[f"{kind}{i}"] = _Lane(self, register=True, deadline_ms=transfer_ms)
+        self._pool = ThreadPoolExecutor(2 * self.parallel, thread_name_prefix="lmcache-tier-part")
         # Connect and register now, beside vLLM's start-up, so the first job pays for neither
         # (the server maps the region's pages ahead of the first copies).
         threading.Thread(target=self._warm, name="lmcache-tier-connect", daemon=True).start()
@@ -162,6 +175,7 @@ class ServerRows:
         """Keys the server evicts from its memory, appended by a thread reading its removal log."""
         removed: collections.deque[bytes] = collections.deque()
         lane = _Lane(self, register=False, deadline_ms=self._lanes["lookup"].deadline_ms)
+        self._lanes["removals"] = lane  # closed with the others
 
         def poll() -> None:
             cursor = 0
@@ -173,7 +187,6 @@ class ServerRows:
                 except TierUnavailable:  # a new server starts its log afresh
                     cursor = 0
                 time.sleep(period_s)
-            lane.drop()
 
         threading.Thread(target=poll, name="lmcache-tier-removals", daemon=True).start()
         return removed
@@ -184,21 +197,59 @@ class ServerRows:
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int]) -> None:
         """The rows copied into the server under ``keys``; raises unless every key is held after."""
-        lane = self._lanes["store"]
-        for at in range(0, len(keys), _BATCH):
-            chunks = [(k, [[r]]) for k, r in zip(keys[at : at + _BATCH], rows[at : at + _BATCH], strict=True)]
-            res = lane.call(lambda c, ctx, chunks=chunks: c.put(ctx, chunks))
-            if res.stored + res.present < len(chunks):
-                raise TierUnavailable(
-                    f"the server kept {res.stored + res.present} of {len(chunks)} chunks (full)"
-                )
+        for kept, asked in self._parts("store", keys, rows, self._put):
+            if kept < asked:
+                raise TierUnavailable(f"the server kept {kept} of {asked} chunks (full, or a part failed)")
 
     def load(self, keys: Sequence[bytes], rows: Sequence[int]) -> int:
         """How many leading keys the server wrote into their rows."""
-        lane, done = self._lanes["load"], 0
+        done = 0
+        for got, asked in self._parts("load", keys, rows, self._get):
+            done += got
+            if got < asked:
+                break
+        return done
+
+    def _parts(
+        self, kind: str, keys: Sequence[bytes], rows: Sequence[int], move: Any
+    ) -> list[tuple[int, int]]:
+        """``move(lane, keys, rows)`` over contiguous parts, a lane each, at once; ``(done, asked)`` each.
+
+        A part that raised counts as none done; the first error is raised only if every part failed.
+        """
+        n = len(keys)
+        count = max(1, min(self.parallel, n // _MIN_PART))
+        bounds = [(n * i // count, n * (i + 1) // count) for i in range(count)]
+        futures = [
+            self._pool.submit(move, self._lanes[f"{kind}{i}"], keys[lo:hi], rows[lo:hi])
+            for i, (lo, hi) in enumerate(bounds)
+        ]
+        out, errors = [], []
+        for (lo, hi), future in zip(bounds, futures, strict=True):
+            try:
+                out.append((int(future.result()), hi - lo))
+            except TierUnavailable as exc:
+                errors.append(exc)
+                out.append((0, hi - lo))
+        if len(errors) == count:
+            raise errors[0]
+        return out
+
+    def _put(self, lane: _Lane, keys: Sequence[bytes], rows: Sequence[int]) -> int:
+        kept = 0
         for at in range(0, len(keys), _BATCH):
             chunks = [(k, [[r]]) for k, r in zip(keys[at : at + _BATCH], rows[at : at + _BATCH], strict=True)]
-            got = lane.call(lambda c, ctx, chunks=chunks: c.get(ctx, chunks)).retrieved
+            res = lane.call(lambda c, ctx, chunks=chunks: c.put(ctx, chunks))
+            kept += res.stored + res.present
+            if res.stored + res.present < len(chunks):
+                break
+        return kept
+
+    def _get(self, lane: _Lane, keys: Sequence[bytes], rows: Sequence[int]) -> int:
+        done = 0
+        for at in range(0, len(keys), _BATCH):
+            chunks = [(k, [[r]]) for k, r in zip(keys[at : at + _BATCH], rows[at : at + _BATCH], strict=True)]
+            got = int(lane.call(lambda c, ctx, chunks=chunks: c.get(ctx, chunks)).retrieved)
             done += got
             if got < len(chunks):
                 break
@@ -206,6 +257,7 @@ class ServerRows:
 
     def close(self) -> None:
         self.closed = True
+        self._pool.shutdown(wait=True)
         for lane in self._lanes.values():
             lane.drop()
 

@@ -71,6 +71,7 @@ _REMOTE_OPTIONS = (
 _KEYS = frozenset(
     {
         "socket",
+        "parallel_requests",
         "remote",
         "lookup_timeout_ms",
         "transfer_timeout_ms",
@@ -148,6 +149,7 @@ class LMCachePlatformTier(SecondaryTierManager):  # type: ignore[misc]
             self._backend = ServerRows(
                 str(config["socket"]), find_rows(primary_kv_view), self.namespace,
                 lookup_ms=lookup_ms, transfer_ms=transfer_ms,
+                parallel=int(config.get("parallel_requests", 2)),
             )  # fmt: skip
             self.medium = Medium.CPU
             self.cache_hit_source = CacheHitSource.HOST
