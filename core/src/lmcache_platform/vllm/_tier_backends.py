@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -256,10 +257,13 @@ class ServerRows:
         return done
 
     def close(self) -> None:
+        """Wait for the parts under way, drop every connection, close our descriptor of the region."""
         self.closed = True
         self._pool.shutdown(wait=True)
         for lane in self._lanes.values():
-            lane.drop()
+            with lane.lock:
+                lane.drop()
+        os.close(self.rows.fd)
 
 
 class StoreRows:
