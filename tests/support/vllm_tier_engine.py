@@ -14,7 +14,7 @@ Spec keys: ``engine_id``, ``model``, ``chunks``, ``chunk_bytes`` (per worker), `
 (workers, 1), ``agnostic``, ``tiers`` (vLLM's ``secondary_tiers``), ``timeout_s`` (60),
 and ``phases``, each run in turn in this one process (or the spec itself as the only
 phase): ``mode`` (store | load | both), ``seed``, ``wait_file`` (wait, stepping, until it
-exists), ``ready_file`` (written once the store phase settled), ``hold_s`` (keep stepping
+exists), ``settle_s`` (then keep stepping that long), ``ready_file`` (written once the store phase settled), ``hold_s`` (keep stepping
 that long after a store: a fault injected meanwhile lands mid-jobs), ``drain`` (call
 ``drain_jobs`` with the cascade in flight). The test judges the printed report.
 """
@@ -219,6 +219,8 @@ def main() -> None:
             while not os.path.exists(phase["wait_file"]) and time.monotonic() < deadline:
                 mgr.on_schedule_end(STEP)
                 time.sleep(0.01)
+        if phase.get("settle_s"):
+            step_until(mgr, lambda: False, float(phase["settle_s"]))
         hashes = [
             chunk_hash(int(phase.get("seed", spec.get("seed", 0))), i) for i in range(int(spec["chunks"]))
         ]

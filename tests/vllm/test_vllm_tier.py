@@ -168,7 +168,8 @@ def test_a_server_killed_or_stopped_fails_jobs_without_blocking_and_the_tier_rec
             "phases": [
                 {"mode": "store", "seed": 1, "ready_file": str(flags["stored"])},
                 {"mode": "store", "seed": 2, "wait_file": str(flags["faulted"]), "ready_file": str(flags["hurt"])},
-                {"mode": "store", "seed": 3, "wait_file": str(flags["back"]), "timeout_s": 90},
+                # a failed server is dialed again after at most 5 s (the pause doubles up to that)
+                {"mode": "store", "seed": 3, "wait_file": str(flags["back"]), "settle_s": 6, "timeout_s": 90},
             ],
         })  # fmt: skip
         wait_for(flags["stored"], a)

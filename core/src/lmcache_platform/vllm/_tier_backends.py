@@ -19,6 +19,7 @@ failed job or a miss.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -216,7 +217,8 @@ class ServerRows:
     ) -> list[tuple[int, int]]:
         """``move(lane, keys, rows)`` over contiguous parts, a lane each, at once; ``(done, asked)`` each.
 
-        A part that raised counts as none done; the first error is raised only if every part failed.
+        A part that raised counts as none done (after one more try if another part got through);
+        the first error is raised only if every part failed.
         """
         n = len(keys)
         count = max(1, min(self.parallel, n // _MIN_PART))
@@ -225,15 +227,20 @@ class ServerRows:
             self._pool.submit(move, self._lanes[f"{kind}{i}"], keys[lo:hi], rows[lo:hi])
             for i, (lo, hi) in enumerate(bounds)
         ]
-        out, errors = [], []
-        for (lo, hi), future in zip(bounds, futures, strict=True):
+        out: list[tuple[int, int]] = []
+        failed: dict[int, TierUnavailable] = {}
+        for i, ((lo, hi), future) in enumerate(zip(bounds, futures, strict=True)):
             try:
                 out.append((int(future.result()), hi - lo))
             except TierUnavailable as exc:
-                errors.append(exc)
+                failed[i] = exc
                 out.append((0, hi - lo))
-        if len(errors) == count:
-            raise errors[0]
+        if len(failed) == count:
+            raise failed[0]
+        for i in failed:  # refused by the pause while another part found the server back: once more
+            lo, hi = bounds[i]
+            with contextlib.suppress(TierUnavailable):  # else this part fails; the others' count stands
+                out[i] = (int(move(self._lanes[f"{kind}{i}"], keys[lo:hi], rows[lo:hi])), hi - lo)
         return out
 
     def _put(self, lane: _Lane, keys: Sequence[bytes], rows: Sequence[int]) -> int:
