@@ -97,7 +97,7 @@ def main() -> None:
         (work / "fs").mkdir()
         tiers: dict[str, dict[str, Any]] = {
             "LMCachePlatformTier via serve": {"socket": str(sock)},
-            "  the same, 1 request at a time": {"socket": str(sock), "parallel_requests": 1},
+            "  the same, parallel_requests 2": {"socket": str(sock), "parallel_requests": 2},
             "LMCachePlatformTier file://": {"remote": f"file://{work / 'store'}"},
         }
         rows = []

@@ -207,12 +207,15 @@ def wait_for(flag: Path, proc: subprocess.Popen[str], timeout: float = 120) -> N
 
 
 def test_drain_waits_for_the_jobs_in_flight(serve: Serve) -> None:
-    report = engine({"tiers": tier(socket=str(serve.socket_path)), "chunks": 64,
+    tiers = tier(socket=str(serve.socket_path), parallel_requests=2)  # each job split over two connections
+    report = engine({"tiers": tiers, "chunks": 64,
                      "phases": [{"mode": "store", "drain": True}]})  # fmt: skip
     p = phase(report)
     assert p["in_flight_before_drain"] >= 1, p  # submitted, not yet done
     assert p["in_flight_after_drain"] == 0 and p["finished_after_drain"] >= 1, p
     assert report["stats"][0]["store_chunks"] == 64
+    b = phase(engine({"tiers": tiers, "chunks": 64, "phases": [{"mode": "load"}]}))  # split loads too
+    assert (b["identical"], b["wrong"]) == (64, 0), b
 
 
 def test_an_engine_of_two_workers_shares_rows_holding_both_ranks(serve: Serve) -> None:

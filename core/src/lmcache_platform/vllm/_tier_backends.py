@@ -145,7 +145,7 @@ class ServerRows:
         *,
         lookup_ms: float,
         transfer_ms: float,
-        parallel: int = 2,
+        parallel: int = 1,
     ) -> None:
         self.socket_path = socket_path
         self.rows = rows

@@ -149,7 +149,7 @@ class LMCachePlatformTier(SecondaryTierManager):  # type: ignore[misc]
             self._backend = ServerRows(
                 str(config["socket"]), find_rows(primary_kv_view), self.namespace,
                 lookup_ms=lookup_ms, transfer_ms=transfer_ms,
-                parallel=int(config.get("parallel_requests", 2)),
+                parallel=int(config.get("parallel_requests", 1)),
             )  # fmt: skip
             self.medium = Medium.CPU
             self.cache_hit_source = CacheHitSource.HOST
