@@ -119,7 +119,7 @@ class LMCachePlatformTier(SecondaryTierManager):  # type: ignore[misc]
     #: The server's memory (``socket``); an instance straight to a store says ``STORAGE``/``DISK``.
     medium = Medium.CPU
     cache_hit_source = CacheHitSource.HOST
-    #: vLLM 0.34: our lookups, jobs and results are thread-safe, so polling off the scheduler thread is fine.
+    #: vLLM 0.33+: our lookups, jobs and results are thread-safe, so polling off the scheduler thread is fine.
     tolerates_off_thread_polling: ClassVar[bool] = True
 
     def __init__(
