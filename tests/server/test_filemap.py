@@ -78,3 +78,17 @@ def test_a_view_past_the_file_and_wrap_without_an_fd_are_refused(region: tuple[i
         FileMapIPCWrapper.describe(rows, device_uuid="cpu", map_fd=fd, map_nbytes=ROW)
     with pytest.raises(DescriptorError, match="by its fd"):
         FileMapIPCWrapper.wrap(rows)
+
+
+def test_a_row_outside_the_file_is_refused_before_anything_moves(region: tuple[int, torch.Tensor]) -> None:
+    fd, rows = region
+    server = InProcess(max_host_bytes=1 << 22)
+    try:
+        with server.client() as c:
+            ctx = register(c, FileMapIPCWrapper.over(rows, fd))
+            with pytest.raises(ServerError, match="out of range"):
+                c.put(ctx, [(b"k0", [[0]]), (b"k1", [[ROWS]])])
+            assert c.lookup(cache_namespace(model="filemap", kv_layout="rows", dtype="uint8", block_size=1,
+                                            chunk_size=1), [b"k0"]) == 0  # fmt: skip
+    finally:
+        server.close()
