@@ -12,6 +12,7 @@ import torch
 import lmcache_platform
 from lmcache_platform import Availability, DescriptorError, EngineGroupInfo, EnvironmentValueError
 from lmcache_platform._plugins.registry import selected_backend, wire_classes_for
+from lmcache_platform.hostmem import FileMapIPCWrapper
 from lmcache_platform_cpu import CPUCacheContext, CpuMemfdIPCWrapper, CpuShmIPCWrapper, _plugin, _shm
 
 
@@ -30,7 +31,11 @@ def test_hooks_serve_cpu_and_decline_other_device_types(monkeypatch: pytest.Monk
     assert _plugin.lmcache_platform_api_version() == lmcache_platform.API_VERSION
     assert _plugin.lmcache_platform_cache_context_class("cpu") is CPUCacheContext
     assert _plugin.lmcache_platform_ipc_wrapper_class("cpu") is CpuMemfdIPCWrapper  # the default
-    assert _plugin.lmcache_platform_wire_classes("cpu") == (CpuMemfdIPCWrapper, CpuShmIPCWrapper)
+    assert _plugin.lmcache_platform_wire_classes("cpu") == (
+        CpuMemfdIPCWrapper,
+        CpuShmIPCWrapper,
+        FileMapIPCWrapper,
+    )
     for other in ("cuda", "xpu", "meta"):
         assert _plugin.lmcache_platform_cache_context_class(other) is None
         assert _plugin.lmcache_platform_ipc_wrapper_class(other) is None
@@ -49,7 +54,11 @@ def test_hooks_serve_cpu_and_decline_other_device_types(monkeypatch: pytest.Monk
 def test_installed_entry_point_is_selected_for_cpu() -> None:
     info = selected_backend("cpu")
     assert (info.name, info.distribution) == ("cpu", "lmcache-platform-cpu")
-    assert wire_classes_for("cpu") == {"cpu.memfd/1": CpuMemfdIPCWrapper, "cpu.shm/1": CpuShmIPCWrapper}
+    assert wire_classes_for("cpu") == {
+        "cpu.memfd/1": CpuMemfdIPCWrapper,
+        "cpu.shm/1": CpuShmIPCWrapper,
+        "cpu.filemap/1": FileMapIPCWrapper,
+    }
     assert lmcache_platform.get_kv_wrapper_factory("cpu") == CpuMemfdIPCWrapper.wrap
 
 

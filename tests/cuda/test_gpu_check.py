@@ -83,6 +83,14 @@ def test_reports_and_figures_go_into_the_summary(tmp_path: Path) -> None:
     assert rc == 0 and "result: PASS" in text
 
 
+def test_a_step_whose_subject_is_not_installed_is_skipped_not_failed(tmp_path: Path) -> None:
+    (tmp_path / "vllm-tier.log").write_text("no vLLM with CUDA and native tiering here\n")
+    text, rc = summary(tmp_path, 20, 300, "final", [("vllm-tier", "absent")])
+    assert rc == 0 and "vllm-tier: skipped: not installed on this host (see its log)" in text
+    text, rc = summary(tmp_path, 20, 300, "final", [("vllm-tier", "1")])
+    assert rc == 1 and "vllm-tier: FAILED, rc=1" in text
+
+
 def test_a_summary_between_steps_says_the_run_is_incomplete(tmp_path: Path) -> None:
     text, rc = summary(tmp_path, 50, 300, "serve-vmm", [("serve-vmm", "0"), ("gpu-tests", "pending")])
     assert rc == 1 and "gpu-tests: not run yet" in text

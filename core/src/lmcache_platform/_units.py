@@ -53,3 +53,19 @@ def parse_bytes(text: str) -> int:
             "123, 64K, 512MiB, 8G, 2T)"
         )
     return int(m.group(1)) << _SHIFT[(m.group(2) or "").lower()]
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d)?\s*$")
+_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """``"24h"`` -> seconds: a positive number with ``ms``, ``s`` (default), ``m``, ``h`` or ``d``.
+
+    Raises ``ValueError`` naming the text for anything else.
+    """
+    match = _DURATION.match(text)
+    seconds = float(match.group(1)) * _SECONDS[match.group(2) or "s"] if match else 0.0
+    if seconds <= 0:
+        raise ValueError(f"not a positive duration: {text!r} (use e.g. 90s, 30m, 24h or 7d)")
+    return seconds

@@ -54,12 +54,17 @@ def lmcache_platform_ipc_wrapper_class(device_type: str) -> type[DeviceIPCWrappe
 
 @hookimpl
 def lmcache_platform_wire_classes(device_type: str) -> Sequence[type[DeviceIPCWrapper]] | None:
-    """Both kinds, whatever this process exports: the receiver must accept either."""
+    """Both kinds, whatever this process exports: the receiver must accept either.
+
+    Also core's file mappings shared by fd (vLLM's native offloading region).
+    """
     if device_type != DEVICE_TYPE:
         return None
+    from lmcache_platform.hostmem import FileMapIPCWrapper
+
     from ._wrapper import CpuMemfdIPCWrapper, CpuShmIPCWrapper
 
-    return (CpuMemfdIPCWrapper, CpuShmIPCWrapper)
+    return (CpuMemfdIPCWrapper, CpuShmIPCWrapper, FileMapIPCWrapper)
 
 
 @hookimpl

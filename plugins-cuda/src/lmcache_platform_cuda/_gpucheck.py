@@ -8,8 +8,9 @@ block per step, in the script's order, from what the step left in ``OUT``:
 * ``STEP.report.txt``, a report the step formatted for people (printed whole);
 * ``STEP.log``: the lines holding figures (``GB/s``, ``path (``), as GPU tests print them.
 
-``RC`` is the step's exit status, ``pending`` (not reached yet), ``skip`` (no time left) or
-``off`` (not among ``GPU_CHECK_STEPS``).
+``RC`` is the step's exit status, ``pending`` (not reached yet), ``skip`` (no time left),
+``off`` (not among ``GPU_CHECK_STEPS``) or ``absent`` (what it checks is not installed on
+this host, as its log says: not a failure).
 ``STAGE`` is ``final`` at the end, else the step that just ran (the summary then says the
 run is incomplete, in case it is killed before its end). The exit status is 0 when every
 step ran and passed (a pytest step that left no readable report did not), else 1.
@@ -78,6 +79,8 @@ def state(rc: str) -> str | None:
         return "not asked (GPU_CHECK_STEPS)"
     if rc == "skip":
         return "skipped: budget"
+    if rc == "absent":
+        return "skipped: not installed on this host (see its log)"
     if rc == "pending":
         return "not run yet"
     if rc in ("124", "137"):
@@ -101,7 +104,7 @@ def step_block(out: Path, name: str, rc: str) -> tuple[list[str], bool]:
         passed = False
         head = f"{name}: {note or junit} (rc={rc})"
     else:
-        passed = rc in ("0", "off")
+        passed = rc in ("0", "off", "absent")
         head = f"{name}: {note or ('passed' if passed else f'FAILED, rc={rc}')}"
     lines = [head]
     if isinstance(junit, Junit):

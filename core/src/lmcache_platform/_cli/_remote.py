@@ -10,18 +10,16 @@ not wait on the network: a store that is down at start is probed in the backgrou
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .. import _units
 from ._args import positive_int as _positive
 
 if TYPE_CHECKING:
     from ..remote._chain import RemoteChain
     from ..remote._tier import RemoteTier
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d)?\s*$")
-_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 #: The flags that mean nothing without ``--remote``, as argparse names them.
 _DEPENDENT = (
     "remote_prefix",
@@ -40,12 +38,11 @@ _DEPENDENT = (
 
 
 def parse_duration(text: str) -> float:
-    """``"24h"`` -> seconds: a positive number with ``ms``, ``s`` (default), ``m``, ``h`` or ``d``."""
-    match = _DURATION.match(text)
-    seconds = float(match.group(1)) * _SECONDS[match.group(2) or "s"] if match else 0.0
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive duration: {text!r} (use e.g. 90s, 30m, 24h or 7d)")
-    return seconds
+    """:func:`lmcache_platform._units.parse_duration` for argparse (its message as the error)."""
+    try:
+        return _units.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_access_arguments(group: argparse._ArgumentGroup) -> None:
@@ -133,7 +130,7 @@ def open_tier(args: argparse.Namespace) -> RemoteTier | RemoteChain | None:
     :class:`~lmcache_platform.remote.RemoteStoreLoadError` (the store's plugin is broken).
     """
     from ..remote import RemoteConfigError, RemoteOptions
-    from ..remote._tier import DEFAULT_CALL_TIMEOUT_S, DEFAULT_QUEUE_BYTES, RemoteTier
+    from ..remote._chain import open_chain
 
     if not args.remote:
         given = [name for name in _DEPENDENT if getattr(args, name, None) is not None]
@@ -158,29 +155,12 @@ def open_tier(args: argparse.Namespace) -> RemoteTier | RemoteChain | None:
         settings=settings,
     )
     timeout_ms = args.remote_timeout_ms
-    urls = list(args.remote)
-    if len(set(urls)) != len(urls):
-        raise RemoteConfigError("--remote: the same URL is given twice")
-    tiers: list[RemoteTier] = []
-    try:
-        for url in urls:
-            tiers.append(
-                RemoteTier.open(
-                    url,
-                    options,
-                    key_file=args.remote_key_file,
-                    prefix=args.remote_prefix or "lmcache",
-                    ttl_s=args.remote_ttl,
-                    queue_bytes=args.remote_queue_bytes or DEFAULT_QUEUE_BYTES,
-                    call_timeout_s=timeout_ms / 1e3 if timeout_ms else DEFAULT_CALL_TIMEOUT_S,
-                )
-            )
-    except BaseException:
-        for tier in tiers:
-            tier.close(0.1)
-        raise
-    if len(tiers) == 1:
-        return tiers[0]
-    from ..remote._chain import RemoteChain
-
-    return RemoteChain(tiers)
+    return open_chain(
+        list(args.remote),
+        options,
+        key_file=args.remote_key_file,
+        prefix=args.remote_prefix,
+        ttl_s=args.remote_ttl,
+        queue_bytes=args.remote_queue_bytes,
+        call_timeout_s=timeout_ms / 1e3 if timeout_ms else None,
+    )

@@ -57,6 +57,7 @@ from .._headroom import CGROUP_ROOT as CGROUP_ROOT  # constants: importable, not
 from .._headroom import Headroom, memory_headroom
 from .._libc import PopulateUnsupported
 from ._context import HostMemoryCacheContext
+from ._filemap import FileMapIPCWrapper
 from ._names import SegmentNames, find_stale, pid_namespace, producer_alive
 from ._store import STORE_MEMBERS as STORE_MEMBERS
 from ._store import Handle, HostMemoryStore, InPlaceStore, SideBySideStore
@@ -64,6 +65,7 @@ from ._wrapper import HOST_UUID as HOST_UUID
 from ._wrapper import HostMemoryIPCWrapper
 
 __all__ = [
+    "FileMapIPCWrapper",
     "Handle",
     "Headroom",
     "HostMemoryCacheContext",

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._kv.context import BaseCacheContext
 from .._libc import populate
+from ._filemap import FileMapIPCWrapper
 from ._wrapper import HostMemoryIPCWrapper
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class HostMemoryCacheContext(BaseCacheContext):
     def verify_memory(self) -> None:
         """Raise ``DescriptorError`` if any wrapper's memory shrank since it was mapped."""
         for wrapper in self.kv_caches:
-            if isinstance(wrapper, HostMemoryIPCWrapper):
+            if isinstance(wrapper, (HostMemoryIPCWrapper, FileMapIPCWrapper)):
                 wrapper.verify()
 
     def prefault_memory(self) -> int:

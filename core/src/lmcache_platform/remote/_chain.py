@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from ._entry import Decoded, TensorSpec
+    from ._store import RemoteOptions
     from ._tier import RemoteTier
 
 
@@ -120,3 +121,51 @@ class RemoteChain:
         end = time.monotonic() + timeout
         for tier in self.tiers:
             tier.close(max(end - time.monotonic(), 0.1))
+
+
+def open_chain(
+    urls: Sequence[str],
+    options: RemoteOptions | None = None,
+    *,
+    key_file: str | None = None,
+    prefix: str | None = None,
+    ttl_s: float | None = None,
+    queue_bytes: int | None = None,
+    call_timeout_s: float | None = None,
+) -> RemoteTier | RemoteChain:
+    """The tier at ``urls[0]``, or a chain nearest first for several, every one with the same
+    key, prefix and bounds (so a chunk moves between them unchanged).
+
+    What ``serve --remote URL ...`` opens, and a vLLM tier's ``"remote"`` key: one place for
+    both. Nothing waits on the network (a store that is down is probed in the background);
+    a tier opened before a later one fails is closed again. Raises
+    :class:`~lmcache_platform.remote.RemoteConfigError` (a URL given twice, an unknown
+    scheme, an unreadable secret) or
+    :class:`~lmcache_platform.remote.RemoteStoreLoadError` (the store's plugin is broken).
+    """
+    from ._errors import RemoteConfigError
+    from ._tier import DEFAULT_CALL_TIMEOUT_S, DEFAULT_QUEUE_BYTES, RemoteTier
+
+    if not urls:
+        raise RemoteConfigError("no remote URL given")
+    if len(set(urls)) != len(urls):
+        raise RemoteConfigError("--remote: the same URL is given twice")
+    tiers: list[RemoteTier] = []
+    try:
+        for url in urls:
+            tiers.append(
+                RemoteTier.open(
+                    url,
+                    options,
+                    key_file=key_file,
+                    prefix=prefix or "lmcache",
+                    ttl_s=ttl_s,
+                    queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES,
+                    call_timeout_s=call_timeout_s or DEFAULT_CALL_TIMEOUT_S,
+                )
+            )
+    except BaseException:
+        for tier in tiers:
+            tier.close(0.1)
+        raise
+    return tiers[0] if len(tiers) == 1 else RemoteChain(tiers)
