@@ -10,8 +10,9 @@ into used memory). Three measures:
   (``MADV_POPULATE_WRITE``) off the request path, one call per slab without the GIL. Slabs do not
   depend on any chunk size, so a server starts preparing when it starts, before any
   engine registers (``serve --host-memory eager``, the default: its whole
-  ``--max-host-bytes``; ``ahead``: 256 MiB of ready memory ahead of use), and stops
-  short of the host's memory headroom.
+  ``--max-host-bytes``; ``ahead``: 256 MiB of ready memory ahead of use, from the first
+  registration, so a server no engine uses holds none), and stops short of the host's
+  memory headroom.
 * **Chunks carved from slabs, reused once unused.** :meth:`HostBufferPool.take` hands
   out a free buffer of the size asked: an idle one of that size first (a chunk evicted,
   a context's chunks dropped), else one carved from a slab's free space, else the free

@@ -217,8 +217,10 @@ class ReferenceServer:
         self._listening_ns = time.monotonic_ns()
         from .._kv.hostalloc import POOL
 
-        # From the start, in the background: the engines' first stores find memory ready.
-        POOL.prepare(limit=self.max_host_bytes, eager=self.host_memory == "eager")
+        # eager: from the start, in the background, so the engines' first stores find memory
+        # ready; ahead: from the first registration (a server no engine uses holds nothing).
+        if self.host_memory == "eager":
+            POOL.prepare(limit=self.max_host_bytes, eager=True)
         log_event(
             logging.INFO,
             "listening",
