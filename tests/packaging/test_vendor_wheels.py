@@ -73,8 +73,7 @@ def test_installing_a_variant_keeps_the_primary_until_the_variant_is_chosen(
     assert (cpu["selected"], cpu["selected_by"], cpu["ambiguous"]) == ("cpu", "primary", False)
     assert "to use cpu.file instead, set LMCACHE_PLATFORM_BACKEND=cpu.file" in cpu["why"]
     assert (
-        "INFO lmcache_platform.plugins: lmcache-platform: device type 'cpu' uses backend 'cpu'"
-        in proc.stderr
+        "INFO lmcache_platform.plugins: lmcache-platform: device type 'cpu' uses backend 'cpu'" in proc.stderr
     )
     by_name = {b["name"]: b for b in json.loads(proc.stdout)["backends"]}
     assert by_name["cpu.file"]["status"] == "ok" and not by_name["cpu.file"]["selected"]
