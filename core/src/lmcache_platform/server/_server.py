@@ -387,15 +387,14 @@ class ReferenceServer:
         except DeviceFailedError as exc:  # nothing can move any more: answer, then stop
             self._device_failed(req, conn, exc)
             return _messages.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
-        except (LMCachePlatformError, ValueError) as exc:  # the request's fault
+        except Exception as exc:  # the request's fault, else a bug or a backend failure: keep serving
+            ours = isinstance(exc, (LMCachePlatformError, ValueError))
+            if not ours:
+                logger.exception("%s request %d failed", req.op, req.request_id)
             self._refused(conn, req.op, req.request_id, exc)
             self._count(None, error=True, refused=req.op)
-            return _messages.encode_error(req.request_id, type(exc).__name__, str(exc))
-        except Exception as exc:  # a bug or a backend failure: report it, keep serving
-            logger.exception("%s request %d failed", req.op, req.request_id)
-            self._refused(conn, req.op, req.request_id, exc)
-            self._count(None, error=True, refused=req.op)
-            return _messages.encode_error(req.request_id, type(exc).__name__, f"{req.op} failed: {exc}")
+            message = str(exc) if ours else f"{req.op} failed: {exc}"
+            return _messages.encode_error(req.request_id, type(exc).__name__, message)
         finally:
             _frames.close_fds(fds)  # what register did not take
         return _messages.encode_reply(req.request_id, req.encode_result(result))
