@@ -218,19 +218,22 @@ def test_a_restarted_serve_serves_what_the_previous_one_stored_on_disk(tmp_path:
 def test_a_clean_stop_flushes_the_queue_within_its_bound_and_says_what_it_dropped(tmp_path: Path) -> None:
     # A Valkey that never answers: nothing queued can be written, so the stop drops it all.
     valkey = ValkeyNode(tmp_path / "valkey").start()
-    srv = serve(tmp_path, "flush", valkey.url, flags=("--remote-flush-timeout", "1s"))
-    node = Node(srv)
     try:
-        assert until(lambda: node.remote()["state"] == "healthy")
-        valkey.pause()
-        node.put(KEYS[:3])
+        srv = serve(tmp_path, "flush", valkey.url, flags=("--remote-flush-timeout", "1s"))
+        node = Node(srv)
+        try:
+            assert until(lambda: node.remote()["state"] == "healthy")
+            valkey.pause()
+            node.put(KEYS[:3])
+        finally:
+            node.close()
+        started = time.monotonic()
+        rc = srv.stop()
+        took = time.monotonic() - started
     finally:
-        node.close()
-    started = time.monotonic()
-    assert srv.stop() == 0, srv.log()
-    took = time.monotonic() - started
-    valkey.resume()
-    valkey.close()
+        valkey.resume()
+        valkey.close()
+    assert rc == 0, srv.log()
     dropped = [e for e in srv.events() if e["event"] == "remote_dropped"]
     assert took < 15, f"stopping took {took:.1f} s with a 1 s flush bound"
     assert dropped and dropped[0]["chunks"] >= 1, srv.log()[-2000:]

@@ -231,6 +231,8 @@ def test_a_slow_transfer_fails_its_future_but_the_server_stays_healthy(
                 server.socket_path, name="slow", on_connect=Registrar(engine, fresh()), deadline_ms=300
             )
         ) as client:
+            # What the connect cost is not this test's (a loaded host may retry the register).
+            since = len(caplog.records)
             engine.fill(0, seed=4)
             assert client.put(CTX, [(key(0), [engine.blocks(0)])]).result(WAIT_S).stored == 1
             ctx = server._entries[context_of(client)].ctx
@@ -256,7 +258,7 @@ def test_a_slow_transfer_fails_its_future_but_the_server_stays_healthy(
         server.stop()
         serving.join(WAIT_S)
         os.rmdir(directory)
-    text = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    text = [r.getMessage() for r in caplog.records[since:] if r.name == LOGGER]
     assert len([t for t in text if "is slow" in t]) == 1, text
     assert not [t for t in text if "unavailable" in t], text
 

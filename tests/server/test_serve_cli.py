@@ -364,3 +364,11 @@ def test_out_of_fds_the_errors_name_the_limit_and_serve_goes_on(tmp_path: Path) 
             s.close()
         proc.terminate()
         assert proc.wait(60) == 0
+
+
+def test_a_serve_stopped_while_its_memory_is_prepared_exits_cleanly(tmp_path: Path) -> None:
+    # The preparing thread is inside madvise for seconds per GiB here; a stop then must wait
+    # for the slab under way, not leave the thread to the interpreter's end (SIGABRT).
+    srv = Serve(private_dir(tmp_path) / "kv.sock", "--host-memory", "eager", "--max-host-bytes", "4G")
+    srv.wait_ready()
+    assert srv.stop() == 0, srv.log()[-3000:]

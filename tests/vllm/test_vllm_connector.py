@@ -109,6 +109,7 @@ def test_no_server_a_dead_server_and_an_empty_one_never_change_the_output(
     # An empty server, killed (SIGKILL) after the first two prompts: still the same output.
     server = lab.server("empty")
     engine = lab.engine("empty-gqa", connected("gqa", server))
+    wait_contexts(server, 1)  # its workers registered: the first prompt is stored, not passed by
     results = [run(engine, P), run(engine, R)]
     server.kill()
     results.append(run(engine, P))
@@ -130,6 +131,7 @@ def test_a_model_vllm_cannot_resume_passes_through(lab: Lab) -> None:
     lab.retire("mla-plain")
     server = lab.server("mla")
     engine = lab.engine("mla-connected", connected(**cpu_mla, server=server))
+    wait_contexts(server, 1)
     results = [run(engine, P), run(engine, P)]
     log = engine.stderr_tail(10**7)
     lab.retire_server("mla")
@@ -144,10 +146,13 @@ def test_mla_kv_moves_between_engines_where_vllm_resumes_mla(lab: Lab) -> None:
     # output from A's latent KV must equal A's own prefix-cache hit, to the last bit.
     server = lab.server("mla-amx")
     a = lab.engine("mla-amx-a", connected("mla", server))
+    wait_contexts(server, 1)
     a_cold, a_stats = run(a, P)
     a_hit, _ = run(a, P)
     lab.retire("mla-amx-a")
+    wait_contexts(server, 0)
     b = lab.engine("mla-amx-b", connected("mla", server))
+    wait_contexts(server, 1)
     b_p, b_stats = run(b, P)
     lab.retire("mla-amx-b")
     lab.retire_server("mla-amx")

@@ -27,6 +27,7 @@ into used memory). Three measures:
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import collections
 import functools
@@ -157,6 +158,7 @@ class HostBufferPool:
         self._room_retry_at = 0.0
         self._since = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     # -- the request path --------------------------------------------------------------
 
@@ -258,10 +260,7 @@ class HostBufferPool:
             self._largest = max(self._largest, nbytes)
             if self._thread is None:
                 self._since = time.monotonic()
-                self._thread = threading.Thread(
-                    target=self._prepare_loop, name="lmcache-host-arena", daemon=True
-                )
-                self._thread.start()
+                self._start_thread()
             self._wake.notify_all()
 
     def use_device(self, register: Register) -> None:
@@ -280,11 +279,28 @@ class HostBufferPool:
             # (the next device context takes over once it is gone).
             self._register = weakref.WeakMethod(register) if inspect.ismethod(register) else lambda: register
             if self._thread is None:  # no preparing asked for: a thread to register what is mapped
-                self._thread = threading.Thread(
-                    target=self._prepare_loop, name="lmcache-host-arena", daemon=True
-                )
-                self._thread.start()
+                self._start_thread()
             self._wake.notify_all()
+
+    def _start_thread(self) -> None:
+        """The preparing thread, stopped at exit (:meth:`stop`). Lock held."""
+        self._thread = threading.Thread(target=self._prepare_loop, name="lmcache-host-arena", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop preparing and wait for the thread (it ends the slab under way first).
+
+        Run at exit: a daemon thread still inside ``madvise`` when the interpreter finalizes
+        is ended as it comes back for the GIL, which aborts the process (``serve`` stopped
+        while its memory was being prepared exited with SIGABRT). Idempotent.
+        """
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def wait_registered(self, timeout: float) -> bool:
         """Until every slab is registered (or refused); False on timeout. For tests and tools."""
@@ -299,6 +315,8 @@ class HostBufferPool:
         while True:
             with self._lock:
                 while True:
+                    if self._stopping:
+                        return
                     register = self._registrar()
                     slab = self._unregistered() if register is not None else None
                     if slab is not None:
