@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ def run_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     connector = None
     if spec["socket"]:
         connector = {"socket": spec["socket"], "model_id": spec.get("model_id", "bench ttft")}
+        wait_contexts(spec["socket"], lambda n: n == 0)  # the engine before this one has gone
     engine = start_engine(
         {
             "model": "gqa",
@@ -78,6 +79,8 @@ def run_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
         timeout=1800,
     )
     try:
+        if spec["socket"]:  # its workers registered: a request before that neither loads nor stores
+            wait_contexts(spec["socket"], lambda n: n >= 1)
         engine.run({"ids": prompt(99, spec["tokens"])}, max_tokens=1, logprobs=None, timeout=1800)
         out = []
         for ids in spec["prompts"]:
@@ -89,6 +92,20 @@ def run_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
         return out
     finally:
         engine.close()
+
+
+def wait_contexts(socket: str, ok: Callable[[int], bool], timeout: float = 120) -> None:
+    """Until the server at ``socket`` holds a number of contexts ``ok`` accepts (bounded)."""
+    from lmcache_platform.client import ServerClient
+
+    deadline = time.monotonic() + timeout
+    with ServerClient(socket, timeout=10) as client:
+        while not ok(int(client.status()["server"]["contexts"])):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the server at {socket}: contexts still {client.status()['server']['contexts']}"
+                )
+            time.sleep(0.1)
 
 
 def copy_gbps(nbytes: int) -> float:

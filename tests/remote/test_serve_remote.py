@@ -562,7 +562,7 @@ def test_a_remote_at_its_memory_limit_refuses_or_evicts(tmp_path: Path) -> None:
             keys = [bytes([i % 250 + 1, i // 250 + 1 + 10 * round]) * 16 for i in range(1600)]  # 2 KiB each
             for i in range(0, len(keys), 16):
                 assert a.put(keys[i : i + 16]).stored == 16
-            assert until(lambda: settled(sa) == 1600), sa()
+            assert until(lambda: settled(sa) == 1600, 120), sa()  # 1,600 writes behind, on a busy host
             da, evicted = sa(), int(node.client().info()["evicted_keys"])
             if policy == "noeviction":  # the store refuses what does not fit: counted, then degraded
                 assert da["remote.write_errors"] > 0 and remote(a.srv)["state"] == "degraded"
