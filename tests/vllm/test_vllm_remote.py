@@ -88,13 +88,19 @@ def connected_again(lab: Lab, server: Any) -> Any:
         and not e.broken
         and e.proc.poll() is None
     ]
-    assert until(
-        lambda: (
-            (s := server.status())["remote"]["state"] == "healthy"
+
+    def ready() -> bool:
+        try:  # a restarted server may not listen yet: its socket refuses until it does
+            s = server.status()
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        return bool(
+            s["remote"]["state"] == "healthy"
             and s["contexts"] >= len(engines)
             and s["connections"] >= 2 * len(engines)
         )
-    ), (server.status(), server.log_text()[-3000:])
+
+    assert until(ready), (server.proc.poll(), server.log_text()[-3000:])
     return server
 
 
