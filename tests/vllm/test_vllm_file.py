@@ -62,6 +62,7 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
             path.write_bytes(bytes(data))
         damaged = b.cold(q)
         status = server.status()
+        b_counters = b.stats()["counters"]
         left = len(entries(disk))
     finally:
         lab.retire("file-a", "file-b")
@@ -75,6 +76,8 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
         "refused": refused,
         "removed": status["remote"].get("removed_refused"),
         "entries_left": left,
+        "remote_status": status["remote"],
+        "engine_b_connector": b_counters,
     }
     expect(
         observed,

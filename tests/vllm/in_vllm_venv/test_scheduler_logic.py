@@ -416,19 +416,41 @@ def test_stores_read_the_true_block_table_and_skip_chunks_whose_kept_blocks_are_
     side.shutdown()
 
 
-def test_a_rank_that_cannot_serve_stops_hits_until_it_can(serve: Serve) -> None:
+def test_hits_follow_the_servers_registrations_and_rank_reports_gate_stores(serve: Serve) -> None:
+    """A rank's report of an outage may reach the scheduler after the rank re-registered
+    (an idle engine makes no step to correct it): the server, which answers each lookup
+    for every rank's registration, decides hits; the reports decide stores."""
     side, _ = scheduler(serve, kv_config(attention()))
-    req = request(prompt(2, seed=6), "down")
-    store(serve, side.namespaces[0], keys_of(req))
+    ids = prompt(2, seed=6)
+    store(serve, side.namespaces[0], keys_of(request(ids, "k")))
     side.update_connector_output(
         SimpleNamespace(kv_connector_worker_meta=WorkerReport({}, {"tp0pp0": "down"}))
     )
-    side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    stale = request(ids, "stale-report")
+    side.on_new_request(stale)
+    assert answer(side, stale) == (2 * CHUNK, True)  # the rank's registration is live
+    assert not side.serving  # no stores until a report or a reconnect says the rank is back
+
+    registered = open_contexts(serve)
+    client, engine = _WORKERS.pop()  # the rank's link ends: the server drops its registration
+    client.close()
+    engine.close()
+    until(lambda: open_contexts(serve) == registered - 1)
+    gone = request(ids, "unregistered")
+    side.on_new_request(gone)
+    assert answer(side, gone) == (0, False)
+    assert side.stats.totals["lookups_unregistered"] == 1
+
     side.update_connector_output(
         SimpleNamespace(kv_connector_worker_meta=WorkerReport({}, {"tp0pp0": READY}))
     )
-    assert answer(side, req) == (2 * CHUNK, True)
+    assert side.serving
+    again = TinyEngine()
+    _WORKERS.append((ServerClient(str(serve.socket_path), timeout=30), again))
+    again.register(_WORKERS[-1][0], side.namespaces[0])
+    back = request(ids, "registered-again")
+    side.on_new_request(back)
+    assert answer(side, back) == (2 * CHUNK, True)
     side.shutdown()
 
 

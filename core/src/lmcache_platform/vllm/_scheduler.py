@@ -226,7 +226,7 @@ class SchedulerSide:
 
     @property
     def serving(self) -> bool:
-        """True while every rank can load and store (and sharing is possible).
+        """True while every rank can store (lookups need only :attr:`_linked`).
 
         Ranks say so in each step's report. An idle engine makes no steps, so a report
         that a rank could not reach the server goes stale once this side's own link has
@@ -237,20 +237,36 @@ class SchedulerSide:
         lookups and stores submitted now wait for the links' connects, within their
         deadlines, instead of being skipped.
         """
-        client = self._client
-        if client is None or not self._groups.pools:
+        if not self._linked:
             return False
         if all(s == READY for s in self._rank_states.values()):
             return True
-        if client.state == "healthy":
-            return client.healthy_since > self._states_at
-        return client.accepting
+        assert self._client is not None
+        if self._client.state == "healthy":
+            return self._client.healthy_since > self._states_at
+        return True  # accepting: a restarted server listens
+
+    @property
+    def _linked(self) -> bool:
+        """Whether this side's own link can carry a lookup now (up, or a restarted server listens).
+
+        Lookups need no more than that: the server answers for every rank (a namespace
+        without a live registration makes the answer :attr:`LookupResult.unregistered`,
+        which offers nothing), and its answer is newer than any step report. A report
+        that a rank could not reach the server can arrive after the rank re-registered
+        (an engine that went idle in the steps its report was sent in makes no step to
+        correct it), so the reports gate stores, never lookups.
+        """
+        client = self._client
+        if client is None or not self._groups.pools:
+            return False
+        return client.state == "healthy" or client.accepting
 
     def on_new_request(self, request: Any) -> None:
         if self._client is None or not self._groups.pools:
             return
         st = self._state(request)  # its keys, even while not serving: a later step can store them
-        if self.serving and self.loads_enabled:
+        if self._linked and self.loads_enabled:
             self._start_lookup(st)
 
     def _state(self, request: Any) -> _Request:
@@ -284,7 +300,7 @@ class SchedulerSide:
         st.lease = 0
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not (self.serving and self.loads_enabled):
+        if not (self._linked and self.loads_enabled):
             return 0, False
         st = self._state(request)
         if st.bypass:
@@ -319,9 +335,14 @@ class SchedulerSide:
                 st.hits = 0
             else:
                 try:
-                    st.hits = _loadable(st.lookup.result())
+                    result = st.lookup.result()
                 except Exception:  # the server failed or refused: no hits; the client logs state changes
+                    self.stats.add("lookup_failures")
                     st.hits = 0
+                else:
+                    if result.unregistered:
+                        self.stats.add("lookups_unregistered")
+                    st.hits = _loadable(result)
         end = st.hits * self.chunk
         if end <= num_computed_tokens:
             self._release(st)

@@ -27,6 +27,8 @@ COUNTERS: dict[str, str] = {
     "store_failures": "stores that did not complete (the chunks stay uncached)",
     "skipped_chunks": "chunks not stored because part of their kept KV is gone (sliding window)",
     "deadline_misses": "server requests that missed their deadline",
+    "lookup_failures": "lookups the server failed or refused (the prompt was computed)",
+    "lookups_unregistered": "lookups answered while a rank had no live registration (no hits offered)",
 }
 
 
