@@ -429,7 +429,8 @@ def test_hits_follow_the_servers_registrations_and_rank_reports_gate_stores(serv
     stale = request(ids, "stale-report")
     side.on_new_request(stale)
     assert answer(side, stale) == (2 * CHUNK, True)  # the rank's registration is live
-    assert not side.serving  # no stores until a report or a reconnect says the rank is back
+    stores_while_reported_down = side.serving
+    assert not stores_while_reported_down  # until a report or a reconnect says the rank is back
 
     registered = open_contexts(serve)
     client, engine = _WORKERS.pop()  # the rank's link ends: the server drops its registration
@@ -444,7 +445,8 @@ def test_hits_follow_the_servers_registrations_and_rank_reports_gate_stores(serv
     side.update_connector_output(
         SimpleNamespace(kv_connector_worker_meta=WorkerReport({}, {"tp0pp0": READY}))
     )
-    assert side.serving
+    stores_after_ready = side.serving
+    assert stores_after_ready
     again = TinyEngine()
     _WORKERS.append((ServerClient(str(serve.socket_path), timeout=30), again))
     again.register(_WORKERS[-1][0], side.namespaces[0])
