@@ -9,33 +9,20 @@ interpreter on CPU tensors, and the failing launch is injected.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
 from lmcache_platform import CacheContextConfig, DeviceFailedError, KVFormat
-from lmcache_platform_cuda import GPUCacheContext, _kernels, _vmm_ipc
+from lmcache_platform_cuda import _kernels, _vmm_ipc
 from support.cache import HeldWrapper, engine_kv
-from support.cuda_fakes import FakeVmmLib
+from support.cuda_fakes import FakeVmmLib, InterpretedContext
 
 pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
 
 
-class HostContext(GPUCacheContext):
-    """``GPUCacheContext`` on CPU tensors, asking the fake driver about device 0."""
-
-    device_type: ClassVar[str] = "cpu"
-
-    def create_stream(self) -> Any:
-        from lmcache_platform import NullStream
-
-        return NullStream()
-
-    @contextlib.contextmanager
-    def stream_context(self) -> Iterator[None]:
-        yield
+class HostContext(InterpretedContext):
+    """``InterpretedContext`` asking the fake driver about device 0 for a sticky error."""
 
     def _sticky_error(self) -> str | None:
         return _vmm_ipc.get_runtime().sticky_error(0)  # type: ignore[attr-defined, no-any-return]

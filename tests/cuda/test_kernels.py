@@ -11,7 +11,6 @@ the compiled kernels on a GPU and print both paths' speed (never asserted).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.abc
 import importlib.util
 import logging
@@ -19,8 +18,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -32,10 +31,10 @@ from lmcache_platform import (
     EngineType,
     KVFormat,
     LayoutHints,
-    NullStream,
 )
 from lmcache_platform_cuda import GPUCacheContext, _kernels
 from support.cache import HeldWrapper, engine_kv
+from support.cuda_fakes import InterpretedContext
 from support.layouts import ORDERS, fill, planes
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
@@ -60,19 +59,6 @@ DEVICES = [
 class HeldCudaWrapper(HeldWrapper):
     device_type = "cuda"
     wire_tag = "test.held-cuda/1"
-
-
-class InterpretedContext(GPUCacheContext):
-    """``GPUCacheContext``'s transfers on CPU tensors: the kernels run in Triton's interpreter."""
-
-    device_type: ClassVar[str] = "cpu"
-
-    def create_stream(self) -> Any:
-        return NullStream()
-
-    @contextlib.contextmanager
-    def stream_context(self) -> Iterator[None]:
-        yield
 
 
 def torch_path(cls: type[BaseCacheContext]) -> type[BaseCacheContext]:

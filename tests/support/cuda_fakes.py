@@ -6,20 +6,21 @@ Each stands in for one thing only the hardware can answer; everything they feed
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 import torch
 
-from lmcache_platform import DescriptorError
+from lmcache_platform import DescriptorError, NullStream
 from lmcache_platform.hostmem._remap import _libc as hostmem_libc
-from lmcache_platform_cuda import _devices, _driver, _raw_ipc
+from lmcache_platform_cuda import GPUCacheContext, _devices, _driver, _raw_ipc
 
 #: Device UUIDs as torch prints them (``str(get_device_properties(i).uuid)``).
 UUIDS = [
@@ -484,3 +485,17 @@ class HostCudaDriver(_driver.CudaDriver):
 def open_fds() -> int:
     """How many fds this process has open (``/proc/self/fd``)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+class InterpretedContext(GPUCacheContext):
+    """``GPUCacheContext``'s transfers on CPU tensors: the kernels run in Triton's interpreter
+    (``TRITON_INTERPRET=1``), with no stream to order them."""
+
+    device_type: ClassVar[str] = "cpu"
+
+    def create_stream(self) -> Any:
+        return NullStream()
+
+    @contextlib.contextmanager
+    def stream_context(self) -> Iterator[None]:
+        yield
