@@ -33,9 +33,13 @@ NS = namespace(model="tiers")
 KEYS = [bytes([i]) * 32 for i in range(1, 40)]
 
 
-def tier(directory: Path, **kw: Any) -> RemoteTier:
+def tier(directory: Path, *, written: int = 0, **kw: Any) -> RemoteTier:
+    """A file tier on ``directory`` holding entries ``chunk(i)`` under ``KEYS[i]`` for ``i < written``."""
     t = RemoteTier.open(f"file://{directory}", prefix="t", **kw)
     assert t.wait_ready(10)
+    for i in range(written):
+        assert t.write_behind(NS, KEYS[i], chunk(i))
+    assert t.flush(10)
     return t
 
 
@@ -51,11 +55,8 @@ def entry_files(directory: Path) -> list[Path]:
 
 
 def test_damaged_truncated_and_foreign_entries_are_refused_counted_and_removed(tmp_path: Path) -> None:
-    t = tier(tmp_path / "kv")
+    t = tier(tmp_path / "kv", written=3)
     try:
-        for i in range(3):
-            assert t.write_behind(NS, KEYS[i], chunk(i))
-        assert t.flush(10)
         files = entry_files(tmp_path / "kv")
         assert len(files) == 3
         damaged = bytearray(files[0].read_bytes())
@@ -95,11 +96,8 @@ def test_a_chunk_that_cannot_be_encoded_is_a_counted_write_error(tmp_path: Path)
 
 
 def test_a_fetch_reads_straight_into_the_callers_memory_with_every_check(tmp_path: Path) -> None:
-    t = tier(tmp_path / "kv")
+    t = tier(tmp_path / "kv", written=4)
     try:
-        for i in range(4):
-            assert t.write_behind(NS, KEYS[i], chunk(i))
-        assert t.flush(10)
         expect = [TensorSpec("uint8", (CHUNK_BYTES,))]
         made: list[torch.Tensor] = []
 

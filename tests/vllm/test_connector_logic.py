@@ -1,4 +1,5 @@
-"""Runs ``in_vllm_venv/test_scheduler_logic.py`` (the connector's identity and scheduler logic) in the vLLM venv.
+"""Runs ``in_vllm_venv/test_scheduler_logic.py`` (the connector's identity and scheduler logic)
+and ``test_tier_rows.py`` (the native-offloading tier's rows kept in a store) in the vLLM venv.
 
 Those tests import vLLM, which lives in its own virtualenv (``.venv-vllm``), so this
 test starts that venv's pytest on them and reports its outcome. They are quick (no
@@ -32,6 +33,7 @@ def test_connector_logic_in_the_vllm_venv() -> None:
         "-p",
         "no:cacheprovider",
         str(HERE / "in_vllm_venv" / "test_scheduler_logic.py"),
+        str(HERE / "in_vllm_venv" / "test_tier_rows.py"),
     ]
     for spec in _VLLM_VENV_WARNINGS:
         args += ["-W", spec]

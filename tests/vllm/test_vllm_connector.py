@@ -48,14 +48,25 @@ def run(engine: EngineDriver, ids: list[int]) -> tuple[dict[str, Any], dict[str,
     return result, stats["counters"]
 
 
+def registered(lab: Lab, name: str, spec: dict[str, Any], server: Any) -> EngineDriver:
+    """A new engine whose workers have registered with ``server``, its only engine: a request
+    served before they have is neither looked up nor stored (by design)."""
+    engine = lab.engine(name, spec)
+    wait_contexts(server, 1)
+    return engine
+
+
+def cold_then_hit(engine: EngineDriver) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
+    """P computed (its three whole chunks stored), then P again: the engine's own prefix hit."""
+    cold, stats = run(engine, P)
+    hit, _ = run(engine, P)
+    return cold, stats, hit
+
+
 def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(lab: Lab) -> None:
     server = lab.server("reuse")
-    # Engine A computes P (and stores its three whole chunks), then hits its own cache.
-    # Its workers register first: a request served before they have is not stored (by design).
-    a = lab.engine("reuse-a", connected("gqa", server))
-    wait_contexts(server, 1)
-    a_cold, a_stats = run(a, P)
-    a_hit, _ = run(a, P)
+    a = registered(lab, "reuse-a", connected("gqa", server), server)
+    a_cold, a_stats, a_hit = cold_then_hit(a)
     expect(
         {"a_stats": a_stats, "server": server.status(), "a_log": a.stderr_tail(4000)},
         a_cold_computed=a_cold["cached"] == 0,
@@ -68,8 +79,7 @@ def test_engine_b_reuses_engine_a_kv_and_the_server_outlives_a_killed_engine(lab
 
     # Engine B, a fresh process: Q loads only the two chunks it shares with P; P then
     # hits Q's blocks locally and loads its third chunk from the server.
-    b = lab.engine("reuse-b", connected("gqa", server))
-    wait_contexts(server, 1)
+    b = registered(lab, "reuse-b", connected("gqa", server), server)
     b_q, q_stats = run(b, Q)
     b_p, p_stats = run(b, P)
     expect(
@@ -108,8 +118,7 @@ def test_no_server_a_dead_server_and_an_empty_one_never_change_the_output(
 
     # An empty server, killed (SIGKILL) after the first two prompts: still the same output.
     server = lab.server("empty")
-    engine = lab.engine("empty-gqa", connected("gqa", server))
-    wait_contexts(server, 1)  # its workers registered: the first prompt is stored, not passed by
+    engine = registered(lab, "empty-gqa", connected("gqa", server), server)
     results = [run(engine, P), run(engine, R)]
     server.kill()
     results.append(run(engine, P))
@@ -130,8 +139,7 @@ def test_a_model_vllm_cannot_resume_passes_through(lab: Lab) -> None:
     (plain, _) = run(lab.engine("mla-plain", cpu_mla), P)
     lab.retire("mla-plain")
     server = lab.server("mla")
-    engine = lab.engine("mla-connected", connected(**cpu_mla, server=server))
-    wait_contexts(server, 1)
+    engine = registered(lab, "mla-connected", connected(**cpu_mla, server=server), server)
     results = [run(engine, P), run(engine, P)]
     log = engine.stderr_tail(10**7)
     lab.retire_server("mla")
@@ -145,14 +153,11 @@ def test_mla_kv_moves_between_engines_where_vllm_resumes_mla(lab: Lab) -> None:
     # With the AMX kernels vLLM caches MLA prefixes, so the connector loads them: engine B's
     # output from A's latent KV must equal A's own prefix-cache hit, to the last bit.
     server = lab.server("mla-amx")
-    a = lab.engine("mla-amx-a", connected("mla", server))
-    wait_contexts(server, 1)
-    a_cold, a_stats = run(a, P)
-    a_hit, _ = run(a, P)
+    a = registered(lab, "mla-amx-a", connected("mla", server), server)
+    a_cold, a_stats, a_hit = cold_then_hit(a)
     lab.retire("mla-amx-a")
     wait_contexts(server, 0)
-    b = lab.engine("mla-amx-b", connected("mla", server))
-    wait_contexts(server, 1)
+    b = registered(lab, "mla-amx-b", connected("mla", server), server)
     b_p, b_stats = run(b, P)
     lab.retire("mla-amx-b")
     lab.retire_server("mla-amx")
