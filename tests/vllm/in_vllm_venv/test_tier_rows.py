@@ -23,7 +23,7 @@ def test_rows_round_trip_through_a_file_store_and_padding_is_never_touched(tmp_p
     tier = RemoteTier.open(f"file://{tmp_path / 'kv'}", prefix="rows")
     assert tier.wait_ready(10)
     region = np.random.default_rng(7).integers(0, 256, (ROWS, ROW_BYTES + gap), dtype=np.uint8)
-    rows = StoreRows(tier, memoryview(region[:, :ROW_BYTES]), b"n" * 16, timeout_ms=10_000)
+    rows = StoreRows(tier, region[:, :ROW_BYTES].data, b"n" * 16, timeout_ms=10_000)
     try:
         keys = [b"%032d" % i for i in range(ROWS)]
         rows.store(keys, list(range(ROWS)))
