@@ -44,6 +44,10 @@ _BATCH = 256
 #: Fewest chunks in a part of a job split over lanes (smaller jobs take one lane).
 _MIN_PART = 16
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.25, 5.0
+#: How long a connection's registration may take, however short the transfer deadline: the
+#: server opens and maps the region then (and a fresh one may still be preparing its memory),
+#: seconds on a busy host. It runs on the tier's own threads, never on vLLM's.
+_REGISTER_S = 10.0
 
 
 class TierUnavailable(Exception):
@@ -108,7 +112,8 @@ class _Lane:
 
     def _dial(self) -> ServerClient:
         owner = self.owner
-        client = ServerClient(owner.socket_path, timeout=self.deadline_ms / 1e3, deadline_ms=self.deadline_ms)
+        setup_ms = max(self.deadline_ms, _REGISTER_S * 1e3)
+        client = ServerClient(owner.socket_path, timeout=setup_ms / 1e3, deadline_ms=setup_ms)
         try:
             if self.register:
                 hints = LayoutHints(kv_format=KVFormat.MLA, block_size=1, num_kv_heads=1)
@@ -123,6 +128,7 @@ class _Lane:
         except BaseException:
             client.close()
             raise
+        client.deadline_ms = self.deadline_ms  # each job's requests: the transfer deadline again
         return client
 
     def drop(self) -> None:
