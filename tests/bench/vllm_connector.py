@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's Python (``make bench-vllm`` runs it after ``vllm_ttft.py``)::
 
-    .venv-vllm/bin/python tests/bench/vllm_connector.py [--rounds 3] [--pairs 3] [--json]
+    PYTHONPATH=tests .venv-vllm/bin/python -m bench.vllm_connector [--rounds 3] [--pairs 3] [--json]
 
 Every server is a process of its own, started as docs/vllm.md shows:
 ``lmcache-platform serve`` (from this venv's ``bin``) and vLLM's OpenAI server,
@@ -81,14 +81,13 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+# config.json overrides of the model: vllm_ttft.py's, on make_tiny_model's Qwen2 kind.
+from bench.vllm_ttft import SIZES as MODEL
+from support.procs import sigstop
+from support.vllm_models import make_tiny_model
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
-
-# config.json overrides of the model: vllm_ttft.py's, on make_tiny_model's Qwen2 kind.
-from bench.vllm_ttft import SIZES as MODEL  # noqa: E402
-from support.procs import sigstop  # noqa: E402
-from support.vllm_models import make_tiny_model  # noqa: E402
 
 MODEL_TEXT = (
     "qwen2-style, 8 layers, hidden 1024, 16 heads / 8 KV heads x 64, vocab 4096, bf16 (dummy weights)"

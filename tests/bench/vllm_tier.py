@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's Python::
 
-    .venv-vllm/bin/python tests/bench/vllm_tier.py [--chunks 256] [--chunk-mib 1] [--json]
+    PYTHONPATH=tests .venv-vllm/bin/python -m bench.vllm_tier [--chunks 256] [--chunk-mib 1] [--json]
 
 For each tier (through ``lmcache-platform serve``, straight to ``file://``, vLLM's ``fs``),
 engine A (a process: vLLM's ``TieringOffloadingSpec(...).get_manager()`` with that tier,
