@@ -60,25 +60,25 @@ bench: bootstrap
 # connector's hit, then the connector through vLLM's OpenAI server (shared prefix, no reuse,
 # transfer bandwidth). Figures in docs/performance.md.
 bench-vllm: bootstrap bootstrap-vllm
-	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/vllm_ttft.py
-	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/vllm_connector.py
+	PYTHONPATH=tests $(LMCACHE_VLLM_VENV)/bin/python -m bench.vllm_ttft
+	PYTHONPATH=tests $(LMCACHE_VLLM_VENV)/bin/python -m bench.vllm_connector
 
 # Two nodes sharing a Valkey: time to first token on node B, remote hit against local hit
 # against recompute, and remote fetch bandwidth (~10 min).
 bench-remote: bootstrap bootstrap-vllm
-	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/remote_ttft.py
+	PYTHONPATH=tests $(LMCACHE_VLLM_VENV)/bin/python -m bench.remote_ttft
 
 # A restarted server with a disk tier: time to first token, disk hit against recompute and
 # against a host-memory hit, and the file store's reads against plain reads (~5 min).
 bench-disk: bootstrap bootstrap-vllm
-	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/disk_ttft.py
+	PYTHONPATH=tests $(LMCACHE_VLLM_VENV)/bin/python -m bench.disk_ttft
 
 # The tiers against their medium (~2 min): the entry checksum (v1 against v2), the disk tier
 # against plain reads and writes (cold and warm) and vLLM's own fs tier, the Valkey tier
 # against raw SET/GET. Figures in docs/performance.md.
 bench-tiers: bootstrap bootstrap-vllm
-	$(BIN)/python tests/bench/tier_io.py
-	$(LMCACHE_VLLM_VENV)/bin/python tests/bench/tier_io.py --section vllm-fs
+	PYTHONPATH=tests $(BIN)/python -m bench.tier_io
+	PYTHONPATH=tests $(LMCACHE_VLLM_VENV)/bin/python -m bench.tier_io --section vllm-fs
 
 soak: bootstrap
 	scripts/soak

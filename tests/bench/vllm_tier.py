@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's Python::
 
-    .venv-vllm/bin/python tests/bench/vllm_tier.py [--chunks 256] [--chunk-mib 1] [--json]
+    PYTHONPATH=tests .venv-vllm/bin/python -m bench.vllm_tier [--chunks 256] [--chunk-mib 1] [--tier serve ...] [--json]
 
 For each tier (through ``lmcache-platform serve``, straight to ``file://``, vLLM's ``fs``),
 engine A (a process: vLLM's ``TieringOffloadingSpec(...).get_manager()`` with that tier,
@@ -67,12 +67,19 @@ def run(name: str, tier: dict[str, Any], chunks: int, chunk_bytes: int) -> dict[
     }
 
 
+#: The tiers compared, by the name ``--tier`` takes.
+TIERS = ("serve", "serve-parallel", "file", "fs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chunks", type=int, default=256)
     parser.add_argument("--chunk-mib", type=float, default=1.0)
     parser.add_argument("--dir", default=None, help="where the file store and fs write (default: a temp dir)")
     parser.add_argument("--settle-s", type=float, default=5.0, help="wait after serve listens (default 5)")
+    parser.add_argument(
+        "--tier", action="append", choices=TIERS, help="repeatable (default: every one, in this order)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     chunk_bytes = int(args.chunk_mib * (1 << 20))
@@ -95,16 +102,17 @@ def main() -> None:
         time.sleep(args.settle_s)  # --host-memory eager maps the server's memory in the background
         (work / "store").mkdir()
         (work / "fs").mkdir()
-        tiers: dict[str, dict[str, Any]] = {
-            "LMCachePlatformTier via serve": {"socket": str(sock)},
-            "  the same, parallel_requests 2": {"socket": str(sock), "parallel_requests": 2},
-            "LMCachePlatformTier file://": {"remote": f"file://{work / 'store'}"},
+        ours = {"type": "LMCachePlatformTier", "module_path": "lmcache_platform.vllm.tier"}
+        tiers: dict[str, tuple[str, dict[str, Any]]] = {
+            "serve": ("LMCachePlatformTier via serve", {**ours, "socket": str(sock)}),
+            "serve-parallel": (
+                "  the same, parallel_requests 2",
+                {**ours, "socket": str(sock), "parallel_requests": 2},
+            ),
+            "file": ("LMCachePlatformTier file://", {**ours, "remote": f"file://{work / 'store'}"}),
+            "fs": ("vLLM fs", {"type": "fs", "root_dir": str(work / "fs")}),
         }
-        rows = []
-        for name, config in tiers.items():
-            tier = {"type": "LMCachePlatformTier", "module_path": "lmcache_platform.vllm.tier", **config}
-            rows.append(run(name, tier, args.chunks, chunk_bytes))
-        rows.append(run("vLLM fs", {"type": "fs", "root_dir": str(work / "fs")}, args.chunks, chunk_bytes))
+        rows = [run(*tiers[key], args.chunks, chunk_bytes) for key in args.tier or TIERS]
     finally:
         serve.terminate()
         serve.wait(30)

@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's Python (``make bench-vllm``)::
 
-    .venv-vllm/bin/python tests/bench/vllm_ttft.py [--prompt-tokens 2048] [--prompts 3] [--json]
+    PYTHONPATH=tests .venv-vllm/bin/python -m bench.vllm_ttft [--prompt-tokens 2048] [--prompts 3] [--json]
 
 A Qwen2-style model of 8 layers, hidden size 1024 (16 heads over 8 KV heads of 64,
 seeded Kaiming-scale dummy weights), so that prefill dominates on 2 cores. Engine A
@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from support.vllm_driver import start_engine
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # support.* and bench.*, as pytest's pythonpath has it
-from support.vllm_driver import start_engine  # noqa: E402
 
 #: The model: the ``gqa`` kind of ``support.vllm_models``, resized (its ``config.json`` overrides).
 SIZES: dict[str, Any] = {

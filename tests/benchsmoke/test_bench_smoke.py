@@ -24,7 +24,6 @@ from lmcache_platform._bench.transfer import CASES, SERVER_CASES, case_name
 from lmcache_platform._cli.bench import format_report, parse_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS = ROOT / "tests" / "bench" / "discovery_scaling.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MiB = 1 << 20
 
@@ -240,44 +239,6 @@ def test_parse_sizes_refuses_bad_input(text: str) -> None:
 
     with pytest.raises(argparse.ArgumentTypeError):
         parse_sizes(text)
-
-
-def test_discovery_harness_shape(tmp_path: Path) -> None:
-    plot = tmp_path / "discovery.png"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HARNESS),
-            "--n",
-            "6",
-            "12",
-            "--k",
-            "1",
-            "3",
-            "--runs",
-            "1",
-            "--delay-ms",
-            "1",
-            "--json",
-            "--plot",
-            str(plot),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
-    rows = {(r["approach"], r["n"], r["k"]): r for r in data["results"]}
-    assert set(rows) == {(a, n, k) for a in ("lazy", "pluggy", "walk") for n in (6, 12) for k in (1, 3)}
-    for (approach, _, k), r in rows.items():
-        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
-        # Laziness is a fact, not a timing: ours imports the one `cpu` backend, eager ones all K.
-        assert r["modules_imported"] == (1 if approach == "lazy" else k), r
-    assert {t["name"] for t in data["targets"]} == {
-        f"discovery.{a}.n{n}" for a in ("lazy", "pluggy", "walk") for n in (6, 12)
-    }
-    assert plot.read_bytes()[:8] == PNG_MAGIC
 
 
 def _args(**overrides: Any) -> Any:

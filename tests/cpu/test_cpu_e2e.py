@@ -11,7 +11,6 @@ engine checks every byte of every layer.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import random
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from support import commands
 from support import cpu_workers as workers
 from support.procs import stop_worker
 
@@ -51,7 +51,8 @@ class Peer:
     """A spawned worker process spoken to with JSON over a pipe."""
 
     def __init__(self, target: Any, child_pids: set[int], env: dict[str, str] | None = None) -> None:
-        self.conn, child = SPAWN.Pipe()
+        conn, child = SPAWN.Pipe()
+        self.channel = commands.PipeChannel(conn)
         self.proc = SPAWN.Process(target=target, args=(child,), daemon=True)
         saved = {k: os.environ.get(k) for k in env or {}}
         os.environ.update(env or {})  # a spawned child starts with a copy of this environment
@@ -68,16 +69,12 @@ class Peer:
         child_pids.add(self.proc.pid)
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
-        self.conn.send_bytes(json.dumps({"op": op, "args": args}).encode())
-        if not self.conn.poll(120):  # a hang guard, not a timing assertion
-            raise RuntimeError(f"{op}: no reply from pid {self.proc.pid}")
-        reply: dict[str, Any] = json.loads(self.conn.recv_bytes())
-        return reply
+        """The worker's raw answer (``ok``, then ``result`` or ``type`` and ``error``)."""
+        return commands.exchange(self.channel, op, args, timeout=120)  # a hang guard, not a timing assertion
 
-    def ok(self, op: str, **args: Any) -> dict[str, Any]:
-        reply = self.call(op, **args)
-        assert reply["ok"], f"{op} failed: {reply['type']}: {reply['error']}"
-        return reply
+    def ok(self, op: str, **args: Any) -> Any:
+        """The result; :class:`CommandFailed` if the worker's handler raised."""
+        return commands.request(self.channel, op, args, timeout=120)
 
     def stop(self) -> None:
         stop_worker(self.proc, lambda: self.call("exit"), 30)

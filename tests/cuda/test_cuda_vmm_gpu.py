@@ -29,6 +29,7 @@ from lmcache_platform_cuda import (
     _plugin,
     is_vmm_memory,
 )
+from support import commands
 from support.cuda_vmm import (
     ALLOWED,
     VmmArena,
@@ -59,13 +60,12 @@ class Server:
         self.process.start()
         theirs.close()
         self.sock.settimeout(120)
+        self.channel = commands.SocketChannel(self.sock)
 
     def call(self, op: str, fds: list[int] | None = None, **args: Any) -> Any:
-        send_json(self.sock, {"op": op, **args}, fds)
-        answer = recv_json(self.sock)
-        if "error" in answer:
-            raise AssertionError(f"server: {answer['error']}")
-        return answer["ok"]
+        """``op`` in the server (``support.commands``), ``fds`` beside it; its result."""
+        self.channel.send(commands.message(op, args), fds)
+        return commands.result_of(op, self.channel.recv())
 
     def stop(self) -> None:
         try:

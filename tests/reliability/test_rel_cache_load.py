@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from lmcache_platform.server import ServerClient, ServerProcess, cache_namespace
+from support import commands
 from support.cache_workers import Model, mixed_client, reader_client, store_then_load_client
 from support.reliability import Workers, emit, segments_of, sized
 
@@ -187,15 +188,16 @@ def test_loads_of_different_engines_in_parallel_and_serialized(
             assert all(r == {"ready": True} for r in clients.gather())
             for _ in range(ROUNDS):  # alternate, so a busy moment of the machine hits both
                 for i, mode in enumerate(modes):
-                    started = clients.go({"server": i})
-                    reports = clients.gather()
+                    started = clients.go(commands.message("read", {"server": i}))
+                    reports = [commands.result_of("read", r) for r in clients.gather()]
                     walls[mode].append(time.perf_counter() - started)
                     assert sum(r["error_count"] for r in reports) == 0, [
                         e for r in reports for e in r["errors"]
                     ]
                     assert sum(r["mismatches"] for r in reports) == 0
                     assert sum(r["bytes"] for r in reports) == READERS * READS * PER_REQUEST * BIG_CHUNK_BYTES
-            clients.go("exit")
+            clients.go(commands.message("exit"))
+            assert all(r["ok"] for r in clients.gather())
             clients.join()
         status = [server_counters(s) for s in (par, ser)]
     assert [s["parallel_transfers"] for s in status] == [True, False]

@@ -29,6 +29,7 @@ import lmcache_platform as lp
 from lmcache_platform import KVFormat, LayoutHints, ServerError, wire
 from lmcache_platform.server import ServerClient, ServerProcess
 from lmcache_platform_cpu import CpuShmIPCWrapper
+from support import commands
 from support.reliability import SHM_DIR, Resources, Workers, describe, emit, mappings_of, sized
 
 RSS_SLACK = 16 << 20
@@ -97,19 +98,17 @@ def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
     from support.reliability_workers import reopen_consumer
 
     with Workers(reopen_consumer, [()], child_pids) as consumer:
-        (conn,) = consumer.conns
+        channel = commands.PipeChannel(consumer.conns[0])
 
-        def ask(data: bytes) -> Any:
-            conn.send_bytes(data)
-            assert conn.poll(120), "the consumer stopped answering"
-            return json.loads(conn.recv_bytes())
+        def ask(op: str, **args: Any) -> Any:
+            return commands.request(channel, op, args, timeout=120)  # a hang guard
 
         def one(i: int) -> None:
             tensors = [
                 torch.full((2, 16, 4, 2, 8), float(i + layer), dtype=torch.float16) for layer in range(2)
             ]
             wrappers = lp.wrap_kv_caches(tensors)
-            got = ask(wire.encode(wrappers))["checksum"]
+            got = ask("reopen", data=wire.encode(wrappers).hex())["checksum"]
             assert got == float(sum(t.double().sum().item() for t in tensors))
             for w in wrappers:
                 w.close()
@@ -117,13 +116,13 @@ def test_a_spawned_consumer_reopening_hundreds_of_models_stays_flat(
         assert consumer.gather() == [{"ready": True}]
         for i in range(20):
             one(i)
-        ask(b"mark")
+        ask("mark")
         before = settled()
         for i in range(CONSUMER_CYCLES):
             one(i)
-        ask(b"mark")
+        ask("mark")
         after = settled()
-        report = ask(b"exit")
+        report = ask("exit")
         consumer.join()
     flat(before, after)  # the producer: this process
     c_before, c_after = (Resources(**report["marks"][k]) for k in sorted(report["marks"], key=int))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lmcache_platform import KVFormat, LayoutHints
+from support.commands import PipeChannel, serve_commands
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ def store_then_load_client(conn: Connection, socket_path: str, spec: dict[str, A
 
 def reader_client(conn: Connection, socket_paths: list[str], spec: dict[str, Any]) -> None:
     """Throughput: register with every server, store a few big chunks in each once, then on
-    each ``{"server": i}`` from the test load them ``requests`` times from server ``i``.
+    each ``read`` (``support.commands``, ``server=i``) load them ``requests`` times from server ``i``.
 
     One process serves every round, so rounds against different servers differ only in
     the server. Every loaded chunk is checked after each round.
@@ -253,11 +254,9 @@ def reader_client(conn: Connection, socket_paths: list[str], spec: dict[str, Any
     for e in engines:
         e.client.put(e.ctx, [(key(base + j), [model.blocks_of(j)]) for j in range(n)])
     _send(conn, {"ready": True})
-    while True:
-        command = json.loads(conn.recv_bytes())
-        if command == "exit":
-            break
-        engine = engines[command["server"]]
+
+    def read(server: int) -> dict[str, Any]:
+        engine = engines[server]
         errors, moved, mismatches = [], 0, 0
         started = time.perf_counter()
         for i in range(spec["requests"]):
@@ -273,15 +272,14 @@ def reader_client(conn: Connection, socket_paths: list[str], spec: dict[str, Any
         for j in range(n):
             mismatches += not first.check(half + j, base + j)
             first.clear(half + j)
-        _send(
-            conn,
-            {
-                "seconds": seconds,
-                "bytes": moved,
-                "mismatches": mismatches,
-                "errors": errors[:5],
-                "error_count": len(errors),
-            },
-        )
+        return {
+            "seconds": seconds,
+            "bytes": moved,
+            "mismatches": mismatches,
+            "errors": errors[:5],
+            "error_count": len(errors),
+        }
+
+    serve_commands(PipeChannel(conn), {"read": read})
     for e in reversed(engines):
         e.close()

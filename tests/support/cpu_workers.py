@@ -1,7 +1,7 @@
 """Engine and server processes of the CPU end-to-end test, driven by the test over pipes.
 
 Nothing is pickled between the processes once they run: every request and reply is
-JSON bytes (``Connection.send_bytes``), and IPC wrappers travel as their
+JSON bytes (``support.commands`` over the pipe), and IPC wrappers travel as their
 ``wire_tag`` plus ``fields()``; the server rebuilds them with ``from_fields`` from
 the allow-list of the backend it resolved (``wire_classes_for``).
 
@@ -18,20 +18,17 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from support.commands import PipeChannel, serve_commands
+
 Json = dict[str, Any]
 
 
 def _serve(conn: Connection, handler: object) -> None:
-    while True:
-        request = json.loads(conn.recv_bytes())
-        if request["op"] == "exit":
-            conn.send_bytes(b'{"ok": true}')
-            return
-        try:
-            reply = {"ok": True, **getattr(handler, "op_" + request["op"])(**request["args"])}
-        except Exception as exc:  # reported to the test, which decides
-            reply = {"ok": False, "type": type(exc).__name__, "error": str(exc)}
-        conn.send_bytes(json.dumps(reply).encode())
+    """``support.commands``' loop over the pipe: each ``op_<name>`` method answers ``<name>``."""
+    ops = {
+        name.removeprefix("op_"): getattr(handler, name) for name in dir(handler) if name.startswith("op_")
+    }
+    serve_commands(PipeChannel(conn), ops)
 
 
 def engine_main(conn: Connection) -> None:

@@ -9,43 +9,27 @@ from __future__ import annotations
 import ctypes
 import gc
 import hashlib
-import json
 import socket
-import struct
 from typing import Any
 
 import torch
 
 from lmcache_platform import wire
 from lmcache_platform_cuda import CudaVmmIPCWrapper
+from support import commands
 
 ALLOWED = {CudaVmmIPCWrapper.wire_tag: CudaVmmIPCWrapper}
 
 
 def send_json(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
-    data = json.dumps(message).encode()
-    frame = struct.pack("!I", len(data)) + data
-    if fds:
-        socket.send_fds(sock, [frame], fds)
-    else:
-        sock.sendall(frame)
+    commands.SocketChannel(sock).send(message, fds)
 
 
 def recv_json(sock: socket.socket, *, max_fds: int = 0) -> Any:
     """One message; with ``max_fds``, ``(message, fds)``."""
-    head, fds, _, _ = socket.recv_fds(sock, 4, max_fds) if max_fds else (sock.recv(4), [], 0, None)
-    (size,) = struct.unpack("!I", _exactly(sock, head, 4))
-    message = json.loads(_exactly(sock, b"", size))
-    return (message, list(fds)) if max_fds else message
-
-
-def _exactly(sock: socket.socket, got: bytes, n: int) -> bytes:
-    while len(got) < n:
-        more = sock.recv(n - len(got))
-        if not more:
-            raise EOFError("peer closed the socket")
-        got += more
-    return got
+    channel = commands.SocketChannel(sock, max_fds=max_fds)
+    message = channel.recv()
+    return (message, channel.fds) if max_fds else message
 
 
 def digest(t: torch.Tensor) -> str:
@@ -167,52 +151,47 @@ def pattern(like: torch.Tensor, seed: int) -> torch.Tensor:
 def gpu_server_main(sock: socket.socket) -> None:
     """The KV-cache server on a GPU: decode with the received fds, reopen, read, write, close.
 
-    Requests (JSON): ``open`` (the fds beside it), ``read`` (digests), ``fill`` one layer
-    with a pattern, ``close``; each answered with a JSON report.
+    Requests (``support.commands``): ``open`` (the fds beside it), ``read`` (digests),
+    ``fill`` one layer with a pattern, ``close``; each answered with a JSON report.
     """
 
     from lmcache_platform._plugins.registry import wire_classes_for
 
+    channel = commands.SocketChannel(sock, max_fds=253)
     wrappers: list[Any] = []
     tensors: list[torch.Tensor] = []
-    while True:
-        request, fds = recv_json(sock, max_fds=253)
-        op = request["op"]
-        try:
-            if op == "open":
-                data = bytes.fromhex(request["data"])
-                wrappers = wire.decode(data, fds=fds, allowed=dict(wire_classes_for("cuda")))
-                tensors = [w.to_tensor() for w in wrappers]
-                torch.cuda.synchronize()
-                reply: Any = {
-                    "kinds": [type(w).__name__ for w in wrappers],
-                    "digests": [digest(t) for t in tensors],
-                    "one_storage": len({t.untyped_storage().data_ptr() for t in tensors}) == 1,
-                    "device": str(tensors[0].device),
-                }
-            elif op == "read":
-                torch.cuda.synchronize()
-                reply = [digest(t) for t in tensors]
-            elif op == "fill":
-                t = tensors[request["layer"]].view(torch.uint8)
-                t.copy_(pattern(t, request["seed"]))
-                torch.cuda.synchronize()
-                reply = None
-            elif op == "close":
-                for w in wrappers:
-                    w.close()
-                wrappers, tensors = [], []
-                gc.collect()
-                torch.cuda.synchronize()
-                reply = {"closed": True}
-            elif op == "exit":
-                send_json(sock, {"ok": None})
-                return
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            send_json(sock, {"ok": reply})
-        except Exception as exc:
-            send_json(sock, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def open_(data: str) -> dict[str, Any]:
+        nonlocal wrappers, tensors
+        wrappers = wire.decode(bytes.fromhex(data), fds=channel.fds, allowed=dict(wire_classes_for("cuda")))
+        tensors = [w.to_tensor() for w in wrappers]
+        torch.cuda.synchronize()
+        return {
+            "kinds": [type(w).__name__ for w in wrappers],
+            "digests": [digest(t) for t in tensors],
+            "one_storage": len({t.untyped_storage().data_ptr() for t in tensors}) == 1,
+            "device": str(tensors[0].device),
+        }
+
+    def read() -> list[str]:
+        torch.cuda.synchronize()
+        return [digest(t) for t in tensors]
+
+    def fill(layer: int, seed: int) -> None:
+        t = tensors[layer].view(torch.uint8)
+        t.copy_(pattern(t, seed))
+        torch.cuda.synchronize()
+
+    def close() -> dict[str, bool]:
+        nonlocal wrappers, tensors
+        for w in wrappers:
+            w.close()
+        wrappers, tensors = [], []
+        gc.collect()
+        torch.cuda.synchronize()
+        return {"closed": True}
+
+    commands.serve_commands(channel, {"open": open_, "read": read, "fill": fill, "close": close})
 
 
 def gpu_exporter_main(sock: socket.socket, nbytes: int) -> None:

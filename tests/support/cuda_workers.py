@@ -2,10 +2,10 @@
 
 CUDA IPC handles cannot be opened by the process that exported them, so every
 round trip crosses a real process boundary (``multiprocessing`` spawn context).
-The peer runs a tiny request loop over a pipe: each request names an operation
-below; replies are ``["ok", result]`` or ``["error", "Type: message"]``. Messages
-are JSON (descriptor payloads hex-encoded), so even the test harness unpickles
-nothing that crossed a process boundary.
+The peer serves ``support.commands`` over a pipe: each request names a method of
+:class:`Peer`, answered with its result or its error and traceback. Messages are JSON
+(descriptor payloads hex-encoded), so even the test harness unpickles nothing that
+crossed a process boundary.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import gc
 import hashlib
 import json
 import threading
-import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -26,6 +24,7 @@ from lmcache_platform import DeviceIPCWrapper, KVFormat, LayoutHints, create_cac
 from lmcache_platform_cuda import CudaIPCWrapper, RawCudaIPCWrapper
 from lmcache_platform_cuda._raw_ipc import MAPPINGS
 from lmcache_platform_cuda._torch_ipc import SHARES
+from support import commands
 
 ALLOWED = {cls.wire_tag: cls for cls in (CudaIPCWrapper, RawCudaIPCWrapper)}
 
@@ -241,17 +240,12 @@ class PeerHandle:
     """The test side of a spawned ``support.cuda_workers.peer_main`` process."""
 
     def __init__(self, conn: Connection, process: BaseProcess) -> None:
-        self.conn = conn
+        self.channel = commands.PipeChannel(conn)
         self.process = process
 
     def call(self, op: str, *args: Any, timeout: float = 120.0) -> Any:
-        send(self.conn, [op, list(args)])
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"peer did not answer {op!r} within {timeout}s")
-        status, result = recv(self.conn)
-        if status != "ok":
-            raise PeerError(result)
-        return result
+        """``Peer.<op>(*args)`` in the peer; :class:`PeerError` if it raised."""
+        return commands.request(self.channel, op, list(args), timeout=timeout)
 
 
 def device_memory_freed(tensors: list[torch.Tensor], wrappers: list[DeviceIPCWrapper]) -> int:
@@ -267,23 +261,15 @@ def device_memory_freed(tensors: list[torch.Tensor], wrappers: list[DeviceIPCWra
     return int(torch.cuda.mem_get_info()[0] - free_before)
 
 
-class PeerError(AssertionError):
-    """An operation failed in the peer; the message is its error and traceback."""
+#: An operation failed in the peer; the message is its error and traceback.
+PeerError = commands.CommandFailed
 
 
 def peer_main(conn: Connection) -> None:
-    """Serve requests until ``exit``; every failure is reported, never swallowed."""
+    """Serve :class:`Peer`'s public methods until ``exit``; every failure is reported, never swallowed."""
     peer = Peer()
-    while True:
-        op, args = recv(conn)
-        if op == "exit":
-            send(conn, ["ok", None])
-            return
-        try:
-            method: Callable[..., Any] = getattr(peer, op)
-            send(conn, ["ok", method(*args)])
-        except Exception as exc:
-            send(conn, ["error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"])
+    methods = {name: getattr(peer, name) for name in dir(peer) if not name.startswith("_")}
+    commands.serve_commands(commands.PipeChannel(conn), {k: v for k, v in methods.items() if callable(v)})
 
 
 def exporter_main(conn: Connection, nbytes: int) -> None:

@@ -78,33 +78,36 @@ def resolve_worker(conn: Connection, wrappers: bytes, checksum: float) -> None:
 
 
 def reopen_consumer(conn: Connection) -> None:
-    """Reopen each wrapper message it gets, touch every byte, close; report fds/maps/RSS."""
+    """Reopen the wrappers of each ``reopen`` (``support.commands``), touch every byte, close;
+    ``mark`` records fds/maps/RSS, ``exit`` answers every mark."""
     import gc
 
     from lmcache_platform import wire
+    from support.commands import PipeChannel, serve_commands
     from support.reliability import Resources
 
-    _send(conn, {"ready": True})
+    channel = PipeChannel(conn)
+    channel.send({"ready": True})
     marks: dict[str, Any] = {}
     done = 0
-    while True:
-        data = conn.recv_bytes()
-        if data == b"exit":
-            break
-        if data == b"mark":
-            gc.collect()
-            marks[str(done)] = Resources.of().__dict__
-            _send(conn, {"marked": done})
-            continue
-        wrappers = wire.decode(data)
+
+    def reopen(data: str) -> dict[str, float]:
+        nonlocal done
+        wrappers = wire.decode(bytes.fromhex(data))
         views = [w.to_tensor() for w in wrappers]
         total = float(sum(v.double().sum().item() for v in views))
         del views
         for w in wrappers:
             w.close()
         done += 1
-        _send(conn, {"checksum": total})
-    _send(conn, {"marks": marks, "done": done})
+        return {"checksum": total}
+
+    def mark() -> dict[str, int]:
+        gc.collect()
+        marks[str(done)] = Resources.of().__dict__
+        return {"marked": done}
+
+    serve_commands(channel, {"reopen": reopen, "mark": mark, "exit": lambda: {"marks": marks, "done": done}})
 
 
 # -- case 4: a producer that gets SIGKILLed -------------------------------------------------

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from support import commands
 from support.vllm_engines import ROOT, vllm_python
 from support.vllm_models import KINDS
 from support.waits import until
@@ -197,7 +198,7 @@ class EngineDriver:
         self.broken = False
         #: Seconds the first ``generate`` took (vLLM warms up on it).
         self.first_request_s: float | None = None
-        self._sent: list[dict[str, Any]] = []
+        self._sent: list[str] = []  # the ops sent and not yet answered
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -243,47 +244,46 @@ class EngineDriver:
             self.ready_s = round(time.monotonic() - self.t_start, 2)
         return self.ready
 
-    def send(self, cmd: dict[str, Any]) -> None:
-        """Send one command without waiting; :meth:`receive` its answer."""
+    def send(self, op: str, **args: Any) -> None:
+        """Send command ``op`` (``support.commands``) without waiting; :meth:`receive` its result."""
         self.wait_ready()
         if self.proc.poll() is not None:
             raise self._fail("the engine process is gone")
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.write(json.dumps(commands.message(op, args)) + "\n")
             self.proc.stdin.flush()
         except OSError as exc:
-            raise self._fail(f"cannot send {cmd.get('cmd')}: {exc}") from None
-        self._sent.append(cmd)
+            raise self._fail(f"cannot send {op}: {exc}") from None
+        self._sent.append(op)
 
-    def receive(self, timeout: float = 300) -> dict[str, Any]:
-        """The answer to the oldest command sent and not yet answered."""
-        cmd = self._sent.pop(0) if self._sent else {}
+    def receive(self, timeout: float = 300) -> Any:
+        """The result of the oldest command sent and not yet answered."""
+        op = self._sent.pop(0) if self._sent else "?"
         t0 = time.monotonic()
         answer = self._next(timeout)
-        if cmd.get("cmd") == "generate" and self.first_request_s is None:
+        if op == "generate" and self.first_request_s is None:
             self.first_request_s = round(time.monotonic() - t0, 2)
-        if not answer.get("ok"):
-            raise self._fail(f"{cmd.get('cmd')} failed: {answer.get('error')}\n{answer.get('traceback', '')}")
-        return answer
+        try:
+            return commands.result_of(op, answer)
+        except commands.CommandFailed as exc:
+            raise self._fail(str(exc)) from None
 
-    def request(self, cmd: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
-        self.send(cmd)
+    def request(self, op: str, timeout: float = 300, **args: Any) -> Any:
+        self.send(op, **args)
         return self.receive(timeout)
 
     def generate(
         self, prompts: list[dict[str, Any]], *, timeout: float = 300, **kw: Any
     ) -> list[dict[str, Any]]:
-        return list(self.request({"cmd": "generate", "prompts": prompts, **kw}, timeout)["results"])
+        return list(self.request("generate", timeout, prompts=prompts, **kw)["results"])
 
     def run(self, p: dict[str, Any], *, timeout: float = 300, **kw: Any) -> dict[str, Any]:
         """One prompt; its result."""
         return self.generate([p], timeout=timeout, **kw)[0]
 
     def reset_prefix_cache(self, *, reset_connector: bool = False, timeout: float = 60) -> bool:
-        return bool(
-            self.request({"cmd": "reset_prefix_cache", "reset_connector": reset_connector}, timeout)["result"]
-        )
+        return bool(self.request("reset_prefix_cache", timeout, reset_connector=reset_connector))
 
     def cold(self, p: dict[str, Any], **kw: Any) -> dict[str, Any]:
         """``p`` computed from scratch: vLLM's local prefix cache is emptied first."""
@@ -292,21 +292,21 @@ class EngineDriver:
 
     def stats(self, *, settle: bool = False, timeout: float = 60) -> dict[str, Any]:
         """The engine's records; ``settle``: once every store and load it began has ended."""
-        return self.request({"cmd": "stats", "settle": settle}, timeout)
+        return dict(self.request("stats", timeout, settle=settle))
 
     def roundtrip(self, socket: str, *, chunks: int = 3, timeout: float = 300) -> dict[str, Any]:
         """The engine process's ``roundtrip`` command against the server at ``socket``."""
-        return self.request({"cmd": "roundtrip", "socket": socket, "chunks": chunks}, timeout)
+        return dict(self.request("roundtrip", timeout, socket=socket, chunks=chunks))
 
     def kv_blocks(self, blocks: list[int], timeout: float = 60) -> dict[str, str]:
-        return dict(self.request({"cmd": "kv_blocks", "blocks": list(blocks)}, timeout)["digests"])
+        return dict(self.request("kv_blocks", timeout, blocks=list(blocks))["digests"])
 
     def alive(self) -> bool:
         """The process runs and answers a ping."""
         if self.broken or self.proc.poll() is not None:
             return False
         try:
-            self.request({"cmd": "ping"}, timeout=60)
+            self.request("ping", timeout=60)
         except DriverError:
             return False
         return True
@@ -319,7 +319,7 @@ class EngineDriver:
             try:
                 if self.ready is not None and not self.broken:
                     assert self.proc.stdin is not None
-                    self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                    self.proc.stdin.write(json.dumps(commands.message("exit")) + "\n")
                     self.proc.stdin.flush()
                     self.proc.wait(timeout)
             except (OSError, subprocess.TimeoutExpired):

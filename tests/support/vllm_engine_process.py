@@ -39,7 +39,8 @@ talks to it; every real-engine test drives its engines through it. The spec:
     vLLM's ``seed`` (default 0): it seeds Python's ``random`` too, not the weights (those
     are replaced after loading), so the outputs do not depend on it.
 
-Commands (``{"cmd": ...}``); every answer has ``ok`` (and ``error`` when false):
+Commands (``support.commands``: ``{"op": NAME, "args": {...}}``, each answered with its
+result or its error; the ready line comes first, before any):
 
 ``generate``
     ``prompts``: ``[{"ids": [...], "cache_salt": str?, "lora": {"name", "id", "path"}?,
@@ -88,6 +89,7 @@ import traceback
 from typing import Any
 
 from support import vllm_models
+from support.commands import LineChannel, serve_commands
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 #: The probe connector's module, as vLLM imports it (``kv_connector_module_path``).
@@ -458,22 +460,19 @@ def main(spec: dict[str, Any]) -> None:
     # Answers go to the original stdout; everything else (vLLM logs to stdout) to stderr.
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-
-    def answer(obj: dict[str, Any]) -> None:
-        answers.write(json.dumps(obj, default=repr) + "\n")
-        answers.flush()
+    channel = LineChannel(sys.stdin, answers)
 
     with tempfile.TemporaryDirectory() as model_dir:
         t0 = time.monotonic()
         try:
             llm = build(spec, model_dir)
         except BaseException as exc:
-            answer(
+            channel.send(
                 {"ready": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             )
             raise
         block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
-        answer(
+        channel.send(
             {
                 "ready": True,
                 "startup_s": round(time.monotonic() - t0, 2),
@@ -481,44 +480,30 @@ def main(spec: dict[str, Any]) -> None:
                 "block_size": block_size,
             }
         )
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            cmd = json.loads(line)
-            op = cmd.get("cmd")
-            try:
-                if op == "generate":
-                    out = generate(llm, cmd)
-                elif op == "reset_prefix_cache":
-                    out = {"result": reset_prefix_cache(llm, bool(cmd.get("reset_connector")))}
-                elif op == "stats":
-                    settled = settle(llm) if cmd.get("settle") else None
-                    out = {**stats(), "settled": settled}
-                elif op == "roundtrip":
-                    out = roundtrip(llm, cmd["socket"], int(cmd.get("chunks", 3)))
-                elif op == "kv_blocks":
-                    out = kv_blocks(cmd["blocks"])
-                elif op == "ping":
-                    out = {}
-                elif op == "exit":
-                    _shutdown(llm, spec)
-                    answer({"ok": True})
-                    answers.close()
-                    os._exit(0)  # vLLM's own teardown takes seconds; the server sees the disconnect
-                else:
-                    raise ValueError(f"unknown command {op!r}")
-            except Exception as exc:
-                traceback.print_exc()
-                answer(
-                    {
-                        "ok": False,
-                        "error": f"{type(exc).__name__}: {exc}",
-                        "traceback": traceback.format_exc(),
-                    }
-                )
-                continue
-            answer({"ok": True, **out})
-    answers.close()
+        exited = []
+        settle_engine = settle  # the command's argument is named like it
+
+        def exit_() -> None:
+            _shutdown(llm, spec)
+            exited.append(True)
+
+        serve_commands(
+            channel,
+            {
+                "generate": lambda **cmd: generate(llm, cmd),
+                "reset_prefix_cache": lambda reset_connector=False: reset_prefix_cache(
+                    llm, bool(reset_connector)
+                ),
+                "stats": lambda settle=False: {**stats(), "settled": settle_engine(llm) if settle else None},
+                "roundtrip": lambda socket, chunks=3: roundtrip(llm, socket, int(chunks)),
+                "kv_blocks": lambda blocks: kv_blocks(blocks),
+                "ping": lambda: {},
+                "exit": exit_,
+            },
+        )
+        answers.close()
+        if exited:
+            os._exit(0)  # vLLM's own teardown takes seconds; the server sees the disconnect
 
 
 if __name__ == "__main__":

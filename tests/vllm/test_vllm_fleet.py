@@ -37,7 +37,7 @@ import pytest
 
 from support.vllm_driver import TOLERANCE, top_gap
 from support.vllm_engines import ROOT, vllm_python
-from support.vllm_openai import Command, free_port, http_json, metric, wait_healthy
+from support.vllm_openai import OpenAIServer, http_json, metric
 from support.vllm_servers import Server
 from support.waits import wait_until
 
@@ -49,7 +49,6 @@ FLAGS = [
     "--enforce-eager",
     *("--max-model-len", "2048"),
     *("--kv-cache-memory-bytes", str(64 << 20)),
-    *("--host", "127.0.0.1"),
     "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
 ]
 
@@ -66,9 +65,8 @@ class Engine:
     """One OpenAI server; ``connector`` is the server socket or None."""
 
     def __init__(self, name: str, model: Path, socket: str | None, env: dict[str, str], tmp: Path) -> None:
-        self.name, self.model, self.port = name, model, free_port()
-        parts = ["python -m vllm.entrypoints.openai.api_server", f"--model {model}", *FLAGS]
-        parts.append(f"--port {self.port}")
+        self.name, self.model = name, model
+        flags = list(FLAGS)
         if socket is not None:
             config = {
                 "kv_connector": "LMCachePlatformConnector",
@@ -76,8 +74,9 @@ class Engine:
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"socket": socket},
             }
-            parts.append(f"--kv-transfer-config '{json.dumps(config)}'")
-        self.cmd = Command(" ".join(parts), env, tmp / f"{name}.log")
+            flags += ["--kv-transfer-config", json.dumps(config)]
+        self.cmd = OpenAIServer(vllm_python(), model, flags, env, tmp / f"{name}.log")
+        self.port = self.cmd.port
 
     def complete(self, ids: list[int]) -> dict[str, Any]:
         body = {
@@ -137,7 +136,7 @@ def test_four_engines_share_one_server_across_its_restart(tmp_path: Path) -> Non
     observed: dict[str, Any] = {}
     try:
         for e in [*engines, ref]:
-            wait_healthy(e.cmd, e.port)
+            e.cmd.wait_healthy()
         wait_until(
             lambda: int(server.status()["contexts"]) == ENGINES, "every engine registered", 120, interval=0.1
         )

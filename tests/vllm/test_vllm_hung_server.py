@@ -166,7 +166,7 @@ def test_a_server_killed_mid_load_leaves_the_output_unchanged(lab, failing, ref_
     n0 = len(server.events())
     server.set_mode(get="sleep", sleep_s=120)
     try:
-        engine.send({"cmd": "generate", "prompts": [p]})
+        engine.send("generate", prompts=[p])
         began = server.wait_event(
             lambda e: e.get("op") == "get" and e.get("phase") == "begin", timeout=60, after=n0
         )

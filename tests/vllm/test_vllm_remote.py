@@ -325,7 +325,7 @@ def test_four_engines_on_two_nodes_under_a_remote_memory_cap(
             fresh = new
             for engine, ps in zip(engines, batches, strict=True):  # all four engines at once
                 engine.reset_prefix_cache()
-                engine.send({"cmd": "generate", "prompts": ps})
+                engine.send("generate", prompts=ps)
             for engine, ps in zip(engines, batches, strict=True):
                 runs += list(zip(ps, engine.receive(timeout=600)["results"], strict=True))
         after = {name: lab.servers[name].status() for name in ("remote-a", "remote-b")}
