@@ -648,8 +648,7 @@ class ReferenceServer:
         """Fetch ``req.chunks[start:]`` from the remote tier (:func:`fetch_remote`), keep them here,
         write the leading run into the engine's blocks. Returns ``(chunks written, bytes)``."""
         assert self.tier is not None
-        keys = [content_key(c.chunk_id) for c in req.chunks[start:]]
-        items = fetch_remote(self.tier, entry, keys, req.deadline)
+        items = fetch_remote(self.tier, entry, req.chunks[start:], req.deadline)
         if not items:
             return 0, 0
         with entry.lock:

@@ -189,14 +189,15 @@ def remote_share(deadline: int | None) -> int | None:
 
 
 def fetch_remote(
-    tier: RemoteTier | RemoteChain, entry: Entry, keys: Sequence[bytes], deadline: int | None
+    tier: RemoteTier | RemoteChain, entry: Entry, chunks: Sequence[Chunk], deadline: int | None
 ) -> list[tuple[Hashable, Sequence[Any], int]]:
-    """The leading run of ``keys`` the remote tier holds, in fresh chunk memory of ``entry``'s context.
+    """The leading run of ``chunks`` the remote tier holds, in fresh chunk memory of ``entry``'s context.
 
     Each entry is checked against the context's chunk (one uint8 tensor per object
     group, of its size) besides its identity and checksum; the first chunk the store
     lacks, refuses or loses ends the run. Returns ``(key, tensors, nbytes)`` per chunk.
     """
+    keys = [content_key(c.chunk_id) for c in chunks]
     expect = [TensorSpec("uint8", (n,)) for n in entry.ctx.chunk_nbytes]
     fetched = tier.fetch(entry.remote_ns, keys, remote_share(deadline), expect, into=entry.ctx.allocate_chunk)
     items: list[tuple[Hashable, Sequence[Any], int]] = []
