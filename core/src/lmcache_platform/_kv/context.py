@@ -546,8 +546,8 @@ class BaseCacheContext(GroupQueries, abc.ABC):
     ) -> None:
         """Run every check a store (or, with ``retrieve``, a retrieve) would run; move nothing.
 
-        Lets a caller validate a multi-chunk request up front so that a bad last chunk
-        does not leave earlier chunks written. Raises :class:`TransferError`.
+        Raises :class:`TransferError`. To check a request's chunks up front and move them
+        without checking again, use :meth:`check_chunks`.
         """
         self._check_open()
         self._planner.check(block_ids_per_group, num_tokens, retrieve=retrieve)
