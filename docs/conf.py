@@ -52,13 +52,18 @@ _PRIVATE_ALIASES = {
     "LayerKV": "torch.Tensor | tuple[torch.Tensor, torch.Tensor]",
     "LayerTensors": "torch.Tensor | tuple[torch.Tensor, torch.Tensor]",
     "lmcache_platform._env._Choice": "str",
+    "ChunkIds": "lmcache_platform.CheckedChunk | collections.abc.Sequence[collections.abc.Sequence[int]]",
     "ChunkLike": "lmcache_platform.server.Chunk | "
     "tuple[str | bytes, collections.abc.Sequence[collections.abc.Sequence[int]]]",
 }
 
-# Constructors only the package calls (the base cache context builds its groups manager, the
-# lmcache_registry fixture its handle): documented without a parameter list.
-_INTERNAL_CONSTRUCTORS = {"lmcache_platform.KVLayerGroupsManager", "lmcache_platform.testing.RegistryFixture"}
+# Constructors only the package calls (the base cache context builds its groups manager and
+# checked chunks, the lmcache_registry fixture its handle): documented without a parameter list.
+_INTERNAL_CONSTRUCTORS = {
+    "lmcache_platform.KVLayerGroupsManager",
+    "lmcache_platform.CheckedChunk",
+    "lmcache_platform.testing.RegistryFixture",
+}
 # Parameters of a class internal to the package: listed without that type (the docstring says
 # what they take).
 _INTERNAL_PARAMETERS = {"lmcache_platform.server.ReferenceServer": ("tier",)}

@@ -50,6 +50,7 @@ from ._kv.context import BaseCacheContext, NullStream
 from ._kv.geometry import CopyGeometry, CopyUnit, copy_geometry
 from ._kv.groups import KernelGroup, KVLayerGroupsManager, ObjectGroup
 from ._kv.layout import allocate_kv_caches, kv_cache_shape
+from ._kv.plan import CheckedChunk
 from ._kv.transfer import ChunkTransfer, GroupTransfer
 from ._lazy import lazy_exports
 from ._plugins.engine import Status
@@ -85,6 +86,7 @@ __all__ = [
     "BackendUnavailableError",
     "BaseCacheContext",
     "CacheContextConfig",
+    "CheckedChunk",
     "ChunkTransfer",
     "CopyGeometry",
     "CopyUnit",

@@ -24,17 +24,11 @@ from .groups import KVLayerGroupsManager, discover_groups
 from .hostalloc import DEFAULT_AHEAD_BYTES, HUGE_PAGE_BYTES, POOL, host_empty
 from .layout import LayerTensors
 from .movers import build_movers
-from .plan import ChunkPlanner, is_int
+from .plan import CheckedChunk, ChunkIds, ChunkPlanner, is_int, to_device
 from .queries import GroupQueries
 from .reopen import close_all, one_device, reopen_layers, tensors_of
 from .staging import StagingLayout
-from .transfer import (
-    GATHER_WORD_DTYPES,
-    SCATTER_WORD_DTYPES,
-    ChunkTransfer,
-    GroupMover,
-    GroupTransfer,
-)
+from .transfer import GATHER_WORD_DTYPES, SCATTER_WORD_DTYPES, ChunkTransfer, GroupMover
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -317,45 +311,85 @@ class BaseCacheContext(GroupQueries, abc.ABC):
         """
         return None
 
-    def read_chunks(self, chunks: Sequence[Sequence[Sequence[int]]]) -> list[list[torch.Tensor]]:
-        """Copy a batch of chunks out of the paged blocks into fresh host tensors, one list per chunk.
+    def check_chunks(
+        self, chunks: Sequence[ChunkIds], *, retrieve: bool = False, name: Callable[[int], str] | None = None
+    ) -> list[CheckedChunk]:
+        """Check a request's chunks, every one before any moves: the checked chunks to move.
 
         ``chunks[i]`` is one chunk's block ids per engine group (as :meth:`read_chunk`
-        takes them). Up to :attr:`max_batch_size` chunks are in flight at once, each in
-        its own staging slot, so on a device the gather of one overlaps the host copy of
-        another; returns once every byte has landed.
+        takes them). :meth:`read_chunks` (a store) or, ``retrieve``, :meth:`write_chunks`
+        then move them without checking again. A refusal (:class:`TransferError`) names
+        the chunk (``name(i)`` where given: a server's key) and says nothing was transferred.
         """
+        self._check_open()
+        out = []
+        for i, chunk in enumerate(chunks):
+            try:
+                out.append(self._planner.checked(chunk, None, retrieve=retrieve))
+            except TransferError as exc:
+                which = f"chunk {i}" if name is None else f"chunk {i} ({name(i)})"
+                raise TransferError(f"{which}: {exc}; nothing was transferred") from exc
+        return out
+
+    def read_chunks(self, chunks: Sequence[ChunkIds], *, event: bytes = b"") -> list[list[torch.Tensor]]:
+        """Copy a batch of chunks out of the paged blocks into fresh host tensors, one list per chunk.
+
+        ``chunks[i]`` is one chunk's block ids per engine group, or what
+        :meth:`check_chunks` made of them; all are checked before any moves. With an
+        engine's ``event`` (:meth:`wait_event`), the reads are ordered after it. Up to
+        :attr:`max_batch_size` chunks are in flight at once, each in its own staging
+        slot, so on a device the gather of one overlaps the host copy of another;
+        returns once every byte has landed.
+        """
+        checked = self.check_chunks(chunks)
         out: list[list[torch.Tensor]] = []
 
-        def read(slot: int, block_ids: Sequence[Sequence[int]]) -> None:
+        def read(slot: int, chunk: CheckedChunk) -> None:
             out.append(self.allocate_chunk())
-            self.read_chunk(block_ids, out[-1], slot=slot)
+            self.read_chunk(chunk, out[-1], slot=slot)
 
-        self._in_batches(chunks, read)
+        self._in_batches(checked, read, event)
         return out
 
     def write_chunks(
         self,
-        chunks: Sequence[tuple[Sequence[Sequence[int]], Sequence[torch.Tensor]]],
+        chunks: Sequence[tuple[ChunkIds, Sequence[torch.Tensor]]],
         *,
+        event: bytes = b"",
         before_batch: Callable[[int], None] | None = None,
     ) -> None:
         """Copy a batch of chunks (block ids per engine group, host tensors) into the paged blocks.
 
-        The inverse of :meth:`read_chunks`, pipelined the same way. ``before_batch(done)``
-        runs before each batch of :attr:`max_batch_size` chunks (``done`` written so far):
-        a caller's deadline check, which may raise to stop between batches.
+        The inverse of :meth:`read_chunks`, pipelined the same way; the block ids (as
+        :meth:`check_chunks` with ``retrieve`` makes them, or raw) and the host tensors
+        of every chunk are checked before any is written. ``before_batch(done)`` runs
+        before each batch of :attr:`max_batch_size` chunks (``done`` written so far): a
+        caller's deadline check, which may raise to stop between batches.
         """
-        self._in_batches(chunks, lambda slot, c: self.write_chunk(c[0], c[1], slot=slot), before_batch)
+        checked = self.check_chunks([ids for ids, _ in chunks], retrieve=True)
+        for i, (_, host) in enumerate(chunks):
+            try:
+                self._staging_layout.check_host(host)
+            except TransferError as exc:
+                raise TransferError(f"chunk {i}: {exc}; nothing was transferred") from exc
+        moves = [(chunk, host) for chunk, (_, host) in zip(checked, chunks, strict=True)]
+        self._in_batches(moves, lambda slot, c: self.write_chunk(c[0], c[1], slot=slot), event, before_batch)
 
     def _in_batches(
-        self, items: Sequence[T], move: Callable[[int, T], None], before: Callable[[int], None] | None = None
+        self,
+        items: Sequence[T],
+        move: Callable[[int, T], None],
+        event: bytes,
+        before: Callable[[int], None] | None = None,
     ) -> None:
         """``move(slot, item)`` for up to :attr:`max_batch_size` items at a time, then synchronize.
 
-        A failure mid-batch still waits for the copies already issued: the host memory
-        they land in may be handed out again once this returns.
+        With an ``event``, wait for it first (even for no items: later transfers are
+        ordered after it too). A failure mid-batch still waits for the copies already
+        issued: the host memory they land in may be handed out again once this returns.
         """
+        if event:
+            self.wait_event(event)
         for start in range(0, len(items), self.max_batch_size):
             if before is not None:
                 before(start)
@@ -487,7 +521,7 @@ class BaseCacheContext(GroupQueries, abc.ABC):
                 f"{total} block ids exceed the staging capacity of {self._block_ids_capacity}"
             )
         assert self._block_ids_buffer is not None  # callers check the context is open
-        return _to_device(self._block_ids_buffer, ids)
+        return to_device(self._block_ids_buffer, ids)
 
     def stage_block_ids(self, block_ids_per_group: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Copy block ids (one list per engine group) to :attr:`device`; one view per group.
@@ -512,54 +546,15 @@ class BaseCacheContext(GroupQueries, abc.ABC):
     ) -> None:
         """Run every check a store (or, with ``retrieve``, a retrieve) would run; move nothing.
 
-        Lets a caller validate a multi-chunk request up front so that a bad last chunk
-        does not leave earlier chunks written. Raises :class:`TransferError`.
+        Raises :class:`TransferError`. To check a request's chunks up front and move them
+        without checking again, use :meth:`check_chunks`.
         """
         self._check_open()
         self._planner.check(block_ids_per_group, num_tokens, retrieve=retrieve)
 
-    def _transfer_plan(
-        self,
-        slot: int,
-        num_tokens: int,
-        ids: list[list[int]],
-        host: Sequence[torch.Tensor] | None = None,
-    ) -> ChunkTransfer:
-        """The planner's runs as a :class:`ChunkTransfer`, their ids on the device in one copy.
-
-        The parts' buffers are slot ``slot``'s, or views of the chunk's ``host`` tensors.
-        """
-        blocks = self.chunk_format == "blocks"
-        buffers = [
-            self._slot_kg_views[slot][kg.index] if host is None else self._staging_layout.host_view(host, kg)
-            for kg in self._manager.kernel_groups
-        ]
-        runs = self._planner.runs(num_tokens, ids)
-        assert self._kernel_ids_buffer is not None  # callers check the context is open
-        staged = _to_device(self._kernel_ids_buffer, [run.tensor_ids for run in runs])
-        parts = [
-            GroupTransfer(
-                kernel_group_idx=kg.index,
-                first_token=first,
-                num_tokens=count,
-                block_ids=ids_on_device,
-                block_id_list=tuple(tensor_ids),
-                buffer=buffers[kg.index].reshape(-1) if blocks else buffers[kg.index],
-                staging_offset=offset,
-            )
-            for (kg, first, count, tensor_ids, offset), ids_on_device in zip(runs, staged, strict=True)
-        ]
-        return ChunkTransfer(
-            slot=slot,
-            num_tokens=num_tokens,
-            groups=tuple(parts),
-            staged=host is None,
-            chunk_format=self.chunk_format,
-        )
-
     def store_chunk(
         self,
-        block_ids_per_group: Sequence[Sequence[int]],
+        block_ids_per_group: ChunkIds,
         *,
         slot: int = 0,
         num_tokens: int | None = None,
@@ -577,7 +572,7 @@ class BaseCacheContext(GroupQueries, abc.ABC):
 
     def retrieve_chunk(
         self,
-        block_ids_per_group: Sequence[Sequence[int]],
+        block_ids_per_group: ChunkIds,
         *,
         slot: int = 0,
         num_tokens: int | None = None,
@@ -595,7 +590,7 @@ class BaseCacheContext(GroupQueries, abc.ABC):
 
     def read_chunk(
         self,
-        block_ids_per_group: Sequence[Sequence[int]],
+        block_ids_per_group: ChunkIds,
         out: Sequence[torch.Tensor],
         *,
         slot: int = 0,
@@ -617,7 +612,7 @@ class BaseCacheContext(GroupQueries, abc.ABC):
 
     def write_chunk(
         self,
-        block_ids_per_group: Sequence[Sequence[int]],
+        block_ids_per_group: ChunkIds,
         src: Sequence[torch.Tensor],
         *,
         slot: int = 0,
@@ -634,7 +629,7 @@ class BaseCacheContext(GroupQueries, abc.ABC):
 
     def _run(
         self,
-        block_ids_per_group: Sequence[Sequence[int]],
+        block_ids_per_group: ChunkIds,
         slot: int,
         num_tokens: int | None,
         *,
@@ -648,7 +643,7 @@ class BaseCacheContext(GroupQueries, abc.ABC):
         """
         self._check_open()
         slot = self._slot(slot)
-        num_tokens, ids = self._planner.check(block_ids_per_group, num_tokens, retrieve=retrieve)
+        chunk = self._planner.checked(block_ids_per_group, num_tokens, retrieve=retrieve)
         direct = host is not None and self._staging_layout.check_host(host) and self._device.type == "cpu"
         staged_host = None if direct else host
         with self._transfer_lock:
@@ -656,7 +651,15 @@ class BaseCacheContext(GroupQueries, abc.ABC):
             with self.stream_context():
                 if staged_host is not None and retrieve:
                     self.copy_into_slot(slot, staged_host)
-                plan = self._transfer_plan(slot, num_tokens, ids, host if direct else None)
+                buffers = (
+                    [self._staging_layout.host_view(host, kg) for kg in self._manager.kernel_groups]
+                    if direct and host is not None
+                    else self._slot_kg_views[slot]
+                )
+                assert self._kernel_ids_buffer is not None  # checked open under the lock
+                plan = self._planner.transfer(
+                    chunk, slot=slot, buffers=buffers, ids_buffer=self._kernel_ids_buffer, staged=not direct
+                )
                 self.retrieve(plan) if retrieve else self.store(plan)
                 if staged_host is not None and not retrieve:
                     self.copy_out_of_slot(slot, staged_host)
@@ -748,19 +751,3 @@ class BaseCacheContext(GroupQueries, abc.ABC):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_layers} layers on {self._device}"
         return f"<{type(self).__name__} {state}>"
-
-
-def _to_device(buffer: torch.Tensor, groups: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Copy ``groups`` of ids to the start of ``buffer`` in one copy, not waited for; a view each."""
-    import torch
-
-    flat = [x for group in groups for x in group]
-    staged = buffer[: len(flat)]
-    # pinned for a device: an asynchronous copy from pageable memory may wait for the stream
-    ids = torch.tensor(flat, dtype=torch.int64, pin_memory=buffer.device.type == "cuda")
-    staged.copy_(ids, non_blocking=True)
-    views, start = [], 0
-    for group in groups:
-        views.append(staged.narrow(0, start, len(group)))
-        start += len(group)
-    return views

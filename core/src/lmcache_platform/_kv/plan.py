@@ -1,22 +1,47 @@
 """Checking a chunk's block ids and turning them into the tensor blocks each group moves.
 
-Pure bookkeeping over the layer groups (``groups.py``): no tensors, no device. The
-cache context asks it before anything is copied, so a bad request is refused whole
-(:class:`TransferError`), and uses its runs to build a
-:class:`~lmcache_platform.ChunkTransfer`.
+Bookkeeping over the layer groups (``groups.py``). The cache context asks it before
+anything is copied, so a bad request is refused whole (:class:`TransferError`); what
+passed is a :class:`CheckedChunk`, moved as it is and never checked again. Its runs
+become a :class:`~lmcache_platform.ChunkTransfer` (:meth:`ChunkPlanner.transfer`), the
+one step that touches tensors: the buffers the context hands it and one copy of ids.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._errors import TransferError
-from .transfer import SKIP_BLOCK
+from .transfer import SKIP_BLOCK, ChunkTransfer, GroupTransfer
 
 if TYPE_CHECKING:
+    import torch
+
     from .groups import KernelGroup, KVLayerGroupsManager
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedChunk:
+    """One chunk's block ids after every check, for the context and direction that checked it.
+
+    :meth:`BaseCacheContext.check_chunks <lmcache_platform.BaseCacheContext.check_chunks>`
+    makes them; every transfer call takes one wherever it takes block ids and moves it
+    without checking again. A store's rules and a retrieve's differ (a retrieve may skip
+    blocks and writes each block once), so it serves the direction it was checked for.
+    """
+
+    num_tokens: int
+    #: Per engine group, the block ids as ints.
+    ids: tuple[tuple[int, ...], ...]
+    retrieve: bool
+    checker: ChunkPlanner = field(repr=False)
+
+
+#: One chunk's block ids per engine group, as checked or still to check.
+ChunkIds = CheckedChunk | Sequence[Sequence[int]]
 
 
 class Run(NamedTuple):
@@ -88,10 +113,23 @@ class ChunkPlanner:
             out.append(values)
         return out
 
+    def checked(self, chunk: ChunkIds, num_tokens: int | None, *, retrieve: bool) -> CheckedChunk:
+        """``chunk`` checked: as it is when this planner checked it for this direction, else :meth:`check`."""
+        if not isinstance(chunk, CheckedChunk):
+            return self.check(chunk, num_tokens, retrieve=retrieve)
+        if chunk.checker is not self:
+            raise TransferError("these block ids were checked by another cache context; check them here")
+        if chunk.retrieve != retrieve:
+            done, want = ("a retrieve", "a store") if chunk.retrieve else ("a store", "a retrieve")
+            raise TransferError(f"these block ids were checked for {done}, not {want}")
+        if num_tokens is not None and num_tokens != chunk.num_tokens:
+            raise TransferError(f"num_tokens {num_tokens!r}, but the ids were checked for {chunk.num_tokens}")
+        return chunk
+
     def check(
         self, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int | None, *, retrieve: bool
-    ) -> tuple[int, list[list[int]]]:
-        """Validate one chunk's arguments completely; returns ``(num_tokens, ids)``."""
+    ) -> CheckedChunk:
+        """Validate one chunk's arguments completely."""
         chunk = self.tokens_per_chunk
         if num_tokens is None:
             num_tokens = chunk
@@ -122,7 +160,45 @@ class ChunkPlanner:
                         f"engine group {eg.index}: retrieve would write block ids {written} "
                         f"and some repeat; every written block must be distinct"
                     )
-        return num_tokens, ids
+        return CheckedChunk(num_tokens, tuple(tuple(g) for g in ids), retrieve, self)
+
+    def transfer(
+        self,
+        chunk: CheckedChunk,
+        *,
+        slot: int,
+        buffers: Sequence[torch.Tensor],
+        ids_buffer: torch.Tensor,
+        staged: bool,
+    ) -> ChunkTransfer:
+        """``chunk``'s runs as a :class:`ChunkTransfer`, their ids on the device in one copy.
+
+        ``buffers[k]`` is kernel group ``k``'s region of the chunk: staging slot ``slot``'s
+        (``staged``), or a view of the caller's host tensors. ``ids_buffer`` is the device
+        buffer the tensor block ids are copied into (:attr:`tensor_ids_per_chunk` fit).
+        """
+        blocks = self.chunk_format == "blocks"
+        runs = self.runs(chunk.num_tokens, chunk.ids)
+        on_device = to_device(ids_buffer, [run.tensor_ids for run in runs])
+        parts = [
+            GroupTransfer(
+                kernel_group_idx=kg.index,
+                first_token=first,
+                num_tokens=count,
+                block_ids=ids,
+                block_id_list=tuple(tensor_ids),
+                buffer=buffers[kg.index].reshape(-1) if blocks else buffers[kg.index],
+                staging_offset=offset,
+            )
+            for (kg, first, count, tensor_ids, offset), ids in zip(runs, on_device, strict=True)
+        ]
+        return ChunkTransfer(
+            slot=slot,
+            num_tokens=chunk.num_tokens,
+            groups=tuple(parts),
+            staged=staged,
+            chunk_format=self.chunk_format,
+        )
 
     def runs(self, num_tokens: int, ids: Sequence[Sequence[int]]) -> list[Run]:
         """Per kernel group, its kept positions and the tensor blocks holding them.
@@ -168,6 +244,22 @@ def _unskipped(
         run_end = hi
     if run:
         yield run_start, run_end - run_start, run
+
+
+def to_device(buffer: torch.Tensor, groups: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Copy ``groups`` of ids to the start of ``buffer`` in one copy, not waited for; a view each."""
+    import torch
+
+    flat = [x for group in groups for x in group]
+    staged = buffer[: len(flat)]
+    # pinned for a device: an asynchronous copy from pageable memory may wait for the stream
+    ids = torch.tensor(flat, dtype=torch.int64, pin_memory=buffer.device.type == "cuda")
+    staged.copy_(ids, non_blocking=True)
+    views, start = [], 0
+    for group in groups:
+        views.append(staged.narrow(0, start, len(group)))
+        start += len(group)
+    return views
 
 
 def is_int(value: object) -> bool:

@@ -259,7 +259,9 @@ class Tracker:
 
     def sweep(self) -> None:
         """Release the memory of in-place storages that died since (torch tells no one)."""
-        for address, segment in list(self.segments.items()):
+        # copy() allocates no items, so no collection runs mid-copy: a finalizer that a
+        # collection runs on this thread (_mapping_died, the lock is reentrant) edits the dict
+        for address, segment in self.segments.copy().items():
             if segment.source is not None and segment.source.expired():
                 self._in_place_died(address, segment)
 

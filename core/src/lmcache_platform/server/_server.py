@@ -3,12 +3,10 @@
 It is deliberately small but real: it listens on a UNIX socket (mode 0600 inside a
 private 0700 directory), decodes wrappers with the allow-listed wire format,
 builds cache contexts through :func:`lmcache_platform.create_cache_context`,
-and moves chunks between the engine's paged blocks and its own host memory with
-the context's ``read_chunk`` / ``write_chunk`` (on the host one pass straight into or
-out of a chunk's host tensors; on a device through a staging slot). It shows exactly
-which calls a production server (LMCache) makes; see ``docs/engine-integration.md``.
-A transfer that carries a device ``event`` waits for it on the context's stream
-(``wait_event``) before it touches the engine's blocks.
+and moves chunks between the engine's paged blocks and its own host memory with one
+call into the context per request, ``read_chunks`` / ``write_chunks`` of the chunks
+``check_chunks`` passed, which also wait for the engine's device ``event``. It shows
+exactly which calls a production server (LMCache) makes; see ``docs/engine-integration.md``.
 
 What it holds is a cache (``server._index``): chunks named by content keys in a
 namespace are shared by every context registered with that namespace, outlive the
@@ -67,6 +65,7 @@ from ._registration import open_context, prefault
 from ._transfers import (
     DeadlineExceeded,
     Entry,
+    check,
     check_deadline,
     check_unique,
     chunk_names,
@@ -75,12 +74,12 @@ from ._transfers import (
     gather,
     namespace_of,
     num_object_groups,
-    precheck,
     remote_share,
     scatter,
 )
 
 if TYPE_CHECKING:
+    from .._kv.plan import CheckedChunk
     from ..remote._chain import RemoteChain
     from ..remote._tier import RemoteTier
 
@@ -583,9 +582,9 @@ class ReferenceServer:
         check_unique(req.chunks)
         with entry.lock:
             check_deadline(req.deadline, "before the store began")
-            precheck(entry.ctx, req.chunks, retrieve=False)
+            checked = check(entry, req.chunks, retrieve=False)
             res = self._index.reserve(entry.context, chunk_names(req.chunks), entry.chunk_bytes, shared=False)
-            gather(self._index, entry, req.chunks, res, req.deadline, req.event)
+            gather(self._index, entry, req.chunks, checked, res, req.deadline, req.event)
         return _ops.StoreResult(stored=len(res.keys), bytes=len(res.keys) * entry.chunk_bytes)
 
     def _put(self, req: _ops.PutRequest, conn: _Connection) -> _ops.PutResult:
@@ -594,9 +593,9 @@ class ReferenceServer:
         check_unique(req.chunks)
         with entry.lock:
             check_deadline(req.deadline, "before the put began")
-            precheck(entry.ctx, req.chunks, retrieve=False)
+            checked = check(entry, req.chunks, retrieve=False)
             res = self._index.reserve(namespace, chunk_names(req.chunks), entry.chunk_bytes, shared=True)
-            payloads = gather(self._index, entry, req.chunks, res, req.deadline, req.event)
+            payloads = gather(self._index, entry, req.chunks, checked, res, req.deadline, req.event)
         if self.tier is not None:  # only chunks computed here: a put skips chunks a get brought
             for key, (tensors, _) in zip(res.keys, payloads, strict=True):
                 self.tier.write_behind(entry.remote_ns, content_key(key), tensors)
@@ -618,9 +617,9 @@ class ReferenceServer:
                     f"unknown chunk ids {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
                     "nothing was retrieved"
                 )
-            precheck(entry.ctx, req.chunks, retrieve=True)
+            checked = check(entry, req.chunks, retrieve=True)
             held = self._index.acquire(entry.context, names)
-            total = scatter(self._index, entry, req.chunks, held, req.deadline, req.event)
+            total = scatter(self._index, entry, checked, held, req.deadline, req.event)
         return _ops.RetrieveResult(retrieved=len(req.chunks), bytes=total)
 
     def _get(self, req: _ops.GetRequest, conn: _Connection) -> _ops.GetResult:
@@ -628,12 +627,12 @@ class ReferenceServer:
         namespace = namespace_of(entry, "get")
         try:
             with entry.lock:
-                precheck(entry.ctx, req.chunks, retrieve=True)
+                checked = check(entry, req.chunks, retrieve=True)
                 held = self._index.acquire(namespace, chunk_names(req.chunks))
-                total = scatter(self._index, entry, req.chunks[: len(held)], held, req.deadline, req.event)
+                total = scatter(self._index, entry, checked[: len(held)], held, req.deadline, req.event)
             done = len(held)
             if done < len(req.chunks) and self.tier is not None:
-                more, nbytes = self._get_remote(entry, req.chunks, done, req.deadline)
+                more, nbytes = self._get_remote(entry, req, checked, done)
                 done, total = done + more, total + nbytes
         finally:  # read (or never to be): the lease's pins here have served their purpose
             if req.lease:
@@ -644,18 +643,18 @@ class ReferenceServer:
         return _ops.GetResult(retrieved=done, bytes=total)
 
     def _get_remote(
-        self, entry: Entry, chunks: Sequence[_ops.Chunk], start: int, deadline: int | None
+        self, entry: Entry, req: _ops.GetRequest, checked: Sequence[CheckedChunk], start: int
     ) -> tuple[int, int]:
-        """Fetch ``chunks[start:]`` from the remote tier (:func:`fetch_remote`), keep them here,
+        """Fetch ``req.chunks[start:]`` from the remote tier (:func:`fetch_remote`), keep them here,
         write the leading run into the engine's blocks. Returns ``(chunks written, bytes)``."""
         assert self.tier is not None
-        items = fetch_remote(self.tier, entry, [content_key(c.chunk_id) for c in chunks[start:]], deadline)
+        items = fetch_remote(self.tier, entry, req.chunks[start:], req.deadline)
         if not items:
             return 0, 0
         with entry.lock:
-            head = [c.chunk_id for c in chunks[:start]]
+            head = [c.chunk_id for c in req.chunks[:start]]
             held = self._index.adopt(entry.namespace, items, head=head)
-            total = scatter(self._index, entry, chunks[start : start + len(held)], held, deadline)
+            total = scatter(self._index, entry, checked[start : start + len(held)], held, req.deadline)
         return len(held), total
 
     def _lookup(self, req: _ops.LookupRequest, conn: _Connection) -> _ops.LookupResult:

@@ -1,10 +1,12 @@
 """Moving chunks between an engine's paged blocks and the chunk index, under deadlines.
 
 The data path of the reference server: a registered context (:class:`Entry`), the
-checks every chunk passes before any chunk moves (a bad request writes nothing), and
-the two moves: :func:`gather` (a store: the context's ``read_chunks``, then a commit
-into the index) and :func:`scatter` (a load: pinned chunks through ``write_chunks``).
-Chunks the remote tier holds come in through :func:`fetch_remote`.
+checks every chunk passes before any chunk moves (:func:`check`: a bad request writes
+nothing), and the two moves of checked chunks, each one call into the context:
+:func:`gather` (a store: ``read_chunks``, then a commit into the index) and
+:func:`scatter` (a load: pinned chunks through ``write_chunks``). The context waits
+for the engine's event itself. Chunks the remote tier holds come in through
+:func:`fetch_remote`.
 
 Deadlines: a request may carry ``deadline`` (``time.monotonic_ns()``; client and
 server share the host's clock). Work whose deadline has passed is not done: a request
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._kv.context import BaseCacheContext
+    from .._kv.plan import CheckedChunk
     from ..remote._chain import RemoteChain
     from ..remote._tier import RemoteTier
 
@@ -77,25 +80,24 @@ def gather(
     index: ChunkIndex,
     entry: Entry,
     chunks: Sequence[Chunk],
+    checked: Sequence[CheckedChunk],
     res: Reservation,
     deadline: int | None = None,
     event: bytes = b"",
 ) -> list[tuple[list[torch.Tensor], int]]:
     """Copy the reserved chunks out of the engine's blocks, then commit them. Caller holds entry.lock.
 
-    Each chunk is read into fresh host tensors (one pass on the host); with an
-    ``event``, the reads wait for it on the device first. Past ``deadline`` once
-    the copies are done, nothing is committed: the engine may have reused its blocks
-    meanwhile, so what was read is not trusted. Returns ``(tensors, nbytes)`` per
-    reserved key, in order.
+    ``checked[i]`` is ``chunks[i]``'s ids (:func:`check`). Each chunk is read into fresh
+    host tensors (one pass on the host); with an ``event``, the reads wait for it on the
+    device first. Past ``deadline`` once the copies are done, nothing is committed: the
+    engine may have reused its blocks meanwhile, so what was read is not trusted.
+    Returns ``(tensors, nbytes)`` per reserved key, in order.
     """
-    ctx = entry.ctx
     todo = set(res.keys)
     payloads: list[tuple[list[torch.Tensor], int]] = []
     try:
-        if event:
-            ctx.wait_event(event)
-        read = ctx.read_chunks([c.block_ids for c in chunks if c.chunk_id in todo])
+        mine = [ids for c, ids in zip(chunks, checked, strict=True) if c.chunk_id in todo]
+        read = entry.ctx.read_chunks(mine, event=event)
         payloads = [(tensors, sum(t.nbytes for t in tensors)) for tensors in read]
         check_deadline(deadline, "after the store's reads; nothing was committed")
     except BaseException:
@@ -108,32 +110,27 @@ def gather(
 def scatter(
     index: ChunkIndex,
     entry: Entry,
-    chunks: Sequence[Chunk],
+    checked: Sequence[CheckedChunk],
     held: Sequence[StoredChunk],
     deadline: int | None = None,
     event: bytes = b"",
 ) -> int:
-    """Write pinned chunks into the engine's blocks, then unpin them. Caller holds entry.lock.
+    """Write pinned chunks into the engine's blocks (``checked[i]``: ``held[i]``'s), then unpin them.
 
-    Each chunk is written straight from its host tensors on the host (one pass);
-    with an ``event``, the writes wait for it on the device first. Before each batch
-    of writes, :class:`DeadlineExceeded` once ``deadline`` has passed: the engine no
-    longer waits for those blocks. Earlier batches stay written.
+    Caller holds entry.lock. Each chunk is written straight from its host tensors on
+    the host (one pass); with an ``event``, the writes wait for it on the device first.
+    Before each batch of writes, :class:`DeadlineExceeded` once ``deadline`` has passed:
+    the engine no longer waits for those blocks. Earlier batches stay written.
     """
-    ctx = entry.ctx
     total = 0
     try:
-        for stored in held:  # a namespace has one layout, so this holds; check before writing
-            if len(stored.payload) != num_object_groups(ctx) or stored.nbytes != entry.chunk_bytes:
-                raise TransferError("a stored chunk does not match this context's layout; nothing written")
-        if event:
-            ctx.wait_event(event)
 
         def before_batch(done: int) -> None:
             check_deadline(deadline, f"after {done} of {len(held)} chunks were written")
 
-        ctx.write_chunks(
-            [(c.block_ids, stored.payload) for c, stored in zip(chunks, held, strict=True)],
+        entry.ctx.write_chunks(
+            [(ids, stored.payload) for ids, stored in zip(checked, held, strict=True)],
+            event=event,
             before_batch=before_batch,
         )
         total = sum(host.nbytes for stored in held for host in stored.payload)
@@ -173,14 +170,10 @@ def check_unique(chunks: Sequence[Chunk]) -> None:
         seen.add(c.chunk_id)
 
 
-def precheck(ctx: BaseCacheContext, chunks: Sequence[Chunk], *, retrieve: bool) -> None:
-    """Check every chunk before any chunk moves, so a bad request writes nothing."""
-    for i, chunk in enumerate(chunks):
-        try:
-            ctx.validate_transfer(chunk.block_ids, retrieve=retrieve)
-        except TransferError as exc:
-            name = show_name(chunk.chunk_id)
-            raise TransferError(f"chunk {i} ({name}): {exc}; nothing was transferred") from exc
+def check(entry: Entry, chunks: Sequence[Chunk], *, retrieve: bool) -> list[CheckedChunk]:
+    """Every chunk's ids checked before any chunk moves, so a bad request writes nothing."""
+    ids = [c.block_ids for c in chunks]
+    return entry.ctx.check_chunks(ids, retrieve=retrieve, name=lambda i: show_name(chunks[i].chunk_id))
 
 
 #: The share of a request's time left that a remote call may use: the rest answers the engine.
@@ -196,14 +189,15 @@ def remote_share(deadline: int | None) -> int | None:
 
 
 def fetch_remote(
-    tier: RemoteTier | RemoteChain, entry: Entry, keys: Sequence[bytes], deadline: int | None
+    tier: RemoteTier | RemoteChain, entry: Entry, chunks: Sequence[Chunk], deadline: int | None
 ) -> list[tuple[Hashable, Sequence[Any], int]]:
-    """The leading run of ``keys`` the remote tier holds, in fresh chunk memory of ``entry``'s context.
+    """The leading run of ``chunks`` the remote tier holds, in fresh chunk memory of ``entry``'s context.
 
     Each entry is checked against the context's chunk (one uint8 tensor per object
     group, of its size) besides its identity and checksum; the first chunk the store
     lacks, refuses or loses ends the run. Returns ``(key, tensors, nbytes)`` per chunk.
     """
+    keys = [content_key(c.chunk_id) for c in chunks]
     expect = [TensorSpec("uint8", (n,)) for n in entry.ctx.chunk_nbytes]
     fetched = tier.fetch(entry.remote_ns, keys, remote_share(deadline), expect, into=entry.ctx.allocate_chunk)
     items: list[tuple[Hashable, Sequence[Any], int]] = []
