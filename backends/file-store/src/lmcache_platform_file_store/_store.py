@@ -347,13 +347,23 @@ class FileStore:
             return None
         try:
             size = os.fstat(fd).st_size
-            head = memoryview(bytearray(min(size, _io.BLOCK)))
-            got = self._fill(fd, [head], 0, size)
-            start = _header(head[:got])
             want = sum(len(b) for b in bufs)
-            if start is not None and size - start[1] == want:  # the layout asked for: read in place
-                got = start[1] + self._fill(fd, bufs, start[1], size)
+            start = _start([b for b in bufs if len(b)])  # where this store wrote such a value
+            head = memoryview(bytearray(start))
+            placed = False
+            if size - start == want:  # likely the layout asked for: header, padding, value at once
+                got = self._fill(fd, [head, *bufs], 0, size)
+                parsed = _header(head[: min(got, start)])
+                placed = parsed is not None and parsed[1] == start
+            if placed:
                 size = got
+            else:  # another layout (an older file): its header first, then the value
+                head = memoryview(bytearray(min(size, _io.BLOCK)))
+                got = self._fill(fd, [head], 0, size)
+                parsed = _header(head[:got])
+                if parsed is not None and size - parsed[1] == want:
+                    got = parsed[1] + self._fill(fd, bufs, parsed[1], size)
+                    size = got
         finally:
             os.close(fd)
         value_start = self._value_start(name, head[: min(got, len(head))], now)
@@ -564,12 +574,17 @@ def _lead(expires: int, parts: Sequence[memoryview]) -> memoryview:
     after the entry's header) starts on a :data:`~._io.BLOCK` boundary, so that a read straight
     from the disk lands in the chunk's page-aligned memory (a lone part needs no padding: it is
     read with the whole file into fresh page-aligned memory)."""
-    start = _LONE_START
-    if len(parts) > 1:
-        start = _HEADER.size + (-(_HEADER.size + len(parts[0])) % _io.BLOCK)
+    start = _start(parts)
     lead = bytearray(start)
     _HEADER.pack_into(lead, 0, MAGIC, expires, start)
     return memoryview(lead)
+
+
+def _start(parts: Sequence[memoryview]) -> int:
+    """Where :func:`_lead` puts a value of these (non-empty) parts."""
+    if len(parts) > 1:
+        return _HEADER.size + (-(_HEADER.size + len(parts[0])) % _io.BLOCK)
+    return _LONE_START
 
 
 def _open_private_dir(path: str) -> int:
