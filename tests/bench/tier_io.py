@@ -175,7 +175,12 @@ def disk(args: argparse.Namespace) -> dict[str, Any]:
         from lmcache_platform.remote._entry import spec_of
 
         expect = [spec_of(t) for t in data[0]]
-        pool = [[torch.empty_like(t).fill_(0) for t in data[0]] for _ in ks]  # faulted in, as serve's
+        from lmcache_platform._kv.hostalloc import host_empty
+
+        def chunk_memory(t: torch.Tensor) -> torch.Tensor:  # as allocate_chunk's: page-aligned, faulted in
+            return host_empty(int(t.nbytes)).view(t.dtype).view(t.shape).fill_(0)
+
+        pool = [[chunk_memory(t) for t in data[0]] for _ in ks]
         free = iter(range(1 << 30))
 
         def fetch_placed() -> None:  # the server's path: straight into its prepared chunk memory

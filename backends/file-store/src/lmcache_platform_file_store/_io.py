@@ -11,7 +11,9 @@ rest (headers, padding, unaligned edges) through a small aligned bounce buffer.
 
 :data:`CACHE_FIRST` asks the kernel how much of the range the page cache holds
 (``cachestat``, Linux 6.5): all of it is read through the cache (an entry written or
-read a moment ago, at memory speed), anything less past it. Not ``RWF_NOWAIT``: a
+read a moment ago, at memory speed), anything less past it, unless the caller's memory
+is not aligned so that most of it can be read in place (then a bounce buffer and a copy
+would cost what the page cache costs, without its readahead). Not ``RWF_NOWAIT``: a
 ``preadv`` that finds a page missing starts the kernel's readahead before it gives up, so
 the bytes would come from the disk twice. Where ``cachestat`` is missing, reads are buffered.
 """
@@ -78,7 +80,12 @@ def read_into(fd: int, pieces: Sequence[memoryview], offset: int, size: int, mod
     ``size`` bytes); the bytes read, short only where the file ends first. Raises
     :class:`Unsupported` when ``mode`` needs what the file system does not take."""
     want = min(sum(len(p) for p in pieces), max(size - offset, 0))
-    if mode == BUFFERED or (mode == CACHE_FIRST and cached(fd, offset, want)):
+    straight, gaps = _plan(pieces, offset, want)
+    if mode == BUFFERED or (
+        mode == CACHE_FIRST
+        # memory O_DIRECT cannot fill in place would need a bounce and a copy: the page cache's
+        and (2 * sum(len(v) for _, v in straight) < want or cached(fd, offset, want))
+    ):
         return _buffered(fd, pieces, offset, want)
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:  # the same open file (not a second open: the entry may be replaced meanwhile)
@@ -88,7 +95,7 @@ def read_into(fd: int, pieces: Sequence[memoryview], offset: int, size: int, mod
             raise Unsupported(exc.errno, f"O_DIRECT: {exc.strerror}") from None
         raise
     try:
-        return _direct(fd, pieces, offset, want)
+        return _direct(fd, straight, gaps, want)
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)  # the caller's next read may be buffered
 
@@ -116,11 +123,15 @@ def _skip(pieces: Sequence[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def _direct(fd: int, pieces: Sequence[memoryview], offset: int, want: int) -> int:
-    """:func:`read_into` past the page cache (``fd`` has ``O_DIRECT``): each piece's aligned
-    middle straight into it, everything else through a bounce buffer; at most ``want`` bytes."""
-    straight: list[tuple[int, memoryview]] = []  # (file offset, aligned view)
-    gaps: list[tuple[int, memoryview]] = []  # (file offset, view) read through the bounce buffer
+_Views = list[tuple[int, memoryview]]  # (file offset, view)
+
+
+def _plan(pieces: Sequence[memoryview], offset: int, want: int) -> tuple[_Views, _Views]:
+    """The first ``want`` bytes of ``pieces`` (from file ``offset``) as ``(file offset, view)``:
+    what ``O_DIRECT`` reads straight in (each piece's aligned middle, where its address and
+    its file offset agree modulo :data:`BLOCK`), and the gaps (everything else)."""
+    straight: _Views = []
+    gaps: _Views = []  # read through the bounce buffer
     at = offset
     for p in pieces:
         if at >= offset + want:
@@ -136,6 +147,14 @@ def _direct(fd: int, pieces: Sequence[memoryview], offset: int, want: int) -> in
         else:
             gaps.append((at, p))
         at += len(p)
+    return straight, gaps
+
+
+def _direct(
+    fd: int, straight: list[tuple[int, memoryview]], gaps: list[tuple[int, memoryview]], want: int
+) -> int:
+    """:func:`read_into` past the page cache (``fd`` has ``O_DIRECT``): :func:`_plan`'s straight
+    views read in place, its gaps through a bounce buffer; at most ``want`` bytes."""
     got = 0
     for start, view in straight:
         got += _pread_full(fd, view, start)
