@@ -62,7 +62,8 @@ def cached(fd: int, offset: int, length: int) -> bool:
     first = offset // mmap.PAGESIZE
     pages = -(-(offset + length) // mmap.PAGESIZE) - first
     span, stat = _Range(first * mmap.PAGESIZE, pages * mmap.PAGESIZE), _Stat()
-    if _LIBC.syscall(_NR_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
+    nr, fd_, flags = ctypes.c_long(_NR_CACHESTAT), ctypes.c_long(fd), ctypes.c_long(0)  # syscall's longs
+    if _LIBC.syscall(nr, fd_, ctypes.byref(span), ctypes.byref(stat), flags) != 0:
         err = ctypes.get_errno()
         if err in (errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
             raise Unsupported(err, f"cachestat: {os.strerror(err)}")
@@ -80,8 +81,10 @@ def read_into(fd: int, pieces: Sequence[memoryview], offset: int, size: int, mod
     ``size`` bytes); the bytes read, short only where the file ends first. Raises
     :class:`Unsupported` when ``mode`` needs what the file system does not take."""
     want = min(sum(len(p) for p in pieces), max(size - offset, 0))
+    if mode == BUFFERED:
+        return _buffered(fd, pieces, offset, want)
     straight, gaps = _plan(pieces, offset, want)
-    if mode == BUFFERED or (
+    if (
         mode == CACHE_FIRST
         # memory O_DIRECT cannot fill in place would need a bounce and a copy: the page cache's
         and (2 * sum(len(v) for _, v in straight) < want or cached(fd, offset, want))
