@@ -28,8 +28,9 @@
   header and views of the chunk's tensors, no copy). By default (``direct=auto``) a
   read takes what the page cache holds and reads the rest with ``O_DIRECT``, straight
   into the caller's page-aligned memory (the chunk's tensors start on a page boundary in
-  the file for that): an entry written a moment ago comes from memory, a cold one at
-  the disk's speed without a copy out of the page cache. ``direct=1`` always reads past
+  the file for that; memory that cannot take it in place is read through the page
+  cache): an entry written a moment ago comes from memory, a cold one at the disk's
+  speed without a copy out of the page cache. ``direct=1`` always reads past
   the page cache (without evicting the engine host's other pages), ``direct=0`` always
   through it; where the file system refuses ``O_DIRECT``, reads are buffered (said
   once). Errors are logged once per kind per :data:`LOG_PERIOD_S`, not per file.
