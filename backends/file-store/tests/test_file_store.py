@@ -7,7 +7,9 @@ mid-write and for a second server sharing the directory.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import signal
 import subprocess
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_platform.remote import RemoteConfigError, RemoteStore, open_remote
-from lmcache_platform_file_store import FileStore
+from lmcache_platform_file_store import FileStore, _io
 from lmcache_platform_file_store import _store as store_module
 
 T = 5.0
@@ -48,43 +50,156 @@ def test_the_conformance_suite_passes(tmp_path: Path) -> None:
     assert "failed" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
 
-@pytest.mark.parametrize("refused", [False, True], ids=["taken", "refused"])
-def test_direct_reads_round_trip_or_fall_back_once(
-    tmp_path: Path, refused: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+def _drop_pages(directory: Path) -> None:
+    """Every file's pages out of the page cache (``fsync``, then ``POSIX_FADV_DONTNEED``): cold reads."""
+    for p in directory.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("direct", "refused"),
+    [("1", ""), ("1", "O_DIRECT"), ("auto", ""), ("auto", "O_DIRECT"), ("auto", "cachestat"), ("0", "")],
+)
+def test_reads_round_trip_in_every_mode_or_fall_back_once(
+    tmp_path: Path,
+    direct: str,
+    refused: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``direct=1``: ``O_DIRECT`` reads where the file system takes them (pytest's temporary
-    directory); where it refuses them (EINVAL, injected at ``os.open``: this machine's file
-    systems, tmpfs included, all take it), buffered reads, said once."""
+    """Every read mode, warm and cold (pages dropped): ``O_DIRECT`` where the file system takes it
+    (pytest's temporary directory); where it refuses it (EINVAL, injected where the store asks
+    for it, ``fcntl(F_SETFL, O_DIRECT)``: this machine's file systems, tmpfs included, all take
+    it), or where the kernel has no ``cachestat`` (a syscall number no kernel has: a real
+    ENOSYS), buffered reads, said once."""
     caplog.set_level(logging.INFO, logger="lmcache_platform_file_store")
-    store = opened(tmp_path / "kv", direct="1")
-    if refused:
-        real_open = os.open
+    store = opened(tmp_path / "kv", direct=direct)
+    if refused == "cachestat":
+        monkeypatch.setattr(_io, "_NR_CACHESTAT", 100_000)
+    if refused == "O_DIRECT":
+        real_fcntl = fcntl.fcntl
 
-        def no_direct(path: str, flags: int, *args: object, **kwargs: object) -> int:
-            if flags & os.O_DIRECT:
+        def no_direct(fd: int, cmd: int, arg: int = 0) -> int:
+            if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
-            return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+            return real_fcntl(fd, cmd, arg)
 
-        monkeypatch.setattr(os, "open", no_direct)
+        monkeypatch.setattr(fcntl, "fcntl", no_direct)
     try:
-        values = [os.urandom(n) for n in (0, 1, 4096 - 16, 4096, 3 << 20)]
+        values = [os.urandom(n) for n in (0, 1, 4096 - 16, 4096, 3 << 20, (1 << 20) + 7)]
         keys = [b"d%d" % i for i in range(len(values))]
         assert store.put_many(list(zip(keys, values, strict=True)), ttl=None, timeout=T) == [True] * len(
             values
         )
-        for _ in range(2):
+        for cold in (False, True, True):
+            if cold:
+                _drop_pages(tmp_path / "kv")
             got = store.get_many([*keys, b"absent"], timeout=T)
             assert [None if g is None else bytes(g) for g in got] == [*values, None]
-        bufs = [[bytearray(len(v) // 2), bytearray(len(v) - len(v) // 2)] for v in values]
-        lengths = store.get_many_into(keys, bufs, timeout=T)  # type: ignore[attr-defined]
-        assert lengths == [len(v) for v in values] and [bytes(a + b) for a, b in bufs] == values
-        said = [r for r in caplog.records if "does not take O_DIRECT" in r.getMessage()]
-        assert len(said) == int(refused)
-        assert store._direct is not refused  # type: ignore[attr-defined]
+            _drop_pages(tmp_path / "kv")
+            bufs = [[bytearray(len(v) // 2), bytearray(len(v) - len(v) // 2)] for v in values]
+            lengths = store.get_many_into(keys, bufs, timeout=T)  # type: ignore[attr-defined]
+            assert lengths == [len(v) for v in values] and [bytes(a + b) for a, b in bufs] == values
+        said = [r for r in caplog.records if "does not take" in r.getMessage()]
+        assert len(said) == int(bool(refused)) and all(refused in r.getMessage() for r in said)
+        assert store._direct is (direct != "0" and not refused)  # type: ignore[attr-defined]
     finally:
         store.close()
-    with pytest.raises(RemoteConfigError, match="direct is 0 or 1"):
+    with pytest.raises(RemoteConfigError, match="direct is auto, 0 or 1"):
         opened(tmp_path / "bad", direct="yes")
+
+
+@pytest.mark.parametrize("direct", ["auto", "1"])
+def test_a_chunk_is_read_cold_straight_into_page_aligned_memory(tmp_path: Path, direct: str) -> None:
+    """The tier's layout (an entry header, then tensors) puts the first tensor on a page boundary
+    in the file, so a cold read lands there without a bounce; every byte (header, padding, an
+    unaligned tail) still arrives, also into unaligned buffers."""
+    store = opened(tmp_path / "kv", direct=direct)
+    try:
+        header, first, second = os.urandom(192), os.urandom(3 << 20), os.urandom((1 << 20) + 100)
+        put = store.put_many_gather  # type: ignore[attr-defined]
+        assert put([(b"c", [header, first, second])], ttl=None, timeout=T) == [True]
+        size = (tmp_path / "kv" / "e.c").stat().st_size
+        assert (size - len(second) - len(first)) % _io.BLOCK == 0  # the first tensor: page-aligned
+        for aligned in (True, False):
+            _drop_pages(tmp_path / "kv")
+            pages = mmap.mmap(-1, 6 << 20)
+            at = 0 if aligned else 8
+            dest = [
+                memoryview(bytearray(len(header))),
+                memoryview(pages)[at : at + len(first)],
+                memoryview(pages)[(4 << 20) : (4 << 20) + len(second)],
+            ]
+            assert store.get_many_into([b"c"], [dest], timeout=T) == [len(header) + len(first) + len(second)]  # type: ignore[attr-defined]
+            assert [bytes(d) for d in dest] == [header, first, second]
+            fd = os.open(tmp_path / "kv" / "e.c", os.O_RDONLY)
+            try:  # past the page cache: the read left the file's pages out of it
+                assert not _io.cached(fd, _io.BLOCK, len(first)) or (direct == "auto" and not aligned)
+            finally:
+                os.close(fd)
+            for d in dest:
+                d.release()
+            pages.close()
+    finally:
+        store.close()
+
+
+def test_direct_reads_fill_every_piece_whatever_its_alignment(tmp_path: Path) -> None:
+    """``_io.read_into`` past the page cache: aligned middles straight in, headers, edges and
+    unaligned pieces through the bounce buffer, a file ending mid-block short of the pieces."""
+    data = os.urandom(5 * _io.BLOCK + 300)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    pages = mmap.mmap(-1, 8 * _io.BLOCK)
+    view = memoryview(pages)
+    cuts = [(0, 10), (10, _io.BLOCK), (_io.BLOCK, 3 * _io.BLOCK + 5), (3 * _io.BLOCK + 5, len(data) + 100)]
+    for mode in (_io.DIRECT, _io.CACHE_FIRST, _io.BUFFERED):
+        _drop_pages(tmp_path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pieces = [
+                memoryview(bytearray(10)),  # a small header
+                memoryview(bytearray(_io.BLOCK - 10)),  # unaligned memory: all through the bounce
+                view[_io.BLOCK : 3 * _io.BLOCK + 5],  # aligned as in the file: straight in, a 5-byte tail
+                view[4 * _io.BLOCK + 5 : 4 * _io.BLOCK + 5 + len(data) + 100 - (3 * _io.BLOCK + 5)],
+            ]
+            got = _io.read_into(fd, pieces, 0, len(data), mode)
+        finally:
+            os.close(fd)
+        assert got == len(data)
+        for (lo, hi), piece in zip(cuts, pieces, strict=True):
+            assert bytes(piece[: max(min(hi, len(data)) - lo, 0)]) == data[lo:hi], mode
+        for piece in pieces:
+            piece.release()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tail = memoryview(bytearray(1000))
+        assert _io.read_into(fd, [tail], len(data) - 300, len(data), _io.DIRECT) == 300
+        assert bytes(tail[:300]) == data[-300:]
+    finally:
+        os.close(fd)
+    view.release()
+    pages.close()
+
+
+def test_files_of_the_first_layout_are_still_read(tmp_path: Path) -> None:
+    """An entry written by an earlier server (``MAGIC_V1``, the value right after the expiry)."""
+    store = opened(tmp_path / "kv")
+    try:
+        value = os.urandom(70_000)
+        (tmp_path / "kv" / "e.old").write_bytes(store_module.MAGIC_V1 + bytes(8) + value)
+        (tmp_path / "kv" / "e.old").chmod(0o600)
+        assert [bytes(v) for v in store.get_many([b"old"], timeout=T) if v is not None] == [value]
+        into = [bytearray(100), bytearray(len(value) - 100)]
+        assert store.get_many_into([b"old"], [into], timeout=T) == [len(value)]  # type: ignore[attr-defined]
+        assert bytes(into[0] + into[1]) == value and store.exists_many([b"old"], timeout=T) == [True]
+    finally:
+        store.close()
 
 
 def test_get_many_into_reads_in_place_or_says_the_length(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,5 +161,40 @@ def test_the_acl_of_docs_multi_node_is_enough(tmp_path: Path, monkeypatch: pytes
             store.ping(timeout=5)
             with pytest.raises(remote.RemotePartialError, match="No permissions"):
                 store.put_many([(b"other:1", b"x")], ttl=60, timeout=5)
+        finally:
+            store.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["one-server", "cluster"])
+def test_gathered_values_arrive_whole(tmp_path: Path, cluster: bool) -> None:
+    """``put_many_gather``: a value given as its parts (empty, small, past the client's 6000-byte
+    cutoff, of any buffer type) is stored as their join, read back by a plain client, with its
+    TTL; on one server sent unjoined (the tier's entries without a copy), to a cluster joined."""
+    import torch
+
+    from lmcache_platform.remote._entry import EntryIdentity, encode, encode_parts
+    from support.valkey import ValkeyCluster
+
+    big = torch.arange(50_000, dtype=torch.int32)
+    who = EntryIdentity(b"p", b"n", b"k")
+    items: list[tuple[bytes, list[Any]]] = [
+        (b"g:1", [b"head", memoryview(b""), bytearray(b"x" * 7000), memoryview(b"tail")]),
+        (b"g:2", encode_parts([big], who)),
+        (b"g:3", [b"only"]),
+    ]
+    want = [b"".join(bytes(p) for p in parts) for _, parts in items]
+    assert want[1] == bytes(encode([big], who))  # the tier's parts join to the entry it encodes
+    with ValkeyCluster(tmp_path / "c") if cluster else ValkeyNode(tmp_path / "n") as server:
+        store = open_remote(server.url)
+        try:
+            put = store.put_many_gather  # type: ignore[attr-defined]
+            assert put(items, ttl=60, timeout=5) == [True] * 3
+            assert [bytes(v) for v in store.get_many([k for k, _ in items], timeout=5) if v] == want
+            assert store.put_many([(b"g:4", b"plain")], ttl=None, timeout=5) == [True]
+            assert store.get_many([b"g:4"], timeout=5) == [b"plain"]
+            if not cluster:
+                client = server.client()
+                assert [client.get(k) for k, _ in items] == want
+                assert 0 < client.pttl(b"g:2") <= 60_000
         finally:
             store.close()

@@ -1,6 +1,6 @@
 """One file per entry in a directory: a remote store that outlives every server process.
 
-``file:///absolute/dir[?max_bytes=64G][&direct=1]``. What makes it safe to share and to crash:
+``file:///absolute/dir[?max_bytes=64G][&direct=auto|1|0]``. What makes it safe to share and to crash:
 
 * **Atomic entries.** A value is written to a temporary file in the same directory and
   renamed over the entry's name: a reader sees the old entry or the new one, never a
@@ -22,17 +22,23 @@
   bytes. A directory this process cannot write into (a read-only file system) is refused
   at open, by a real write: a disk tier that persists nothing must not start.
 * **The disk's speed.** A batch's files are read and written by :data:`IO_THREADS`
-  threads at once (the system calls release the GIL), each file with one ``preadv``
-  into the buffer handed back (no intermediate ``bytes``) or one ``writev`` of the
-  header and the caller's buffers (:meth:`FileStore.put_many_gather`: the tier's entry
-  as its header and views of the chunk's tensors, no copy). ``direct=1`` reads with
-  ``O_DIRECT`` into page-aligned memory (past the page cache: the disk's speed for cold
-  entries, without evicting the engine host's other pages; a warm page cache is not
-  used), falling back to buffered reads where the file system refuses it. Errors are
-  logged once per kind per :data:`LOG_PERIOD_S`, not per file.
+  threads at once (the system calls release the GIL), each file read into the buffer
+  handed back (no intermediate ``bytes``) or written with one ``writev`` of the header
+  and the caller's buffers (:meth:`FileStore.put_many_gather`: the tier's entry as its
+  header and views of the chunk's tensors, no copy). By default (``direct=auto``) a
+  read takes what the page cache holds and reads the rest with ``O_DIRECT``, straight
+  into the caller's page-aligned memory (the chunk's tensors start on a page boundary in
+  the file for that; memory that cannot take it in place is read through the page
+  cache): an entry written a moment ago comes from memory, a cold one at the disk's
+  speed without a copy out of the page cache. ``direct=1`` always reads past
+  the page cache (without evicting the engine host's other pages), ``direct=0`` always
+  through it; where the file system refuses ``O_DIRECT``, reads are buffered (said
+  once). Errors are logged once per kind per :data:`LOG_PERIOD_S`, not per file.
 
-Each file starts with :data:`MAGIC` and the entry's expiry (Unix time in ns, 0: none),
-so ``ttl`` works without a clock of the store's own; an expired or foreign file is a miss.
+Each file starts with :data:`MAGIC`, the entry's expiry (Unix time in ns, 0: none), so
+``ttl`` works without a clock of the store's own, and where the value starts (zeros up
+to there); an expired or foreign file is a miss. Files of the first layout
+(:data:`MAGIC_V1`: the value right after the expiry) are still read.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import mmap
 import os
 import re
 import secrets
@@ -65,11 +70,18 @@ from lmcache_platform.remote import (
     RemoteURL,
 )
 
+from . import _io
+
 logger = logging.getLogger(__name__)
 
-#: The first bytes of every entry file, then its expiry: ``<8s Q``.
-MAGIC: Final = b"LMCFS\x00\x01\x00"
-_HEADER = struct.Struct("<8sQ")
+#: The first bytes of every entry file, then its expiry and where its value starts
+#: (``<8s Q I``), then zeros up to there (see :func:`_lead`).
+MAGIC: Final = b"LMCFS\x00\x02\x00"
+_HEADER = struct.Struct("<8sQI")
+_LONE_START = 24  # a lone value's start: after the header, 8-aligned
+#: Files of the first layout (``<8s Q``, the value right after) are still read.
+MAGIC_V1: Final = b"LMCFS\x00\x01\x00"
+_HEADER_V1 = struct.Struct("<8sQ")
 #: Temporary files of writers that died are removed at open once this old.
 STALE_TMP_S: Final = 600.0
 #: What eviction leaves, as a share of ``max_bytes``.
@@ -82,9 +94,7 @@ IO_THREADS: Final = 8
 LOG_PERIOD_S: Final = 60.0
 _T = TypeVar("_T")
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_PAGE = mmap.PAGESIZE if mmap.PAGESIZE >= 4096 else 4096  # O_DIRECT's alignment, at least a block
 _R = TypeVar("_R")
 
 
@@ -95,9 +105,10 @@ class FileStoreConfig:
     directory: str
     max_bytes: int | None
     url: str
-    #: ``direct=1``: read entries with ``O_DIRECT`` (past the page cache) where the file system
-    #: takes it, buffered where it does not.
-    direct: bool = False
+    #: How entries are read: ``auto`` (the page cache where it holds the entry, else ``O_DIRECT``),
+    #: ``1`` (always ``O_DIRECT``: past the page cache), ``0`` (always buffered). Where the file
+    #: system refuses ``O_DIRECT``, buffered.
+    direct: str = "auto"
 
     @classmethod
     def from_url(cls, url: RemoteURL, options: RemoteOptions | None = None) -> FileStoreConfig:
@@ -119,9 +130,9 @@ class FileStoreConfig:
             raise RemoteConfigError(
                 f"remote URL {url.text}: the file store knows direct and max_bytes, not {names}"
             )
-        direct = url.query.get("direct", "0")
-        if direct not in ("0", "1"):
-            raise RemoteConfigError(f"remote URL {url.text}: direct is 0 or 1, not {direct!r}")
+        direct = url.query.get("direct", "auto")
+        if direct not in ("0", "1", "auto"):
+            raise RemoteConfigError(f"remote URL {url.text}: direct is auto, 0 or 1, not {direct!r}")
         max_bytes = None
         if "max_bytes" in url.query:
             try:
@@ -130,7 +141,7 @@ class FileStoreConfig:
                 raise RemoteConfigError(f"remote URL {url.text}: max_bytes: {exc}") from None
             if max_bytes <= 0:
                 raise RemoteConfigError(f"remote URL {url.text}: max_bytes must be positive")
-        return cls("/" + url.path.lstrip("/"), max_bytes, url.text, direct == "1")
+        return cls("/" + url.path.lstrip("/"), max_bytes, url.text, direct)
 
 
 class FileStore:
@@ -152,7 +163,10 @@ class FileStore:
         self._lock = threading.Lock()
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
-        self._direct = config.direct and _O_DIRECT != 0
+        #: Whether reads may use ``O_DIRECT``; ``False`` once the file system refused it.
+        self._direct = config.direct != "0" and _io.O_DIRECT != 0
+        modes = {"0": _io.BUFFERED, "1": _io.DIRECT, "auto": _io.CACHE_FIRST}
+        self._mode = modes[config.direct] if self._direct else _io.BUFFERED
         self._last_log: dict[str, float] = {}
         self._log_lock = threading.Lock()  # not _lock: eviction logs under it
         self._probe_writable()
@@ -299,7 +313,7 @@ class FileStore:
         """Write, and remove, a small file: a directory nothing can be written to is refused."""
         tmp = f".tmp.{os.getpid()}.probe.{secrets.token_hex(4)}"
         try:
-            self._write_file(tmp, [memoryview(_HEADER.pack(MAGIC, 0))])
+            self._write_file(tmp, [_lead(0, [memoryview(b"")])])
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # writable, only full: the tier copes
                 self._unlink(tmp)
@@ -314,97 +328,76 @@ class FileStore:
     # -- entries ---------------------------------------------------------------------------
 
     def _read(self, name: str, now: int) -> Buffer | None:
-        direct = self._direct
-        try:
-            fd = os.open(name, _READ_FLAGS | (_O_DIRECT if direct else 0), dir_fd=self._dir_fd)
-        except FileNotFoundError:
+        fd = self._open(name)
+        if fd is None:
             return None
-        except OSError as exc:
-            if not direct or exc.errno != errno.EINVAL:
-                raise
-            self._no_direct(exc)
-            return self._read(name, now)
         try:
             size = os.fstat(fd).st_size
-            if direct:  # page-aligned memory, whole pages asked for from offset 0
-                view = memoryview(mmap.mmap(-1, max(-(-size // _PAGE) * _PAGE, _PAGE)))
-            else:
-                view = memoryview(bytearray(size))  # calloc: fresh zero pages, no fill pass
-            got = 0
-            while got < size:
-                try:
-                    n = os.preadv(fd, [view[got:]], got)
-                except OSError as exc:
-                    if not direct or exc.errno != errno.EINVAL:
-                        raise
-                    self._no_direct(exc)  # opened, then refused: this file system reads buffered
-                    return self._read(name, now)
-                if n == 0:
-                    break  # truncated under us: core's checksum refuses what is left
-                got += n
-                if direct and got % _PAGE:
-                    break  # a direct read ends short only at the end of the file
+            view = memoryview(bytearray(size + _io.BLOCK))  # the allocator's memory: calloc, no fill pass
+            skip = -_io.address(view) % _io.BLOCK  # page-aligned, as O_DIRECT reads straight into it
+            view = view[skip : skip + size]
+            got = self._fill(fd, [view], 0, size)
         finally:
             os.close(fd)
-        got = min(got, size)
-        head = _header(view[:got])
-        if head is None:
+        start = self._value_start(name, view[:got], now)
+        return None if start is None else view[start:got]  # no copy: the buffer is this call's own
+
+    def _read_into(self, name: str, bufs: list[memoryview], now: int) -> int | None:
+        fd = self._open(name)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            want = sum(len(b) for b in bufs)
+            start = _start([b for b in bufs if len(b)])  # where this store wrote such a value
+            head = memoryview(bytearray(start))
+            placed = False
+            if size - start == want:  # likely the layout asked for: header, padding, value at once
+                got = self._fill(fd, [head, *bufs], 0, size)
+                parsed = _header(head[: min(got, start)])
+                placed = parsed is not None and parsed[1] == start
+            if placed:
+                size = got
+            else:  # another layout (an older file): its header first, then the value
+                head = memoryview(bytearray(min(size, _io.BLOCK)))
+                got = self._fill(fd, [head], 0, size)
+                parsed = _header(head[:got])
+                if parsed is not None and size - parsed[1] == want:
+                    got = parsed[1] + self._fill(fd, bufs, parsed[1], size)
+                    size = got
+        finally:
+            os.close(fd)
+        value_start = self._value_start(name, head[: min(got, len(head))], now)
+        return None if value_start is None else max(size - value_start, 0)
+
+    def _open(self, name: str) -> int | None:
+        try:
+            return os.open(name, _READ_FLAGS, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return None
+
+    def _fill(self, fd: int, pieces: list[memoryview], offset: int, size: int) -> int:
+        """:func:`~._io.read_into` in this store's mode; buffered from now on where the file
+        system refuses the mode (said once)."""
+        try:
+            return _io.read_into(fd, pieces, offset, size, self._mode)
+        except _io.Unsupported as exc:
+            self._no_direct(exc)
+            return _io.read_into(fd, pieces, offset, size, _io.BUFFERED)
+
+    def _value_start(self, name: str, head: Buffer, now: int) -> int | None:
+        """Where the value starts in a file that begins with ``head``; ``None`` for a miss: a
+        file that is not ours (said), an expired entry (removed). Touches a live entry."""
+        parsed = _header(head)
+        if parsed is None:
             logger.warning("file store %s: %s is not an entry of this store; ignored", self.directory, name)
             return None
-        if head and head <= now:
+        expires, start = parsed
+        if expires and expires <= now:
             self._unlink(name)
             return None
         self._touch(name)
-        return view[_HEADER.size : got]  # no copy: the buffer is this call's own
-
-    def _read_into(self, name: str, bufs: list[memoryview], now: int) -> int | None:
-        if self._direct:  # O_DIRECT wants aligned memory: read it so, then one copy into place
-            value = self._read(name, now)
-            if value is None:
-                return None
-            data = memoryview(value).cast("B")
-            if len(data) == sum(len(b) for b in bufs):
-                at = 0
-                for b in bufs:
-                    b[:] = data[at : at + len(b)]
-                    at += len(b)
-            return len(data)
-        try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=self._dir_fd)
-        except FileNotFoundError:
-            return None
-        try:
-            size = os.fstat(fd).st_size - _HEADER.size
-            head = bytearray(_HEADER.size)
-            want = sum(len(b) for b in bufs)
-            if size != want:  # not the layout asked for: only the header, for its checks
-                os.preadv(fd, [head], 0)
-            else:
-                left, offset = [memoryview(head), *[b for b in bufs if len(b)]], 0
-                while left:
-                    n = os.preadv(fd, left[:_IOV_MAX], offset)
-                    if n == 0:
-                        size = offset - _HEADER.size  # truncated under us: a short value
-                        break
-                    offset += n
-                    while left and n >= len(left[0]):
-                        n -= len(left[0])
-                        left.pop(0)
-                    if left and n:
-                        left[0] = left[0][n:]
-        finally:
-            os.close(fd)
-        expires = _header(head)
-        if expires is None or (expires and expires <= now):
-            if expires:
-                self._unlink(name)
-            else:
-                logger.warning(
-                    "file store %s: %s is not an entry of this store; ignored", self.directory, name
-                )
-            return None
-        self._touch(name)
-        return max(size, 0)
+        return start
 
     def _touch(self, name: str) -> None:
         try:
@@ -415,11 +408,12 @@ class FileStore:
             self._warn("touch", exc, f"cannot mark {name} as recently used")
 
     def _no_direct(self, exc: OSError) -> None:
-        """The file system refuses ``O_DIRECT``: buffered reads from now on, said once."""
+        """The file system refuses ``O_DIRECT`` (or ``RWF_NOWAIT``): buffered reads from now on, said once."""
         if self._direct:
             self._direct = False
+            self._mode = _io.BUFFERED
             logger.info(
-                "file store %s: the file system does not take O_DIRECT (%s); reading through the page cache",
+                "file store %s: the file system does not take %s; reading through the page cache",
                 self.directory, exc.strerror or exc,
             )  # fmt: skip
 
@@ -434,16 +428,17 @@ class FileStore:
             os.close(fd)
         if head is None:
             return False
-        if head and head <= now:
+        if head[0] and head[0] <= now:
             self._unlink(name)
             return False
         return True
 
     def _write(self, name: str, parts: list[memoryview], expires: int) -> bool:
         tmp = f".tmp.{os.getpid()}.{secrets.token_hex(8)}"
+        lead = _lead(expires, [p for p in parts if len(p)] or [memoryview(b"")])
         for attempt in (0, 1):
             try:
-                self._write_file(tmp, [memoryview(_HEADER.pack(MAGIC, expires)), *parts])
+                self._write_file(tmp, [lead, *parts])
                 break
             except OSError as exc:
                 self._unlink(tmp)
@@ -452,7 +447,7 @@ class FileStore:
                     continue
                 self._warn("write", exc, f"cannot write {name}")
                 return False
-        size = _HEADER.size + sum(len(p) for p in parts)
+        size = len(lead) + sum(len(p) for p in parts)
         try:
             old = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
         except FileNotFoundError:
@@ -564,12 +559,33 @@ def _name(key: bytes) -> str:
     return "h." + hashlib.sha256(key).hexdigest()
 
 
-def _header(data: Buffer) -> int | None:
-    """The expiry in an entry's first bytes (0: none), or ``None`` when they are not ours."""
+def _header(data: Buffer) -> tuple[int, int] | None:
+    """The expiry (0: none) and where the value starts, from an entry's first bytes; ``None``
+    when they are not ours. Files of :data:`MAGIC_V1` are still read (their value at 16)."""
+    if len(data) >= _HEADER_V1.size and bytes(memoryview(data)[:8]) == MAGIC_V1:
+        return int(_HEADER_V1.unpack_from(data)[1]), _HEADER_V1.size
     if len(data) < _HEADER.size:
         return None
-    magic, expires = _HEADER.unpack_from(data)
-    return int(expires) if magic == MAGIC else None
+    magic, expires, start = _HEADER.unpack_from(data)
+    return (int(expires), int(start)) if magic == MAGIC and start >= _HEADER.size else None
+
+
+def _lead(expires: int, parts: Sequence[memoryview]) -> memoryview:
+    """A file's header and padding before ``parts``: the second part (a chunk's first tensor,
+    after the entry's header) starts on a :data:`~._io.BLOCK` boundary, so that a read straight
+    from the disk lands in the chunk's page-aligned memory (a lone part needs no padding: it is
+    read with the whole file into fresh page-aligned memory)."""
+    start = _start(parts)
+    lead = bytearray(start)
+    _HEADER.pack_into(lead, 0, MAGIC, expires, start)
+    return memoryview(lead)
+
+
+def _start(parts: Sequence[memoryview]) -> int:
+    """Where :func:`_lead` puts a value of these (non-empty) parts."""
+    if len(parts) > 1:
+        return _HEADER.size + (-(_HEADER.size + len(parts[0])) % _io.BLOCK)
+    return _LONE_START
 
 
 def _open_private_dir(path: str) -> int:

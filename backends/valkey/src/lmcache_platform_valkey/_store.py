@@ -35,6 +35,7 @@ from lmcache_platform.remote import (
 from ._calls import Calls
 from ._config import ValkeyConfig
 from ._nodes import NodeGuard
+from ._packer import Gathered, gather_packer
 
 if TYPE_CHECKING:
     import valkey
@@ -79,6 +80,23 @@ class ValkeyStore:
             "put",
             [k for k, _ in items],
             [_as_arg(v) for _, v in items],
+            lambda p, k, v: p.set(k, v, px=px),
+            timeout,
+            _stored,
+        )
+
+    def put_many_gather(
+        self, items: Sequence[tuple[bytes, Sequence[Buffer]]], *, ttl: float | None, timeout: float
+    ) -> list[bool]:
+        """:meth:`put_many` with each value given as the buffers it is made of, in order: on one
+        server, sent to the socket as they are (:class:`~._packer.Gathered`: the tier's entries,
+        its header and the chunk's tensors, without a copy); to a cluster, joined first."""
+        px = None if ttl is None else max(1, int(ttl * 1000))
+        join = self.config.cluster  # the cluster client's connections pack with the default packer
+        return self._batch(
+            "put",
+            [k for k, _ in items],
+            [b"".join(parts) if join else Gathered(parts) for _, parts in items],
             lambda p, k, v: p.set(k, v, px=px),
             timeout,
             _stored,
@@ -259,6 +277,7 @@ class ValkeyStore:
                     port=port,
                     db=self.config.db,
                     socket_read_size=_READ_SIZE,
+                    command_packer=gather_packer(),
                     **kwargs,
                 )
                 self._client = valkey.Valkey(connection_pool=pool)
