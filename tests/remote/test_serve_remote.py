@@ -557,20 +557,25 @@ def test_a_remote_at_its_memory_limit_refuses_or_evicts(tmp_path: Path) -> None:
             node.client().config_set("maxmemory-policy", policy)
             if policy != "noeviction":  # the tier degraded in the first round: a trial write heals it
                 trial = iter(bytes([i, 200 + round]) * 16 for i in range(1, 200))
-                assert until(lambda: a.put([next(trial)]).stored == 1 and remote(a.srv)["state"] == "healthy")
+                healed = until(
+                    lambda: a.put([next(trial)]).stored == 1 and remote(a.srv)["state"] == "healthy"
+                )
+                assert healed, f"{policy}: the tier did not heal: {remote(a.srv)}"
             sa, sb = Since(a.srv), Since(b.srv)
             keys = [bytes([i % 250 + 1, i // 250 + 1 + 10 * round]) * 16 for i in range(1600)]  # 2 KiB each
             for i in range(0, len(keys), 16):
-                assert a.put(keys[i : i + 16]).stored == 16
+                put = a.put(keys[i : i + 16])
+                assert put.stored == 16, f"{policy}: batch {i // 16}: {put}; {sa()}"
             assert until(lambda: settled(sa) == 1600, 120), sa()  # 1,600 writes behind, on a busy host
             da, evicted = sa(), int(node.client().info()["evicted_keys"])
+            seen = f"{policy}: {evicted} evicted, state {remote(a.srv)['state']}, {da}"
             if policy == "noeviction":  # the store refuses what does not fit: counted, then degraded
-                assert da["remote.write_errors"] > 0 and remote(a.srv)["state"] == "degraded"
-                assert settled(sa) == 1600 and da["remote.dropped_degraded"] > 0
+                assert da["remote.write_errors"] > 0 and remote(a.srv)["state"] == "degraded", seen
+                assert settled(sa) == 1600 and da["remote.dropped_degraded"] > 0, seen
             else:  # the store makes room: old entries go whole
-                assert evicted > 0 and da["remote.write_errors"] == 0 and da["remote.written"] == 1600
+                assert evicted > 0 and da["remote.write_errors"] == 0 and da["remote.written"] == 1600, seen
             got = [b.get(keys[i : i + 16]) for i in range(0, len(keys), 16)]  # every get answers
-            assert sum(got) > 0 and sb()["errors"] == 0 and da["errors"] == 0
+            assert sum(got) > 0 and sb()["errors"] == 0 and da["errors"] == 0, f"{seen}; B: {sb()}; got {got}"
             print(
                 f"\n{policy}: {da['remote.written']} written, {da['remote.write_errors']} refused, {evicted} evicted"
             )

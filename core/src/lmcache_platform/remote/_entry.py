@@ -177,19 +177,23 @@ def encode(
 
     Their bytes are copied once (into the entry) and read once more (by the checksum).
     ``version`` 1 writes what older servers wrote (for tests of a mixed deployment).
-    No numpy: the entry's memory is a torch tensor seen through ``ctypes``.
+    No numpy: the entry's memory is a torch tensor seen through ``ctypes``. The copies are
+    plain ``memcpy``s, never torch's: in an engine's process (vLLM's native offloading)
+    torch's copies fan out over intra-op threads the engine keeps busy.
     """
     import torch
 
     header, offsets, payload_len = _header(tensors, who, secret, version)
     header_len = len(header)
     entry = torch.empty(header_len + payload_len, dtype=torch.uint8)  # no zero fill: every byte is written
+    view = byte_view(entry)
     prev = 0
     for t, off in zip(tensors, offsets, strict=True):
-        entry[header_len + prev : header_len + off].zero_()  # alignment padding
-        entry[header_len + off : header_len + off + t.nbytes].copy_(_flat_bytes(t))
+        start = header_len + off
+        view[header_len + prev : start] = bytes(off - prev)  # alignment padding
+        if t.nbytes:
+            view[start : start + t.nbytes] = byte_view(_flat_bytes(t))
         prev = off + t.nbytes
-    view = byte_view(entry)
     h = _hasher(secret, version)
     h.update(header[: header_len - DIGEST_BYTES])
     h.update(view[header_len:])
