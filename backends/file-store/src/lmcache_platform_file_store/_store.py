@@ -178,24 +178,12 @@ class FileStore:
 
     def get_many(self, keys: Sequence[bytes], *, timeout: float) -> list[Buffer | None]:
         end = self._start(timeout)
-        names = [_name(key) for key in keys]
         now = time.time_ns()
 
-        def read(name: str) -> Buffer | OSError | None:
-            try:
-                return self._read(name, now)
-            except OSError as exc:
-                self._warn("read", exc, f"cannot read {name}")
-                return exc
+        def read(name: str, _: None) -> Buffer | None:
+            return self._read(name, now)
 
-        got = self._each(read, names, end, "get")
-        out = [None if isinstance(g, OSError) else g for g in got]
-        failed = [i for i, g in enumerate(got) if isinstance(g, OSError)]
-        if failed:
-            raise RemotePartialError(
-                f"{self.config.url}: {len(failed)} of {len(keys)} reads failed", results=out, failed=failed
-            )
-        return out
+        return self._read_each(read, keys, [None] * len(keys), end)
 
     def get_many_into(
         self, keys: Sequence[bytes], into: Sequence[Sequence[Buffer]], *, timeout: float
@@ -206,19 +194,27 @@ class FileStore:
         ``preadv`` per file, into the caller's memory (the server's chunk memory)."""
         end = self._start(timeout)
         now = time.time_ns()
-        jobs = [
-            (_name(key), [memoryview(b).cast("B") for b in bufs])
-            for key, bufs in zip(keys, into, strict=True)
-        ]
+        views = [[memoryview(b).cast("B") for b in bufs] for bufs in into]
+        return self._read_each(lambda name, bufs: self._read_into(name, bufs, now), keys, views, end)
 
-        def read(job: tuple[str, list[memoryview]]) -> int | OSError | None:
+    def _read_each(
+        self,
+        read: Callable[[str, _T], _R],
+        keys: Sequence[bytes],
+        extra: Sequence[_T],
+        end: float,
+    ) -> list[_R | None]:
+        """``read(file name, extra[i])`` for each key on the I/O threads; a file that cannot be
+        read is ``None`` in a :class:`RemotePartialError` (the others' answers kept), logged."""
+
+        def one(job: tuple[str, _T]) -> _R | OSError:
             try:
-                return self._read_into(job[0], job[1], now)
+                return read(*job)
             except OSError as exc:
                 self._warn("read", exc, f"cannot read {job[0]}")
                 return exc
 
-        got = self._each(read, jobs, end, "get")
+        got = self._each(one, [(_name(k), x) for k, x in zip(keys, extra, strict=True)], end, "get")
         out = [None if isinstance(g, OSError) else g for g in got]
         failed = [i for i, g in enumerate(got) if isinstance(g, OSError)]
         if failed:
