@@ -11,6 +11,7 @@ reading the engine's tensors back: exactly the addressed tokens change.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,59 +151,53 @@ def blocks_moved(original: list[torch.Tensor], fmt: KVFormat, moves: dict[int, i
     return expected
 
 
-@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
-@pytest.mark.parametrize("case", _kv.CASES, ids=_kv.case_id)
+@pytest.fixture(
+    params=[(case, chunk_format) for chunk_format in ("tokens", "blocks") for case in _kv.CASES],
+    ids=lambda p: f"{_kv.case_id(p[0])}-{p[1]}",
+)
+def chunked(
+    request: pytest.FixtureRequest, lmcache_backend: Target, lmcache_device: torch.device, lmcache_peer: Peer
+) -> Iterator[tuple[Registered, KVFormat, str]]:
+    """A context of each format and layout, in each chunk format, registered in the peer."""
+    (fmt, engine_layout), chunk_format = request.param
+    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt, engine_layout, chunk_format)
+    try:
+        yield reg, fmt, chunk_format
+    finally:
+        unregister(lmcache_peer, reg)
+
+
 def test_chunks_move_through_host_tensors_bit_exact_in_either_format(
-    case: tuple[KVFormat, str | None],
-    chunk_format: str,
-    lmcache_backend: Target,
-    lmcache_device: torch.device,
-    lmcache_peer: Peer,
+    chunked: tuple[Registered, KVFormat, str], lmcache_device: torch.device, lmcache_peer: Peer
 ) -> None:
     """``read_chunk`` into ``allocate_chunk``'s host tensors, ``write_chunk`` into other blocks."""
-    fmt, engine_layout = case
-    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt, engine_layout, chunk_format)
-    try:
-        original = reg.snapshot()
-        moved = lmcache_peer.call("move", handle=reg.handle, src=[[1, 2]], dst=[[6, 0]])
-        assert moved == _kv.CHUNK * int(reg.info["cache_size_per_token"])
-        _kv.synchronize(lmcache_device)
-        expected = blocks_moved(original, fmt, {1: 6, 2: 0})
-        reg.assert_layers_equal(expected, f"a {chunk_format} chunk is not bit-exact or wrote other blocks")
-    finally:
-        unregister(lmcache_peer, reg)
+    reg, fmt, chunk_format = chunked
+    original = reg.snapshot()
+    moved = lmcache_peer.call("move", handle=reg.handle, src=[[1, 2]], dst=[[6, 0]])
+    assert moved == _kv.CHUNK * int(reg.info["cache_size_per_token"])
+    _kv.synchronize(lmcache_device)
+    expected = blocks_moved(original, fmt, {1: 6, 2: 0})
+    reg.assert_layers_equal(expected, f"a {chunk_format} chunk is not bit-exact or wrote other blocks")
 
 
-@pytest.mark.parametrize("chunk_format", ["tokens", "blocks"])
-@pytest.mark.parametrize("case", _kv.CASES, ids=_kv.case_id)
 def test_a_batch_of_chunks_moves_as_the_single_chunk_calls_do(
-    case: tuple[KVFormat, str | None],
-    chunk_format: str,
-    lmcache_backend: Target,
-    lmcache_device: torch.device,
-    lmcache_peer: Peer,
+    chunked: tuple[Registered, KVFormat, str], lmcache_device: torch.device, lmcache_peer: Peer
 ) -> None:
     """``read_chunks`` / ``write_chunks`` of three chunks, each in a slot of its own, in flight together."""
-    fmt, engine_layout = case
-    reg = register(lmcache_peer, lmcache_backend, lmcache_device, fmt, engine_layout, chunk_format)
+    reg, fmt, chunk_format = chunked
     pairs = {(1, 2): (7, 0), (3, 4): (2, 5), (5, 6): (6, 1)}  # source blocks -> destination blocks
-    try:
-        original = reg.snapshot()
-        moved = lmcache_peer.call(
-            "move_batch",
-            handle=reg.handle,
-            src=[[list(s)] for s in pairs],
-            dst=[[list(d)] for d in pairs.values()],
-        )
-        assert moved == {"chunks": 3, "batch_equals_single": True}
-        _kv.synchronize(lmcache_device)
-        moves = {s: d for src, dst in pairs.items() for s, d in zip(src, dst, strict=True)}
-        expected = blocks_moved(original, fmt, moves)
-        reg.assert_layers_equal(
-            expected, f"a batch of {chunk_format} chunks is not bit-exact or wrote elsewhere"
-        )
-    finally:
-        unregister(lmcache_peer, reg)
+    original = reg.snapshot()
+    moved = lmcache_peer.call(
+        "move_batch",
+        handle=reg.handle,
+        src=[[list(s)] for s in pairs],
+        dst=[[list(d)] for d in pairs.values()],
+    )
+    assert moved == {"chunks": 3, "batch_equals_single": True}
+    _kv.synchronize(lmcache_device)
+    moves = {s: d for src, dst in pairs.items() for s, d in zip(src, dst, strict=True)}
+    expected = blocks_moved(original, fmt, moves)
+    reg.assert_layers_equal(expected, f"a batch of {chunk_format} chunks is not bit-exact or wrote elsewhere")
 
 
 def bad_requests() -> dict[str, tuple[str, list[list[int]], int, int]]:
