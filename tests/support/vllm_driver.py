@@ -522,6 +522,23 @@ def wait_contexts(server: Any, n: int = 1, timeout: float = 60) -> dict[str, Any
     return status
 
 
+def wait_linked(engine: EngineDriver, timeout: float = 60) -> None:
+    """Until ``engine``'s scheduler has its own link to the server, which its lookups need.
+
+    :func:`wait_contexts` sees the workers' registrations; on a loaded host the scheduler's
+    link may still be backing off from a first ping that a fresh server answered late, and
+    a request then is computed without a lookup (by design: the engine never waits for it).
+    """
+    state: Any = None
+
+    def reached() -> bool:
+        nonlocal state
+        state = engine.stats()["scheduler_link"]
+        return state == "healthy"
+
+    assert until(reached, timeout), f"{engine.name}: the scheduler's link is {state} after {timeout:g} s"
+
+
 def held_by_server(
     engine: EngineDriver, server: Any, ref: EngineDriver, seed: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -341,6 +341,15 @@ def stats() -> dict[str, Any]:
         "resets": [repr(r) for r in vllm_probe.RESETS],
         "held": vllm_probe.held(),
         "kv_layers": len(vllm_probe.KV_CACHES),
+        # The scheduler's own link to the server (its AsyncClient's state), which lookups need.
+        "scheduler_link": next(
+            (
+                c.scheduler._client.state
+                for c in vllm_probe.INSTANCES
+                if getattr(c, "scheduler", None) is not None and c.scheduler._client is not None
+            ),
+            None,
+        ),
     }
 
 

@@ -47,6 +47,7 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
         server.restart()  # SIGTERM (the queue drains), then a new server: its memory is empty
         b = lab.engine("file-b", connected("gqa", server))
         drv.wait_contexts(server)
+        drv.wait_linked(b)
         loaded = b.cold(p)
         after_restart = server.status()
 
@@ -56,6 +57,7 @@ def test_a_fresh_engine_loads_from_disk_after_a_restart_and_damage_is_recomputed
         wait_entries(disk, 6)
         server.restart()
         drv.wait_contexts(server)  # B's workers register again by themselves (no request needed)
+        drv.wait_linked(b)
         for path in entries(disk)[-3:]:  # q's chunks: the newest entries
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0xFF
